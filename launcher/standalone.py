@@ -213,6 +213,7 @@ class EtcdCluster:
             raise ValueError(f"etcd cluster size must be >= 1, got {size}")
         self._own_dir = base_dir is None
         self.base_dir = base_dir or tempfile.mkdtemp(prefix="hspmd-etcd-")
+        os.makedirs(self.base_dir, exist_ok=True)
         binary = binary or find_etcd_binary()
         ports = free_ports(2 * size)
         self.members = [
