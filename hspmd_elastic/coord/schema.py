@@ -1,0 +1,548 @@
+"""The etcd key schema of a job and its typed records (CONTRACT: read by dashboards and etcdctl).
+
+Promises:
+
+* every key lives under ``/hspmd/v1/jobs/<job_id>/`` and is built by one function here; numbers
+  in keys are zero-padded so lexicographic order is numeric order;
+* every value is a UTF-8 JSON object with ``"schema": 1`` and a ``"kind"`` naming its record
+  type; no pickle, no base64;
+* ``REGISTRY`` is the single table of key patterns -> record types; ``decode(key, raw)`` uses it
+  and returns the right record or raises ``RecordError`` naming the key and what is wrong
+  (malformed JSON, missing or unknown schema, wrong kind, missing/unknown/mistyped fields, a
+  field that contradicts the key); docs/etcd-schema.md is checked against it by a test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+from hspmd_elastic.coord.api import RecordError
+
+SCHEMA_VERSION = 1
+ROOT = "/hspmd/v1/jobs/"
+PAD = 12  # digits of zero-padded versions and sequence numbers in keys
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+DEVICE_STATES = ("healthy", "degraded", "failed")
+NODE_STATES = ("joining", "ready", "running", "switching", "draining", "leaving", "failed")
+EVENT_TYPES = (
+    "failure", "join", "leave", "degrade", "recover", "stall", "replan",
+    "switch-start", "switch-done", "switch-failed", "restart", "fallback",
+)
+SWITCH_STATES = ("joined", "ready", "done", "failed")
+RDZV_STATES = ("joining", "closed", "succeeded", "failed")
+
+
+# ------------------------------------------------------------------------------------ key builders
+def _ident(what: str, value: str) -> str:
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise ValueError(
+            f"{what} {value!r} is not valid: use 1-128 characters from [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def _number(what: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _padded(what: str, value: int) -> str:
+    if _number(what, value) >= 10**PAD:
+        raise ValueError(f"{what} {value} does not fit in {PAD} digits")
+    return f"{value:0{PAD}d}"
+
+
+def job_prefix(job: str) -> str:
+    """``/hspmd/v1/jobs/<job_id>/``: everything a job writes lives under it."""
+    return f"{ROOT}{_ident('job id', job)}/"
+
+
+def nodes_prefix(job: str) -> str:
+    return job_prefix(job) + "nodes/"
+
+
+def node_key(job: str, node: str) -> str:
+    return nodes_prefix(job) + _ident("node id", node)
+
+
+def devices_prefix(job: str, node: Optional[str] = None) -> str:
+    base = job_prefix(job) + "devices/"
+    return base if node is None else f"{base}{_ident('node id', node)}/"
+
+
+def device_key(job: str, node: str, index: int) -> str:
+    return f"{devices_prefix(job, node)}{_number('device index', index)}"
+
+
+def workers_prefix(job: str, node: Optional[str] = None) -> str:
+    base = job_prefix(job) + "workers/"
+    return base if node is None else f"{base}{_ident('node id', node)}/"
+
+
+def worker_key(job: str, node: str, local_rank: int) -> str:
+    return f"{workers_prefix(job, node)}{_number('local rank', local_rank)}"
+
+
+def leader_key(job: str) -> str:
+    return job_prefix(job) + "leader"
+
+
+def election_prefix(job: str) -> str:
+    return job_prefix(job) + "election/"
+
+
+def election_key(job: str, lease_id: int) -> str:
+    """A candidate's key: named by its lease (16 hex digits), bound to that lease."""
+    return f"{election_prefix(job)}{_number('lease id', lease_id):016x}"
+
+
+def plan_current_key(job: str) -> str:
+    return job_prefix(job) + "plan/current"
+
+
+def plan_history_prefix(job: str) -> str:
+    return job_prefix(job) + "plan/history/"
+
+
+def plan_history_key(job: str, version: int) -> str:
+    return plan_history_prefix(job) + _padded("plan version", version)
+
+
+def events_prefix(job: str) -> str:
+    return job_prefix(job) + "events/"
+
+
+def event_key(job: str, seq: int) -> str:
+    return events_prefix(job) + _padded("event seq", seq)
+
+
+def event_seq_key(job: str) -> str:
+    """Counter holding the last allocated event sequence number."""
+    return job_prefix(job) + "event_seq"
+
+
+def switch_prefix(job: str, version: Optional[int] = None) -> str:
+    base = job_prefix(job) + "switch/"
+    return base if version is None else f"{base}{_padded('plan version', version)}/"
+
+
+def switch_ack_key(job: str, version: int, node: str) -> str:
+    """A node's progress through the switch to plan ``version`` (a barrier)."""
+    return switch_prefix(job, version) + _ident("node id", node)
+
+
+def rdzv_prefix(job: str) -> str:
+    """Restart-mode rendezvous (torchrun semantics): rounds of nodes."""
+    return job_prefix(job) + "rdzv/"
+
+
+def rdzv_state_key(job: str) -> str:
+    return rdzv_prefix(job) + "state"
+
+
+def rdzv_round_prefix(job: str, rnd: int) -> str:
+    return f"{rdzv_prefix(job)}rounds/{_padded('round', rnd)}/"
+
+
+def rdzv_join_key(job: str, rnd: int, node: str) -> str:
+    return rdzv_round_prefix(job, rnd) + "joined/" + _ident("node id", node)
+
+
+def rdzv_master_key(job: str, rnd: int) -> str:
+    return rdzv_round_prefix(job, rnd) + "master"
+
+
+def rdzv_done_key(job: str, rnd: int, node: str) -> str:
+    return rdzv_round_prefix(job, rnd) + "done/" + _ident("node id", node)
+
+
+# ----------------------------------------------------------------------------------------- records
+@dataclass
+class Record:
+    """Base of every record: JSON with ``schema`` and ``kind`` plus the dataclass fields."""
+
+    KIND: ClassVar[str] = ""
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        body = {"schema": SCHEMA_VERSION, "kind": self.KIND}
+        body.update(dataclasses.asdict(self))
+        return body
+
+    def to_json(self) -> bytes:
+        """Compact, key-sorted UTF-8 JSON; NaN and infinities are refused (not JSON)."""
+        try:
+            text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"),
+                              allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise RecordError(f"<{self.KIND} record>", f"not encodable as JSON: {exc}") from exc
+        return text.encode("utf-8")
+
+
+@dataclass
+class DeviceInfo:
+    """One accelerator of a node (nested in NodeRecord.devices)."""
+
+    index: int
+    type: str
+    memory_bytes: int
+    uuid: str
+
+
+@dataclass
+class NodeRecord(Record):
+    KIND: ClassVar[str] = "node"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": NODE_STATES}
+
+    host: str
+    agent_pid: int
+    devices: list[DeviceInfo]
+    state: str
+    started_at: float
+
+
+@dataclass
+class DeviceHealthRecord(Record):
+    KIND: ClassVar[str] = "device_health"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": DEVICE_STATES}
+
+    state: str
+    reason: str
+    xid: Optional[int]
+    slowdown: Optional[float]
+    at: float
+
+
+@dataclass
+class WorkerRecord(Record):
+    KIND: ClassVar[str] = "worker"
+
+    pid: int
+    global_rank: int
+    local_rank: int
+    plan_version: int
+    step: int
+    last_progress_at: float
+    steps_per_s: float
+
+
+@dataclass
+class CandidateRecord(Record):
+    KIND: ClassVar[str] = "candidate"
+
+    node: str
+    at: float
+
+
+@dataclass
+class LeaderRecord(Record):
+    KIND: ClassVar[str] = "leader"
+
+    node: str
+    since: float
+    candidate_key: str
+    term: int
+
+
+@dataclass
+class PlanRecord(Record):
+    KIND: ClassVar[str] = "plan"
+
+    version: int
+    reason: str
+    devices: list[str]
+    strategy: dict[str, Any]
+    store_endpoint: str
+    created_at: float
+
+
+@dataclass
+class EventRecord(Record):
+    KIND: ClassVar[str] = "event"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"type": EVENT_TYPES}
+
+    seq: int
+    type: str
+    node: Optional[str]
+    detail: dict[str, Any]
+    timings: dict[str, float]
+    at: float
+
+
+@dataclass
+class CounterRecord(Record):
+    KIND: ClassVar[str] = "counter"
+
+    value: int
+
+
+@dataclass
+class SwitchAckRecord(Record):
+    KIND: ClassVar[str] = "switch_ack"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": SWITCH_STATES}
+
+    node: str
+    plan_version: int
+    state: str
+    at: float
+
+
+@dataclass
+class RdzvParticipant:
+    """One node of a closed restart-mode round (nested in RdzvStateRecord.participants)."""
+
+    node: str
+    host: str
+    local_world_size: int
+    node_rank: Optional[int]
+    create_revision: int
+
+
+@dataclass
+class RdzvStateRecord(Record):
+    KIND: ClassVar[str] = "rdzv_state"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": RDZV_STATES}
+
+    round: int
+    state: str
+    restart_count: int
+    participants: list[RdzvParticipant]
+    reason: str
+    at: float
+
+
+@dataclass
+class RdzvJoinRecord(Record):
+    KIND: ClassVar[str] = "rdzv_join"
+
+    node: str
+    host: str
+    local_world_size: int
+    node_rank: Optional[int]
+    at: float
+
+
+@dataclass
+class RdzvMasterRecord(Record):
+    KIND: ClassVar[str] = "rdzv_master"
+
+    node: str
+    addr: str
+    port: int
+    at: float
+
+
+@dataclass
+class RdzvDoneRecord(Record):
+    KIND: ClassVar[str] = "rdzv_done"
+
+    node: str
+    at: float
+
+
+RECORD_TYPES: tuple[type[Record], ...] = (
+    NodeRecord, DeviceHealthRecord, WorkerRecord, CandidateRecord, LeaderRecord, PlanRecord,
+    EventRecord, CounterRecord, SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord,
+    RdzvMasterRecord, RdzvDoneRecord,
+)
+NESTED_TYPES: tuple[type, ...] = (DeviceInfo, RdzvParticipant)
+
+
+# ---------------------------------------------------------------------------------------- registry
+_PARAM_RE = {
+    "node_id": r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}",
+    "index": r"\d+",
+    "local_rank": r"\d+",
+    "lease_hex": r"[0-9a-f]{16}",
+    "version": rf"\d{{{PAD}}}",
+    "seq": rf"\d{{{PAD}}}",
+    "round": rf"\d{{{PAD}}}",
+}
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One row of the schema: a key pattern relative to the job prefix and its record type.
+
+    ``lease`` says which lease the key is bound to (``agent``, ``candidate``, ``leader`` or
+    ``none``); ``bindings`` maps key parameters to record fields that must agree with them.
+    """
+
+    pattern: str
+    record: type[Record]
+    lease: str
+    writer: str
+    bindings: tuple[tuple[str, str], ...] = ()
+    regex: re.Pattern = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        parts = re.split(r"<([a-z_]+)>", self.pattern)
+        rx = "".join(
+            f"(?P<{p}>{_PARAM_RE[p]})" if i % 2 else re.escape(p) for i, p in enumerate(parts)
+        )
+        object.__setattr__(self, "regex", re.compile(f"^{rx}$"))
+
+
+REGISTRY: tuple[KeySpec, ...] = (
+    KeySpec("nodes/<node_id>", NodeRecord, "agent", "node agent"),
+    KeySpec("devices/<node_id>/<index>", DeviceHealthRecord, "agent", "node agent"),
+    KeySpec("workers/<node_id>/<local_rank>", WorkerRecord, "agent", "node agent",
+            (("local_rank", "local_rank"),)),
+    KeySpec("election/<lease_hex>", CandidateRecord, "candidate", "every leader candidate"),
+    KeySpec("leader", LeaderRecord, "leader", "leader"),
+    KeySpec("plan/current", PlanRecord, "none", "leader (fenced)"),
+    KeySpec("plan/history/<version>", PlanRecord, "none", "leader (fenced)",
+            (("version", "version"),)),
+    KeySpec("events/<seq>", EventRecord, "none", "any agent or the leader", (("seq", "seq"),)),
+    KeySpec("event_seq", CounterRecord, "none", "any agent or the leader (compare-and-set)"),
+    KeySpec("switch/<version>/<node_id>", SwitchAckRecord, "agent", "node agent",
+            (("version", "plan_version"), ("node_id", "node"))),
+    KeySpec("rdzv/state", RdzvStateRecord, "none", "node agents (compare-and-set)"),
+    KeySpec("rdzv/rounds/<round>/joined/<node_id>", RdzvJoinRecord, "agent", "node agent",
+            (("node_id", "node"),)),
+    KeySpec("rdzv/rounds/<round>/master", RdzvMasterRecord, "agent", "node 0 of the round"),
+    KeySpec("rdzv/rounds/<round>/done/<node_id>", RdzvDoneRecord, "none", "node agent",
+            (("node_id", "node"),)),
+)
+
+
+def match_key(key: str) -> tuple[str, KeySpec, dict[str, str]]:
+    """Return (job_id, spec, params) for a schema key, or raise RecordError."""
+    if not key.startswith(ROOT):
+        raise RecordError(key, f"key is not under {ROOT}")
+    job, sep, rest = key[len(ROOT):].partition("/")
+    if not sep or not _ID_RE.match(job):
+        raise RecordError(key, "key does not name a valid job id")
+    for spec in REGISTRY:
+        m = spec.regex.match(rest)
+        if m:
+            return job, spec, m.groupdict()
+    raise RecordError(key, f"no record type is registered for {rest!r}")
+
+
+# ----------------------------------------------------------------------------- encode / decode
+def encode(record: Record) -> bytes:
+    """UTF-8 JSON of a record, validated as decode would validate it."""
+    _from_dict(type(record), json.loads(record.to_json()), "<encode>", "")
+    return record.to_json()
+
+
+def decode(key: str, raw: bytes | str) -> Record:
+    """Decode the value stored at ``key`` into the record type the registry names for it."""
+    _, spec, params = match_key(key)
+    record = decode_as(spec.record, raw, key)
+    for param, fname in spec.bindings:
+        want = params[param] if param == "node_id" else int(params[param])
+        if getattr(record, fname) != want:
+            raise RecordError(key, f"field {fname}={getattr(record, fname)!r} contradicts the key")
+    return record
+
+
+def decode_as(cls: type[Record], raw: bytes | str, key: str = "<value>") -> Record:
+    """Decode ``raw`` as a ``cls`` record (no key pattern check)."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        body = json.loads(text)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RecordError(key, f"malformed JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RecordError(key, f"expected a JSON object, got {type(body).__name__}")
+    schema = body.pop("schema", None)
+    if schema is None:
+        raise RecordError(key, "missing 'schema' field")
+    if schema != SCHEMA_VERSION:
+        raise RecordError(key, f"unknown schema {schema!r} (this code reads {SCHEMA_VERSION})")
+    kind = body.pop("kind", None)
+    if kind != cls.KIND:
+        raise RecordError(key, f"kind {kind!r} where {cls.KIND!r} ({cls.__name__}) belongs")
+    return _from_dict(cls, body, key, "")
+
+
+def _from_dict(cls: type, body: dict, key: str, path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    body = {k: v for k, v in body.items() if k not in ("schema", "kind")} if not path else body
+    missing = [n for n in names if n not in body]
+    unknown = sorted(set(body) - set(names))
+    if missing:
+        raise RecordError(key, f"missing field(s) {', '.join(path + n for n in missing)}")
+    if unknown:
+        raise RecordError(key, f"unknown field(s) {', '.join(path + n for n in unknown)}")
+    values = {n: _coerce(body[n], hints[n], key, path + n) for n in names}
+    for fname, allowed in getattr(cls, "CHOICES", {}).items():
+        if values[fname] is not None and values[fname] not in allowed:
+            raise RecordError(
+                key, f"{path}{fname}={values[fname]!r} is not one of {', '.join(allowed)}"
+            )
+    return cls(**values)
+
+
+def _coerce(value: Any, tp: Any, key: str, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key, path)
+    if origin is list:
+        _expect(isinstance(value, list), value, "a list", key, path)
+        return [_coerce(v, args[0], key, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _expect(isinstance(value, dict), value, "an object", key, path)
+        return {k: _coerce(v, args[1], key, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        _expect(isinstance(value, dict), value, "an object", key, path)
+        return _from_dict(tp, value, key, path + ".")
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _expect(ok, value, "a number", key, path)
+        return float(value)
+    if tp is int:
+        _expect(isinstance(value, int) and not isinstance(value, bool), value, "an integer",
+                key, path)
+        return value
+    if tp is str:
+        _expect(isinstance(value, str), value, "a string", key, path)
+        return value
+    if tp is bool:
+        _expect(isinstance(value, bool), value, "a boolean", key, path)
+        return value
+    raise TypeError(f"schema field type {tp!r} at {path} is not supported")
+
+
+def _expect(ok: bool, value: Any, what: str, key: str, path: str) -> None:
+    if not ok:
+        raise RecordError(key, f"field {path} must be {what}, got {type(value).__name__} {value!r}")
+
+
+def type_name(tp: Any) -> str:
+    """The type of a record field as docs/etcd-schema.md spells it (e.g. ``int | null``)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return "any"
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return f"{type_name(inner[0])} | null"
+    if origin is list:
+        return f"list[{type_name(args[0])}]"
+    if origin is dict:
+        return f"dict[{type_name(args[0])}, {type_name(args[1])}]"
+    return tp.__name__
+
+
+def describe_fields(cls: type) -> list[tuple[str, str]]:
+    """(field name, type name) of a record or nested type, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return [(f.name, type_name(hints[f.name])) for f in dataclasses.fields(cls)]
