@@ -1,0 +1,124 @@
+"""The process groups a plan needs, and every wait on communication, with a deadline.
+
+Which groups exist is a pure function of the plan (``group_members``); every rank of the world
+creates them in that same order, members or not, because torch.distributed requires it.
+
+Every collective and point-to-point operation here is issued with ``async_op=True`` and waited on
+through one ``Waiter``. The default waiter gives each wait a deadline and raises
+``CommTimeoutError``; the runtime can pass its own waiter (a watchdog that also watches for plan
+changes) without touching the graph code.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hspmd_elastic.graph.config import ModelConfig
+from hspmd_elastic.plan import Plan, PlanError
+
+
+class GraphError(RuntimeError):
+    """Base of the errors raised while building or running a specialized graph."""
+
+
+class CommTimeoutError(GraphError):
+    """A communication failed or did not complete before its deadline (a peer is dead or stuck)."""
+
+
+# A waiter blocks until ``work`` completes or raises; ``what`` names the operation for errors.
+Waiter = Callable[[object, str], None]
+
+
+def deadline_waiter(timeout_s: float) -> Waiter:
+    """The default waiter: each wait may take at most ``timeout_s`` seconds."""
+
+    def wait(work, what: str) -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise CommTimeoutError(
+                f"{what} failed or did not complete within {timeout_s:g}s: {exc}") from exc
+
+    return wait
+
+
+def group_members(plan: Plan, config: ModelConfig) -> list[tuple[int, ...]]:
+    """Every multi-device group a plan's execution uses, sorted, deduplicated, in creation order.
+
+    TP groups, the gradient-synchronisation groups and the group of all plan devices (loss).
+    """
+    from hspmd_elastic.graph.gradsync import sync_group_members
+
+    members = {tuple(sorted(s.devices)) for p in plan.pipelines for s in p.stages}
+    members |= set(sync_group_members(plan.param_layouts(config)))
+    members.add(plan.devices)
+    return sorted((m for m in members if len(m) > 1), key=lambda m: (len(m), m))
+
+
+@dataclass
+class Comm:
+    """Process groups of one plan keyed by their sorted members, and the waiter for all waits."""
+
+    groups: dict[tuple[int, ...], object]
+    rank: int
+    waiter: Waiter
+    _pending: list = field(default_factory=list)
+
+    @classmethod
+    def create(cls, plan: Plan, config: ModelConfig, rank: int, *, timeout_s: float = 60.0,
+               waiter: Optional[Waiter] = None) -> "Comm":
+        """Create the plan's groups; every rank of the default group must call this."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if max(plan.devices) >= world:
+            raise PlanError(f"plan uses device {max(plan.devices)} but the world has {world} ranks")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        groups = {}
+        for members in group_members(plan, config):
+            group = dist.new_group(list(members), timeout=timeout, backend="gloo")
+            if rank in members:
+                groups[members] = group
+        return cls(groups, rank, waiter or deadline_waiter(timeout_s))
+
+    def group(self, devices: Sequence[int]):
+        return self.groups[tuple(sorted(devices))]
+
+    def wait(self, work, what: str) -> None:
+        self.waiter(work, what)
+
+    # ---- collectives (synchronous from the caller's view, waited through the waiter) -------
+    def all_reduce(self, tensor: torch.Tensor, devices: Sequence[int]) -> torch.Tensor:
+        """Sum ``tensor`` in place over ``devices`` (a no-op on one device)."""
+        if len(devices) > 1:
+            work = dist.all_reduce(tensor, group=self.group(devices), async_op=True)
+            self.wait(work, f"all_reduce over {tuple(sorted(devices))}")
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, devices: Sequence[int]) -> list[torch.Tensor]:
+        """The ``tensor`` of every device, in the order ``devices`` lists them."""
+        if len(devices) == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in devices]  # group ranks follow sorted devices
+        work = dist.all_gather(out, tensor.contiguous(), group=self.group(devices), async_op=True)
+        self.wait(work, f"all_gather over {tuple(sorted(devices))}")
+        by_device = dict(zip(sorted(devices), out))
+        return [by_device[d] for d in devices]
+
+    # ---- point to point ------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Start sending; the send completes by ``flush_sends``."""
+        tensor = tensor.contiguous()
+        self._pending.append((dist.isend(tensor, dst, tag=tag), tensor, dst, tag))
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        self.wait(dist.irecv(tensor, src, tag=tag), f"recv from rank {src} tag {tag}")
+        return tensor
+
+    def flush_sends(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _tensor, dst, tag in pending:
+            self.wait(work, f"send to rank {dst} tag {tag}")

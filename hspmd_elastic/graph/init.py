@@ -1,0 +1,39 @@
+"""Deterministic parameter initialisation, independent of the plan.
+
+Every parameter's full value is a function of (seed, parameter name) only: norms start at one,
+everything else is N(0, init_std) drawn from a generator seeded by the seed and the name. A rank
+materialises the full tensor and keeps its shard, so any plan starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+
+from hspmd_elastic.graph.config import ModelConfig, ParamSpec
+
+
+def full_param(spec: ParamSpec, config: ModelConfig, seed: int) -> torch.Tensor:
+    dtype = getattr(torch, config.dtype)
+    if len(spec.shape) == 1:
+        return torch.ones(spec.shape, dtype=dtype)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % 2**63)
+    values = torch.randn(spec.shape, generator=gen, dtype=torch.float64) * config.init_std
+    return values.to(dtype)
+
+
+def shard(full: torch.Tensor, split_dim: Optional[int], parts: int, index: int) -> torch.Tensor:
+    """Shard ``index`` of ``parts`` even shards along ``split_dim`` (the whole tensor if None)."""
+    if split_dim is None or parts == 1:
+        return full.clone()
+    size = full.shape[split_dim]
+    lo, hi = size * index // parts, size * (index + 1) // parts
+    return full.narrow(split_dim, lo, hi - lo).clone()
+
+
+def full_params(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    from hspmd_elastic.graph.config import param_specs
+
+    return {name: full_param(spec, config, seed) for name, spec in param_specs(config).items()}

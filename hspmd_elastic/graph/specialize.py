@@ -1,0 +1,167 @@
+"""One rank's specialized graph: its stage's layers and TP shards, and the communication they imply.
+
+``SpecializedModel.build(config, plan, rank, seed=...)`` initialises the rank's shards from the
+seed; ``build(..., state=tensors)`` binds given shards instead (after a reshard), without
+initialising. ``step(global_batch)`` runs one training step: this pipeline's slice of the batch
+through the 1F1B schedule, gradient synchronisation across pipelines, AdamW on local shards, and
+returns the global mean loss (the same value on every rank). A step that fails in communication
+changes no state, so the runtime can rerun it after a switch. ``state_tensors()`` exposes the
+parameters and optimizer state with their HSPMD annotations, the input of resharding.
+
+Process groups: the default group's ranks are the plan's devices; building creates the plan's
+sub-groups, which every rank of the default group must do together (``Comm.create``).
+
+State tensors are named and annotated as ``state.state_specs`` says (parameters, their AdamW
+moments, the step counter).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from hspmd_elastic.graph.comm import Comm, GraphError, Waiter
+from hspmd_elastic.graph.config import ModelConfig, param_specs
+from hspmd_elastic.graph.gradsync import sync_gradients, sync_ops
+from hspmd_elastic.graph.init import full_param, shard
+from hspmd_elastic.graph.layers import TPGroup
+from hspmd_elastic.graph.model import StageModule, token_loss_sum, torch_dtype
+from hspmd_elastic.graph.optim import AdamWConfig, ShardedAdamW
+from hspmd_elastic.graph.pipeline import StageLinks, one_f_one_b, run_schedule
+from hspmd_elastic.graph.state import EXP_AVG, EXP_AVG_SQ, STEP, state_specs
+from hspmd_elastic.plan import Plan
+
+
+class StateError(GraphError):
+    """Given state tensors do not match what this rank holds (names or shapes)."""
+
+
+class SpecializedModel:
+    """The part of the model one rank runs under one plan."""
+
+    def __init__(self, config: ModelConfig, plan: Plan, rank: int, comm: Comm,
+                 optim: AdamWConfig) -> None:
+        plan.check_model(config)
+        self.config, self.plan, self.rank, self.comm = config, plan, rank, comm
+        self.placement = plan.locate(rank)
+        pipe = plan.pipelines[self.placement.pipeline]
+        self.pipeline = pipe
+        stage = pipe.stages[self.placement.stage]
+        self.tp = TPGroup(stage.devices, self.placement.tp_rank, comm)
+        self.module = StageModule(config, stage.layers, self.tp,
+                                  first=self.placement.stage == 0,
+                                  last=self.placement.stage == len(pipe.stages) - 1)
+        self.params = dict(self.module.named_parameters())
+        self.optimizer = ShardedAdamW(self.params, optim)
+        self._sync = sync_ops(plan.param_layouts(config), rank)
+        self._links = StageLinks.of([s.devices for s in pipe.stages], self.placement.stage,
+                                    self.placement.tp_rank)
+        self._schedule = one_f_one_b(len(pipe.stages), self.placement.stage, pipe.num_microbatches)
+        self._specs = None
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def build(cls, config: ModelConfig, plan: Plan, rank: int, *, seed: int = 0,
+              state: Optional[Mapping[str, torch.Tensor]] = None, comm: Optional[Comm] = None,
+              optim: AdamWConfig = AdamWConfig(), timeout_s: float = 60.0,
+              waiter: Optional[Waiter] = None) -> "SpecializedModel":
+        """Build ``rank``'s graph. Every rank of the world must call this (or ``Comm.create``)
+        together, since it creates the plan's process groups; pass ``comm`` to reuse them."""
+        plan.check_model(config)
+        if comm is None:
+            comm = Comm.create(plan, config, rank, timeout_s=timeout_s, waiter=waiter)
+        model = cls(config, plan, rank, comm, optim)
+        if state is None:
+            model.init_params(seed)
+        else:
+            model.load_state_tensors(state)
+        return model
+
+    @torch.no_grad()
+    def init_params(self, seed: int) -> None:
+        specs = param_specs(self.config)
+        for name, p in self.params.items():
+            spec = specs[name]
+            p.copy_(shard(full_param(spec, self.config, seed), spec.split_dim, self.tp.size,
+                          self.tp.index))
+
+    # ---- training ------------------------------------------------------------------------
+    def step(self, batch: torch.Tensor) -> float:
+        """One optimizer step on the global batch [global_batch, seq+1]; the global mean loss."""
+        self._check_batch(batch)
+        self.optimizer.zero_grad()
+        pi = self.placement.pipeline
+        mb = self.pipeline.microbatch_size
+        tokens = self.config.seq_len * self.plan.global_batch
+
+        def rows(m):
+            lo, hi = self.plan.microbatch_rows(pi, m)
+            return batch[lo:hi]
+
+        def forward(m, x):
+            return self.module(rows(m)[:, :-1] if x is None else x)
+
+        def loss_of(m, logits):
+            return token_loss_sum(logits, rows(m)[:, 1:]) / tokens
+
+        dtype = torch_dtype(self.config)
+        loss = run_schedule(self._schedule, self._links, self.comm, forward=forward,
+                            loss_of=loss_of, dtype=dtype,
+                            activation_shape=(mb, self.config.seq_len, self.config.hidden_size))
+        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
+                 for n, p in self.params.items()}
+        sync_gradients(self._sync, grads, self.comm)
+        global_loss = self._global_loss(loss)
+        # All communication of the step is done: state changes only now, so a step interrupted
+        # by a communication error leaves parameters and optimizer state as they were.
+        for n, p in self.params.items():
+            p.grad = grads[n]
+        self.optimizer.step()
+        return global_loss
+
+    def _global_loss(self, loss: torch.Tensor) -> float:
+        # One contribution per pipeline: TP rank 0 of its last stage.
+        last = self.placement.stage == len(self.pipeline.stages) - 1
+        mine = loss if last and self.placement.tp_rank == 0 else torch.zeros_like(loss)
+        return float(self.comm.all_reduce(mine.reshape(1).clone(), self.plan.devices)[0])
+
+    def _check_batch(self, batch: torch.Tensor) -> None:
+        want = (self.plan.global_batch, self.config.seq_len + 1)
+        if tuple(batch.shape) != want:
+            raise GraphError(f"batch shape {tuple(batch.shape)}; expected {want} "
+                             "(global_batch, seq_len + 1)")
+
+    # ---- state for resharding ------------------------------------------------------------
+    def state_tensors(self) -> dict[str, tuple[torch.Tensor, object]]:
+        """Every local state tensor (live, not a copy) with its annotation under this plan."""
+        if self._specs is None:
+            self._specs = state_specs(self.config, self.plan)
+        return {name: (t, self._specs[name].annotation) for name, t in self._local_state().items()}
+
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Bind given local shards (same names as ``state_tensors``); all must be present."""
+        targets = self._local_state()
+        missing = sorted(set(targets) - set(tensors))
+        if missing:
+            raise StateError(f"rank {self.rank}: missing state tensors {missing[:4]}"
+                             f"{' ...' if len(missing) > 4 else ''}")
+        for name, target in targets.items():
+            value = tensors[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise StateError(f"rank {self.rank}: state tensor {name} has shape "
+                                 f"{tuple(value.shape)}; expected {tuple(target.shape)}")
+            target.copy_(value)
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.params.items():
+            out[name] = p.data
+            out[name + EXP_AVG] = self.optimizer.exp_avg[name]
+            out[name + EXP_AVG_SQ] = self.optimizer.exp_avg_sq[name]
+        out[STEP] = self.optimizer.step_count
+        return out
+
+    def local_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.params.items()}
