@@ -1,0 +1,345 @@
+"""The planner's interface: inputs, options, results and errors. Pure values, no I/O.
+
+``plan_for(inventory, profile, global_batch, current_plan=None, options=PlannerOptions())``
+(in ``search``) turns a snapshot of the cluster into a ``PlanResult``: the chosen ``Plan``, its
+``Estimate`` and the ranked alternatives. The same inputs always give the same result.
+
+Units: FLOP/s as TFLOP/s, memory in bytes, bandwidth in GB/s (1e9 bytes per second), time in
+seconds. Device ids are the inventory's ints; on CPU jobs they are the workers' global ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.plan import Plan
+
+GiB = 1 << 30
+
+
+class PlannerError(ValueError):
+    """Bad planner input; the message is one line naming the bad value."""
+
+
+class PlanInfeasibleError(PlannerError):
+    """No plan runs the model on the usable devices; the message names the shortfall.
+
+    ``needed_bytes`` and ``available_bytes`` are set when memory is the reason (per device or in
+    total, as the message says); both are None for other reasons (e.g. no healthy device).
+    """
+
+    def __init__(self, message: str, *, needed_bytes: Optional[int] = None,
+                 available_bytes: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+    @property
+    def shortfall_bytes(self) -> Optional[int]:
+        if self.needed_bytes is None or self.available_bytes is None:
+            return None
+        return max(0, self.needed_bytes - self.available_bytes)
+
+
+class Health(str, enum.Enum):
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device type: speed, memory and links. ``mfu``: the fraction of peak a step achieves."""
+
+    name: str
+    peak_tflops: float
+    memory_bytes: int
+    intra_node_gbps: float  # per device, to peers on the same node (NVLink, PCIe, shared memory)
+    inter_node_gbps: float  # per device, to other nodes (IB/RoCE NIC share, TCP)
+    mfu: float = 0.5
+    microbatch_overhead_s: float = 0.0005  # fixed cost per micro-batch per stage (launches, Python)
+    link_latency_s: float = 1e-5  # start-up cost of one collective or send/receive
+
+    def __post_init__(self) -> None:
+        for name in ("peak_tflops", "memory_bytes", "intra_node_gbps", "inter_node_gbps", "mfu"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise PlannerError(f"device type {self.name!r}: {name}={value!r} must be > 0")
+        if self.mfu > 1:
+            raise PlannerError(f"device type {self.name!r}: mfu={self.mfu} must be <= 1")
+        for name in ("microbatch_overhead_s", "link_latency_s"):
+            if not getattr(self, name) >= 0:
+                raise PlannerError(f"device type {self.name!r}: {name}={getattr(self, name)!r} "
+                                   "must be >= 0")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of the inventory. ``slowdown`` > 1 means degraded (2.0: half speed)."""
+
+    id: int
+    node: str
+    spec: DeviceSpec
+    health: Health = Health.HEALTHY
+    slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "health", Health(self.health))
+        if isinstance(self.id, bool) or not isinstance(self.id, int) or self.id < 0:
+            raise PlannerError(f"device id={self.id!r} must be an integer >= 0")
+        if not (self.slowdown >= 1.0 and math.isfinite(self.slowdown)):
+            raise PlannerError(f"device {self.id}: slowdown={self.slowdown!r} must be >= 1")
+        if self.health is Health.HEALTHY and self.slowdown != 1.0:
+            object.__setattr__(self, "health", Health.DEGRADED)
+
+    @property
+    def usable(self) -> bool:
+        return self.health is not Health.FAILED
+
+    @property
+    def flops(self) -> float:
+        """Effective FLOP/s this device sustains now (peak x mfu / slowdown)."""
+        return self.spec.peak_tflops * 1e12 * self.spec.mfu / self.slowdown
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The devices the planner may use, in any order; ids must be unique."""
+
+    devices: tuple[Device, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(sorted(self.devices, key=lambda d: d.id)))
+        ids = [d.id for d in self.devices]
+        for a, b in zip(ids, ids[1:]):
+            if a == b:
+                raise PlannerError(f"device id {a} appears twice in the inventory")
+
+    @classmethod
+    def from_nodes(cls, text: str) -> "Inventory":
+        """``"8xH800,8xH800,16xH20"``: one item per node (see ``devices.inventory_from_nodes``)."""
+        from hspmd_elastic.planner.devices import inventory_from_nodes
+
+        return inventory_from_nodes(text)
+
+    def by_id(self) -> dict[int, Device]:
+        return {d.id: d for d in self.devices}
+
+    @property
+    def usable(self) -> tuple[Device, ...]:
+        return tuple(d for d in self.devices if d.usable)
+
+    def with_health(self, failed: tuple[int, ...] = (),
+                    slowdown: Optional[dict[int, float]] = None) -> "Inventory":
+        """A copy with ``failed`` devices marked failed and the given slowdown factors applied."""
+        slowdown = dict(slowdown or {})
+        known = self.by_id()
+        for dev in list(failed) + list(slowdown):
+            if dev not in known:
+                raise PlannerError(f"device {dev} is not in the inventory; ids: "
+                                   f"{min(known)}..{max(known)}" if known else
+                                   f"device {dev} is not in the inventory; it is empty")
+        out = []
+        for d in self.devices:
+            if d.id in failed:
+                out.append(Device(d.id, d.node, d.spec, Health.FAILED, d.slowdown))
+            elif d.id in slowdown:
+                out.append(Device(d.id, d.node, d.spec, Health.DEGRADED, float(slowdown[d.id])))
+            else:
+                out.append(d)
+        return Inventory(tuple(out))
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the planner needs to know about a decoder-only model.
+
+    Byte counts are per element: ``param_bytes`` (weights), ``grad_bytes``, ``optimizer_bytes``
+    (all optimizer state per parameter, e.g. fp32 master + two Adam moments = 12) and
+    ``activation_bytes`` (activations exchanged between stages and TP ranks).
+    ``activation_bytes_per_token_layer``: activation memory one token keeps for backward in one
+    layer without TP (default 17 activation elements per hidden unit, the usual estimate with a
+    fused attention kernel). ``config`` is set when the profile comes from a runnable
+    ``ModelConfig``; the planner then checks its plans against it.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_size: int
+    num_heads: int
+    vocab_size: int
+    seq_len: int
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12
+    activation_bytes: int = 2
+    activation_bytes_per_token_layer: Optional[int] = None
+    config: Optional["ModelConfig"] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_size", "num_heads", "vocab_size",
+                     "seq_len", "param_bytes", "activation_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlannerError(f"model {self.name!r}: {name}={value!r} must be an integer >= 1")
+        if self.activation_bytes_per_token_layer is None:
+            object.__setattr__(self, "activation_bytes_per_token_layer",
+                               17 * self.hidden_size * self.activation_bytes)
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelProfile":
+        """``llama-7b``, ``llama-13b`` or ``llama-32b`` (see ``profiles``)."""
+        from hspmd_elastic.planner.profiles import preset
+
+        return preset(name)
+
+    @classmethod
+    def from_config(cls, config: "ModelConfig", name: str = "config") -> "ModelProfile":
+        """The profile of the project's own decoder; plans are then checked against it."""
+        from hspmd_elastic.planner.profiles import profile_from_config
+
+        return profile_from_config(config, name)
+
+    # ---- parameter and FLOP counts ----------------------------------------------------------
+    @property
+    def layer_params(self) -> int:
+        h, f = self.hidden_size, self.ffn_size
+        return 4 * h * h + 3 * h * f + 2 * h
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def head_params(self) -> int:
+        return self.vocab_size * self.hidden_size + self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        return self.num_layers * self.layer_params + self.embed_params + self.head_params
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def layer_flops_per_token(self) -> float:
+        """Forward FLOPs of one decoder layer for one token (matmuls and attention)."""
+        h, f, s = self.hidden_size, self.ffn_size, self.seq_len
+        return 2.0 * (4 * h * h + 3 * h * f) + 4.0 * s * h
+
+    @property
+    def head_flops_per_token(self) -> float:
+        return 2.0 * self.vocab_size * self.hidden_size
+
+    def tp_sizes(self) -> dict[str, int]:
+        """Sizes every TP degree must divide (whole heads per rank, FFN, vocab, hidden)."""
+        return {"num_heads": self.num_heads, "ffn_size": self.ffn_size,
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size}
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Knobs of the search. The defaults suit both GPU clusters and small CPU jobs.
+
+    ``tp_degrees`` / ``pp_degrees`` restrict the search (a configured template); None: search.
+    ``cross_node_replicas``: rank plans where every parameter slice lives on two nodes or more
+    (one node loss then needs no checkpoint) above all others.
+    ``use_all_devices``: rank plans that leave no usable device idle above all others, even when
+    the cost model says the extra devices do not shorten the step (a job whose every worker
+    expects a role, e.g. a tiny CPU model dominated by fixed costs).
+    ``switch_weight``: weight of the switch traffic from ``current_plan``: a plan's score is its
+    step time x (1 + switch_weight x moved bytes / one replica's state bytes). Independently,
+    plans within ``tie_tolerance`` of the best score are ordered by moved bytes.
+    ``memory_fraction``: the part of a device's memory the planner may fill.
+    """
+
+    tp_degrees: Optional[tuple[int, ...]] = None
+    pp_degrees: Optional[tuple[int, ...]] = None
+    max_microbatch_size: Optional[int] = None
+    cross_node_replicas: bool = False
+    use_all_devices: bool = False
+    switch_weight: float = 0.0
+    tie_tolerance: float = 0.01
+    memory_fraction: float = 0.9
+    alternatives: int = 3
+    refine: int = 4  # candidates re-solved exactly (integer program) after the fast pass
+
+    def __post_init__(self) -> None:
+        for name in ("tp_degrees", "pp_degrees"):
+            value = getattr(self, name)
+            if value is not None:
+                value = tuple(value)
+                object.__setattr__(self, name, value)
+                if not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                    for v in value):
+                    raise PlannerError(f"{name}={value!r} must be positive integers")
+        if not 0 < self.memory_fraction <= 1:
+            raise PlannerError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        if self.switch_weight < 0 or self.tie_tolerance < 0:
+            raise PlannerError("switch_weight and tie_tolerance must be >= 0")
+        if self.max_microbatch_size is not None and self.max_microbatch_size < 1:
+            raise PlannerError(f"max_microbatch_size={self.max_microbatch_size} must be >= 1")
+        if self.refine < 1 or self.alternatives < 0:
+            raise PlannerError(f"refine={self.refine} must be >= 1, alternatives >= 0")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The cost model's verdict on one plan."""
+
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    pipeline_times_s: tuple[float, ...]
+    stage_times_s: tuple[tuple[float, ...], ...]  # per pipeline, per stage, one micro-batch
+    grad_sync_s: float
+    bubble_fraction: float  # idle share of the slowest pipeline's time
+    memory_bytes: dict[int, int]  # per device used
+    memory_limit_bytes: dict[int, int]
+    unused_devices: tuple[int, ...]  # usable devices the plan leaves idle
+    cross_node_replicas: bool  # every parameter slice is held on >= 2 nodes
+    switch_bytes: Optional[int] = None  # bytes moved from current_plan (None: no current plan)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One ranked plan with its estimate and a short description of its layout."""
+
+    plan: "Plan"
+    estimate: Estimate
+    label: str
+    score: float
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    chosen: Candidate
+    alternatives: tuple[Candidate, ...]
+    profile: ModelProfile = field(repr=False)
+    inventory: Inventory = field(repr=False)
+
+    @property
+    def plan(self) -> "Plan":
+        return self.chosen.plan
+
+    @property
+    def estimate(self) -> Estimate:
+        return self.chosen.estimate
+
+    def explain(self) -> str:
+        """A human-readable account: layout, step time, memory per device, next-best plans."""
+        from hspmd_elastic.planner.explain import explain
+
+        return explain(self)
+
+    def to_dict(self) -> dict:
+        from hspmd_elastic.planner.explain import result_to_dict
+
+        return result_to_dict(self)

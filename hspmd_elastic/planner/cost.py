@@ -1,0 +1,285 @@
+"""The cost model: step time and memory per device of a plan, from first principles.
+
+Per stage and micro-batch of ``b`` sequences (``tokens = b x seq_len``):
+  * compute: 3 x forward FLOPs (forward + backward) / (TP degree x the slowest member's FLOP/s);
+  * TP communication: 4 all-reduces of the hidden activations per layer (2 forward, 2 backward),
+    each a start-up latency plus ring cost 2(t-1)/t x bytes over the group's intra-node bandwidth;
+  * pipeline hand-off: activations forward and their gradients back to the next stage (latency
+    plus bytes), over intra-node bandwidth when both stages share a node, inter-node otherwise;
+  * a fixed cost per micro-batch (kernel launches, Python).
+A pipeline of stage times ``t_s`` running ``m`` micro-batches with 1F1B takes
+``sum(t_s) + (m - 1) max(t_s)`` (fill and drain are the bubble). Gradients are then all-reduced
+across the pipelines (every pipeline holds every layer), ring cost per device over its shard,
+inter-node when a layer's holders span nodes; this sync is not overlapped. The step time is the
+slowest pipeline plus the slowest sync.
+
+Memory per device: its parameter shard x (weights + gradients + optimizer state) plus activations
+of the micro-batches 1F1B keeps in flight on that stage (``min(stages - s, m)``; with TP, 10/34 of
+the activation bytes stay whole and 24/34 are split), plus the last stage's logits. A plan that
+does not fit raises ``PlanInfeasibleError`` naming the device and the shortfall.
+
+Every function here is pure and cheap; the search calls the per-stage ones directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from hspmd_elastic.plan import Plan
+from hspmd_elastic.planner.api import (GiB, Device, Estimate, Inventory, ModelProfile,
+                                       PlanInfeasibleError, PlannerOptions)
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What the cost model needs about a stage's TP group and its link to the next stage."""
+
+    tp: int
+    flops: float  # effective FLOP/s of the slowest member
+    memory: int  # usable bytes of the smallest member
+    intra_gbps: float  # slowest intra-node link of the group
+    next_gbps: Optional[float]  # link to the next stage; None on the last stage
+    overhead_s: float  # fixed cost per micro-batch (a slow device is slow at this too)
+    latency_s: float = 0.0  # start-up cost of one collective or send/receive
+
+
+def group_shape(devices: Sequence[Device], nxt: Optional[Sequence[Device]],
+                memory_fraction: float) -> StageShape:
+    """The shape of a TP group ``devices`` followed by the group ``nxt`` (None: last stage)."""
+    link = None
+    if nxt is not None:
+        both = list(devices) + list(nxt)
+        one_node = len({d.node for d in both}) == 1
+        link = min(d.spec.intra_node_gbps if one_node else d.spec.inter_node_gbps for d in both)
+    return StageShape(
+        tp=len(devices),
+        flops=min(d.flops for d in devices),
+        memory=int(min(d.spec.memory_bytes for d in devices) * memory_fraction),
+        intra_gbps=min(d.spec.intra_node_gbps for d in devices),
+        next_gbps=link,
+        overhead_s=max(d.spec.microbatch_overhead_s * d.slowdown for d in devices),
+        latency_s=max(d.spec.link_latency_s for d in devices),
+    )
+
+
+# ---- time ----------------------------------------------------------------------------------
+
+def stage_time_coeffs(profile: ModelProfile, shape: StageShape, last: bool,
+                      b: int) -> tuple[float, float]:
+    """(fixed, per layer) seconds of one micro-batch of ``b`` sequences on this stage."""
+    tokens = b * profile.seq_len
+    rate = shape.tp * shape.flops
+    per_layer = 3.0 * tokens * profile.layer_flops_per_token / rate
+    act = tokens * profile.hidden_size * profile.activation_bytes
+    if shape.tp > 1:
+        per_layer += 4 * (shape.latency_s
+                          + 2.0 * (shape.tp - 1) / shape.tp * act / (shape.intra_gbps * 1e9))
+    fixed = shape.overhead_s
+    if last:
+        fixed += 3.0 * tokens * profile.head_flops_per_token / rate
+    if shape.next_gbps is not None:
+        fixed += 2.0 * (shape.latency_s + act / (shape.next_gbps * 1e9))
+    return fixed, per_layer
+
+
+def stage_time(profile: ModelProfile, shape: StageShape, layers: int, last: bool, b: int) -> float:
+    fixed, per_layer = stage_time_coeffs(profile, shape, last, b)
+    return fixed + per_layer * layers
+
+
+def pipeline_time(stage_times: Sequence[float], num_microbatches: int) -> float:
+    """1F1B: fill and drain once, then the slowest stage paces every other micro-batch."""
+    return sum(stage_times) + (num_microbatches - 1) * max(stage_times)
+
+
+def grad_sync_time(profile: ModelProfile, params_per_device: float, replicas: int,
+                   gbps: float, latency_s: float = 0.0) -> float:
+    """A ring all-reduce of one device's gradient shard over ``replicas`` holders, as one
+    bucket: 2(R-1) steps of latency plus 2(R-1)/R x bytes."""
+    if replicas <= 1:
+        return 0.0
+    shard = params_per_device * profile.grad_bytes
+    return 2.0 * (replicas - 1) * (latency_s + shard / replicas / (gbps * 1e9))
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+def stage_params(profile: ModelProfile, layers: int, first: bool, last: bool) -> int:
+    return (layers * profile.layer_params + (profile.embed_params if first else 0)
+            + (profile.head_params if last else 0))
+
+
+def memory_coeffs(profile: ModelProfile, tp: int, first: bool, last: bool, b: int,
+                  inflight: int) -> tuple[float, float]:
+    """(fixed, per layer) bytes per device of a stage."""
+    state = profile.state_bytes_per_param / tp
+    act_share = (10.0 + 24.0 / tp) / 34.0
+    per_layer = (profile.layer_params * state
+                 + inflight * b * profile.seq_len * profile.activation_bytes_per_token_layer
+                 * act_share)
+    fixed = stage_params(profile, 0, first, last) * state
+    if last:
+        fixed += b * profile.seq_len * profile.vocab_size * max(4, profile.activation_bytes) / tp
+    return fixed, per_layer
+
+
+def stage_memory(profile: ModelProfile, tp: int, layers: int, first: bool, last: bool, b: int,
+                 inflight: int) -> int:
+    fixed, per_layer = memory_coeffs(profile, tp, first, last, b, inflight)
+    return int(math.ceil(fixed + per_layer * layers))
+
+
+def layer_cap(profile: ModelProfile, shape: StageShape, first: bool, last: bool, b: int,
+              inflight: int) -> int:
+    """The most layers this stage can hold within its memory (may be < 1: it cannot hold one)."""
+    fixed, per_layer = memory_coeffs(profile, shape.tp, first, last, b, inflight)
+    return int(math.floor((shape.memory - fixed) / per_layer))
+
+
+def inflight(num_stages: int, stage: int, num_microbatches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B."""
+    return min(num_stages - stage, num_microbatches)
+
+
+# ---- whole plans ---------------------------------------------------------------------------
+
+def estimate_plan(plan: Plan, inventory: Inventory, profile: ModelProfile,
+                  options: PlannerOptions = PlannerOptions(),
+                  current_plan: Optional[Plan] = None) -> Estimate:
+    """Estimate ``plan``; raise ``PlanInfeasibleError`` if it uses an unusable device or a device
+    runs out of memory."""
+    if plan.num_layers != profile.num_layers:
+        raise PlanInfeasibleError(f"plan has num_layers={plan.num_layers}, model "
+                                  f"{profile.name} has {profile.num_layers}")
+    devs = inventory.by_id()
+    for d in plan.devices:
+        if d not in devs:
+            raise PlanInfeasibleError(f"plan uses device {d}, which is not in the inventory")
+        if not devs[d].usable:
+            raise PlanInfeasibleError(f"plan uses device {d}, which has failed")
+    memory, limits, stage_times, pipe_times = {}, {}, [], []
+    for pi, pipe in enumerate(plan.pipelines):
+        times = _pipeline_stage_times(plan, pi, devs, profile, options, memory, limits)
+        stage_times.append(tuple(times))
+        pipe_times.append(pipeline_time(times, pipe.num_microbatches))
+    sync = _grad_sync(plan, devs, profile)
+    slowest = max(range(len(pipe_times)), key=lambda i: pipe_times[i])
+    busy = plan.pipelines[slowest].num_microbatches * max(stage_times[slowest])
+    step = max(pipe_times) + sync
+    used = set(plan.devices)
+    return Estimate(
+        step_time_s=step,
+        samples_per_s=plan.global_batch / step,
+        tokens_per_s=plan.global_batch * profile.seq_len / step,
+        pipeline_times_s=tuple(pipe_times),
+        stage_times_s=tuple(stage_times),
+        grad_sync_s=sync,
+        bubble_fraction=max(0.0, 1.0 - busy / pipe_times[slowest]),
+        memory_bytes=memory,
+        memory_limit_bytes=limits,
+        unused_devices=tuple(d.id for d in inventory.usable if d.id not in used),
+        cross_node_replicas=cross_node_replicas(plan, devs),
+        switch_bytes=None if current_plan is None else switch_bytes(current_plan, plan, profile),
+    )
+
+
+def _pipeline_stage_times(plan: Plan, pi: int, devs: dict, profile: ModelProfile,
+                          options: PlannerOptions, memory: dict, limits: dict) -> list[float]:
+    pipe = plan.pipelines[pi]
+    n, m, b = len(pipe.stages), pipe.num_microbatches, pipe.microbatch_size
+    times = []
+    for si, stage in enumerate(pipe.stages):
+        group = [devs[d] for d in stage.devices]
+        nxt = [devs[d] for d in pipe.stages[si + 1].devices] if si + 1 < n else None
+        shape = group_shape(group, nxt, options.memory_fraction)
+        layers = stage.layers[1] - stage.layers[0]
+        first, last = si == 0, si == n - 1
+        need = stage_memory(profile, shape.tp, layers, first, last, b, inflight(n, si, m))
+        for dev in group:
+            limit = int(dev.spec.memory_bytes * options.memory_fraction)
+            if need > limit:
+                raise PlanInfeasibleError(
+                    f"device {dev.id} ({dev.spec.name}, pipeline {pi} stage {si}, layers "
+                    f"{list(stage.layers)}, TP {shape.tp}, micro-batch {b}) needs "
+                    f"{need / GiB:.1f} GiB, has {limit / GiB:.1f} GiB usable: short by "
+                    f"{(need - limit) / GiB:.1f} GiB", needed_bytes=need, available_bytes=limit)
+            memory[dev.id], limits[dev.id] = need, limit
+        times.append(stage_time(profile, shape, layers, last, b))
+    return times
+
+
+def layer_nodes(plan: Plan, devs: dict) -> list[set]:
+    """Per decoder layer, the nodes holding a replica of it."""
+    nodes: list[set] = [set() for _ in range(plan.num_layers)]
+    for pipe in plan.pipelines:
+        for stage in pipe.stages:
+            stage_nodes = {devs[d].node for d in stage.devices}
+            for layer in range(*stage.layers):
+                nodes[layer] |= stage_nodes
+    return nodes
+
+
+def cross_node_replicas(plan: Plan, devs: dict) -> bool:
+    """Whether every layer (so every parameter slice: a TP group sits in one node) lives on two
+    nodes or more. The embedding and head travel with the first and last layers."""
+    return all(len(n) >= 2 for n in layer_nodes(plan, devs))
+
+
+def _grad_sync(plan: Plan, devs: dict, profile: ModelProfile) -> float:
+    replicas = len(plan.pipelines)
+    if replicas <= 1:
+        return 0.0
+    nodes = layer_nodes(plan, devs)
+    worst = 0.0
+    for pipe in plan.pipelines:
+        n = len(pipe.stages)
+        for si, stage in enumerate(pipe.stages):
+            group = [devs[d] for d in stage.devices]
+            spans = any(len(nodes[layer]) > 1 for layer in range(*stage.layers))
+            gbps = min(d.spec.inter_node_gbps if spans else d.spec.intra_node_gbps for d in group)
+            params = stage_params(profile, stage.layers[1] - stage.layers[0], si == 0,
+                                  si == n - 1) / len(group)
+            latency = max(d.spec.link_latency_s for d in group)
+            worst = max(worst, grad_sync_time(profile, params, replicas, gbps, latency))
+    return worst
+
+
+# ---- switching -----------------------------------------------------------------------------
+
+def _holdings(plan: Plan) -> dict[int, tuple[int, int, int, int, bool, bool]]:
+    """device -> (layer start, layer stop, tp, tp rank, holds embedding, holds head)."""
+    out = {}
+    for pipe in plan.pipelines:
+        n = len(pipe.stages)
+        for si, stage in enumerate(pipe.stages):
+            for rank, d in enumerate(stage.devices):
+                out[d] = (stage.layers[0], stage.layers[1], stage.tp, rank, si == 0, si == n - 1)
+    return out
+
+
+def _shard_overlap(tp_a: int, rank_a: int, tp_b: int, rank_b: int) -> float:
+    lo = max(rank_a / tp_a, rank_b / tp_b)
+    hi = min((rank_a + 1) / tp_a, (rank_b + 1) / tp_b)
+    return max(0.0, hi - lo)
+
+
+def switch_bytes(old: Plan, new: Plan, profile: ModelProfile) -> int:
+    """Bytes of weights and optimizer state that devices of ``new`` must receive: every slice a
+    device holds in ``new`` and did not hold in ``old``."""
+    per_param = profile.param_bytes + profile.optimizer_bytes
+    before = _holdings(old) if old.num_layers == new.num_layers else {}
+    total = 0.0
+    for d, (a, b, tp, rank, emb, head) in _holdings(new).items():
+        params = stage_params(profile, b - a, emb, head) / tp
+        kept = 0.0
+        if d in before:
+            c, e, tp0, rank0, emb0, head0 = before[d]
+            frac = _shard_overlap(tp, rank, tp0, rank0)
+            layers = max(0, min(b, e) - max(a, c))
+            kept = frac * (layers * profile.layer_params + (profile.embed_params if emb and emb0
+                                                            else 0)
+                           + (profile.head_params if head and head0 else 0))
+        total += max(0.0, params - kept)
+    return int(round(total * per_param))

@@ -1,0 +1,166 @@
+"""Device types and inventories: the built-in spec table and the ways to build an inventory.
+
+The table holds dense BF16 peak TFLOP/s, memory, and per-device bandwidth inside a node and
+across nodes for H100, H800, H20, A100, L40S and a CPU worker. Users extend it with
+``register_device_type`` or by passing ``types=`` (a name -> ``DeviceSpec`` mapping) to the
+builders, which never mutate the table they are given.
+
+An inventory comes from a node list such as ``"8xH800,8xH800,16xH20"`` (one item per node, ids
+assigned in order) or from a JSON object (``inventory_from_dict``). Unknown type names and
+malformed items raise ``PlannerError`` naming the bad value and the valid ones.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any, Mapping, Optional
+
+from hspmd_elastic.planner.api import GiB, Device, DeviceSpec, Health, Inventory, PlannerError
+
+# mfu: the share of peak a training step reaches. The H20 is compute-light and bandwidth-rich, so
+# it reaches a larger share of its (small) peak than an H800 does.
+BUILTIN_SPECS: dict[str, DeviceSpec] = {
+    "H100": DeviceSpec("H100", 989.0, 80 * GiB, 450.0, 50.0, mfu=0.45),
+    "H800": DeviceSpec("H800", 989.0, 80 * GiB, 200.0, 50.0, mfu=0.45),
+    "H20": DeviceSpec("H20", 148.0, 96 * GiB, 450.0, 50.0, mfu=0.65),
+    "A100": DeviceSpec("A100", 312.0, 80 * GiB, 300.0, 25.0, mfu=0.5),
+    "L40S": DeviceSpec("L40S", 362.0, 48 * GiB, 32.0, 12.5, mfu=0.4),
+    # One CPU training process (one thread): about 10 GFLOP/s on small matmuls, gloo over
+    # loopback or TCP, a large fixed cost per micro-batch (Python, autograd) and per collective.
+    "CPU": DeviceSpec("CPU", 0.01, 8 * GiB, 2.0, 0.5, mfu=1.0, microbatch_overhead_s=0.004,
+                      link_latency_s=0.002),
+}
+
+_registered: dict[str, DeviceSpec] = {}
+
+
+def register_device_type(spec: DeviceSpec) -> None:
+    """Add (or replace) a device type for every later lookup in this process."""
+    _registered[spec.name.upper()] = spec
+
+
+def spec_table(types: Optional[Mapping[str, DeviceSpec]] = None) -> dict[str, DeviceSpec]:
+    """The built-in specs, then registered ones, then ``types``; names are case-insensitive."""
+    table = {k.upper(): v for k, v in BUILTIN_SPECS.items()}
+    table.update(_registered)
+    table.update({k.upper(): v for k, v in (types or {}).items()})
+    return table
+
+
+def lookup_spec(name: str, types: Optional[Mapping[str, DeviceSpec]] = None) -> DeviceSpec:
+    table = spec_table(types)
+    try:
+        return table[str(name).upper()]
+    except KeyError:
+        raise PlannerError(f"unknown device type {name!r}; known: {', '.join(sorted(table))}") \
+            from None
+
+
+def spec_for_device(type_name: str, memory_bytes: Optional[int] = None,
+                    types: Optional[Mapping[str, DeviceSpec]] = None) -> DeviceSpec:
+    """The spec of a device as a health source names it (``"H100-80GB-HBM3"``, ``"H20"``):
+    the exact name if known, else its first dash-separated word; memory taken from the device
+    when given."""
+    table = spec_table(types)
+    name = str(type_name).upper()
+    spec = table.get(name) or table.get(name.split("-")[0])
+    if spec is None:
+        raise PlannerError(f"unknown device type {type_name!r}; known: {', '.join(sorted(table))}"
+                           " (register_device_type adds one)")
+    if memory_bytes:
+        spec = replace(spec, memory_bytes=int(memory_bytes))
+    return spec
+
+
+_NODE_ITEM = re.compile(r"^\s*(?:(\d+)\s*[xX*]\s*)?([A-Za-z][A-Za-z0-9_.-]*)\s*$")
+
+
+def inventory_from_nodes(text: str, types: Optional[Mapping[str, DeviceSpec]] = None) -> Inventory:
+    """``"8xH800,8xH800,16xH20"``: one comma-separated item per node, ``[count x]type``.
+
+    Nodes are named ``node0``, ``node1``...; device ids run from 0 in the order given.
+    """
+    items = [s for s in str(text).split(",")]
+    if not any(s.strip() for s in items):
+        raise PlannerError(f"devices={text!r} lists no node; expected e.g. '8xH800,16xH20'")
+    devices, next_id = [], 0
+    for index, item in enumerate(items):
+        match = _NODE_ITEM.match(item)
+        if not match:
+            raise PlannerError(f"node item {item.strip()!r} in devices={text!r}; expected "
+                               "COUNTxTYPE such as 8xH800")
+        count = int(match.group(1) or 1)
+        if count < 1:
+            raise PlannerError(f"node item {item.strip()!r}: count must be >= 1")
+        spec = lookup_spec(match.group(2), types)
+        for _ in range(count):
+            devices.append(Device(next_id, f"node{index}", spec))
+            next_id += 1
+    return Inventory(tuple(devices))
+
+
+def spec_from_dict(name: str, data: Mapping[str, Any]) -> DeviceSpec:
+    """A device type from JSON: peak_tflops, memory_gib, intra_node_gbps, inter_node_gbps[, mfu,
+    microbatch_overhead_s, link_latency_s]."""
+    if not isinstance(data, Mapping):
+        raise PlannerError(f"device type {name!r} must be a JSON object, got {data!r}")
+    known = {"peak_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "mfu",
+             "microbatch_overhead_s", "link_latency_s"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PlannerError(f"device type {name!r}: unknown keys {unknown}; known: {sorted(known)}")
+    try:
+        return DeviceSpec(name, float(data["peak_tflops"]), int(float(data["memory_gib"]) * GiB),
+                          float(data["intra_node_gbps"]), float(data["inter_node_gbps"]),
+                          mfu=float(data.get("mfu", 0.5)),
+                          microbatch_overhead_s=float(data.get("microbatch_overhead_s", 0.0005)),
+                          link_latency_s=float(data.get("link_latency_s", 1e-5)))
+    except KeyError as exc:
+        raise PlannerError(f"device type {name!r}: missing key {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise PlannerError(f"device type {name!r}: {exc}") from None
+
+
+def inventory_from_dict(data: Any, types: Optional[Mapping[str, DeviceSpec]] = None) -> Inventory:
+    """An inventory from JSON.
+
+    ``{"types": {NAME: spec}, "nodes": "8xH800,16xH20"}`` or
+    ``{"types": ..., "devices": [{"id": 0, "node": "n0", "type": "H800",
+    "health": "healthy", "slowdown": 1.0}, ...]}``; ``types`` is optional.
+    """
+    if not isinstance(data, dict):
+        raise PlannerError(f"inventory must be a JSON object, got {type(data).__name__}")
+    custom = dict(types or {})
+    for name, spec in (data.get("types") or {}).items():
+        custom[name] = spec_from_dict(name, spec)
+    if "nodes" in data:
+        return inventory_from_nodes(data["nodes"], custom)
+    if not isinstance(data.get("devices"), list):
+        raise PlannerError("inventory JSON needs 'nodes' (e.g. '8xH800,16xH20') or a "
+                           "'devices' list")
+    devices = []
+    for i, item in enumerate(data["devices"]):
+        if not isinstance(item, dict) or not {"id", "node", "type"} <= set(item):
+            raise PlannerError(f"inventory device #{i}: {item!r} needs id, node and type")
+        try:
+            health = Health(item.get("health", "healthy"))
+        except ValueError:
+            raise PlannerError(f"device {item['id']}: health={item.get('health')!r}; valid: "
+                               f"{[h.value for h in Health]}") from None
+        try:
+            slowdown = float(item.get("slowdown", 1.0))
+        except (TypeError, ValueError):
+            raise PlannerError(f"device {item['id']}: slowdown={item.get('slowdown')!r} must be "
+                               "a number >= 1") from None
+        devices.append(Device(item["id"], str(item["node"]), lookup_spec(item["type"], custom),
+                              health, slowdown))
+    return Inventory(tuple(devices))
+
+
+def cpu_inventory(ranks_per_node: Mapping[str, list[int]],
+                  spec: Optional[DeviceSpec] = None) -> Inventory:
+    """CPU workers as devices: ``{"node0": [0, 1], "node1": [2, 3]}`` (ids are global ranks)."""
+    spec = spec or BUILTIN_SPECS["CPU"]
+    return Inventory(tuple(Device(r, node, spec) for node, ranks in ranks_per_node.items()
+                           for r in ranks))

@@ -1,0 +1,328 @@
+"""The plan search: from the usable devices to the best heterogeneous plan.
+
+``plan_for`` is pure and deterministic. It enumerates layouts, scores them fast, re-solves the
+best few exactly and ranks them:
+
+1. Layouts (here). Failed devices are out. For each device type a TP degree (a divisor of the
+   model's heads, FFN, hidden and vocabulary sizes, so any mix of degrees shards consistently);
+   every node's devices are cut into TP groups of that degree, fastest devices together (the
+   remainder into smaller groups). For each pipeline depth the groups are chained into
+   pipelines, either in node order (homogeneous pipelines) or dealt so every pipeline gets a
+   similar mix of fast and slow groups. Deeper pipelines are tried until they stop helping.
+   When devices are degraded, layouts without the slowest ones are tried as well, so a
+   straggler is used only where it helps.
+2. Fast pass (``passes.Solver.fast``): identical pipelines solved once; min-max layer split
+   within memory; min-max split of the batch rows. A pipeline that gets no rows is dropped.
+3. Exact pass (``passes.Solver.exact``) for the best ``options.refine`` layouts: the layer split
+   as a small MILP on the real 1F1B time, a micro-batch size per pipeline, the plan estimated by
+   ``cost.estimate_plan``. Candidates close to ``current_plan`` join (``current``).
+4. Ranking: optionally plans using every usable device first, then (optionally) plans with
+   cross-node replicas, then the score (step time, weighted by switch traffic if asked); plans
+   within ``tie_tolerance`` of the best are ordered by the bytes a switch from ``current_plan``
+   would move, then by pipeline depth, then by score.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from itertools import product
+from typing import Optional
+
+from hspmd_elastic.plan import Plan, PlanError
+from hspmd_elastic.planner import cost
+from hspmd_elastic.planner.api import (GiB, Candidate, Device, Inventory, ModelProfile,
+                                       PlanInfeasibleError, PlannerError, PlannerOptions,
+                                       PlanResult)
+from hspmd_elastic.planner.current import candidate, from_current, score
+from hspmd_elastic.planner.passes import Draft, Solver, tp_options
+
+_PP_DEPTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+_MAX_TP_COMBOS = 64
+_MAX_VARIANTS = 3
+_PATIENCE = 2
+_VARIANT_TP_KEEP = 3
+
+
+# ---- layout building blocks -------------------------------------------------------------------
+
+class _Group:
+    """A TP group: devices (fastest first) on one node, with its cost-model attributes."""
+
+    __slots__ = ("devices", "node", "node_rank", "tp", "flops", "key", "inter", "sid")
+
+    def __init__(self, devices: tuple[Device, ...], node_rank: int, memory_fraction: float,
+                 interned: dict):
+        self.devices = devices
+        self.node = devices[0].node
+        self.node_rank = node_rank
+        self.tp = len(devices)
+        self.flops = min(d.flops for d in devices)
+        self.inter = min(d.spec.inter_node_gbps for d in devices)
+        shape = cost.group_shape(devices, None, memory_fraction)
+        self.key = (shape.tp, shape.flops, shape.memory, shape.intra_gbps, shape.overhead_s,
+                    shape.latency_s)
+        # A small int standing for (key, inter): pipeline signatures are tuples of these.
+        self.sid = interned.setdefault((self.key, self.inter), len(interned))
+
+
+def _check_tp_degrees(profile: ModelProfile, options: PlannerOptions) -> None:
+    if options.tp_degrees is None:
+        return
+    sizes = profile.tp_sizes()
+    if not any(all(size % t == 0 for size in sizes.values()) for t in options.tp_degrees):
+        raise PlannerError(
+            f"tp_degrees={options.tp_degrees}: none divides "
+            + ", ".join(f"{k}={v}" for k, v in sizes.items()) + f" of model {profile.name}")
+
+
+def _node_groups(devices: list[Device], tp: int, allowed: list[int], rank: int,
+                 memory_fraction: float, interned: dict) -> list[_Group]:
+    """Cut one node's devices into groups of ``tp`` (fastest together), remainder smaller."""
+    ordered = sorted(devices, key=lambda d: (-d.flops, d.id))
+    groups, i = [], 0
+    while i < len(ordered):
+        left = len(ordered) - i
+        size = tp if left >= tp else max((t for t in allowed if t <= left), default=1)
+        groups.append(_Group(tuple(ordered[i:i + size]), rank, memory_fraction, interned))
+        i += size
+    return groups
+
+
+def _pipelines(groups: list[_Group], depth: int, mixed: bool) -> tuple[tuple[_Group, ...], ...]:
+    if not mixed:
+        return tuple(tuple(groups[i:i + depth]) for i in range(0, len(groups), depth))
+    count = math.ceil(len(groups) / depth)
+    ranked = sorted(groups, key=lambda g: (-g.tp * g.flops, g.node_rank, g.devices[0].id))
+    pipes = []
+    for j in range(count):
+        members = ranked[j::count]
+        pipes.append(tuple(sorted(members, key=lambda g: (g.node_rank, g.devices[0].id))))
+    return tuple(pipes)
+
+
+def _variants(usable: tuple[Device, ...]) -> list[tuple[Device, ...]]:
+    """All usable devices, then without the slowest tiers of degraded ones."""
+    factors = sorted({d.slowdown for d in usable})
+    out = [usable]
+    for limit in reversed(factors[:-1][-(_MAX_VARIANTS - 1):]):
+        out.append(tuple(d for d in usable if d.slowdown <= limit))
+    return out
+
+
+def _group_sets(devices: tuple[Device, ...], profile: ModelProfile,
+                options: PlannerOptions, interned: dict, keep=None):
+    """Yield (TP degree per type, TP groups) for each TP degree of each device type
+    (only the degree maps in ``keep`` when given)."""
+    by_node: dict[str, list[Device]] = {}
+    for d in devices:
+        by_node.setdefault(d.node, []).append(d)
+    node_order = _node_order(by_node)
+    types = sorted({d.spec.name for d in devices})
+    per_type = {t: tp_options(profile, options, max(
+        sum(1 for d in devs if d.spec.name == t) for devs in by_node.values()))
+        for t in types}
+    combos = list(product(*(per_type[t] for t in types)))
+    if len(combos) > _MAX_TP_COMBOS:  # many device types: one degree for all
+        common = sorted(set.intersection(*(set(v) for v in per_type.values())) or {1})
+        combos = [tuple(t for _ in types) for t in common]
+    cache: dict[tuple, list[_Group]] = {}
+    for combo in combos:
+        tp_of = dict(zip(types, combo))
+        if keep is not None and tuple(sorted(tp_of.items())) not in keep:
+            continue
+        groups = []
+        for rank, node in enumerate(node_order):
+            devs = by_node[node]
+            kind = devs[0].spec.name
+            if (node, tp_of[kind]) not in cache:
+                cache[node, tp_of[kind]] = _node_groups(
+                    devs, tp_of[kind], per_type[kind], rank, options.memory_fraction, interned)
+            groups += cache[node, tp_of[kind]]
+        yield tuple(sorted(tp_of.items())), groups
+
+
+def _node_order(by_node: dict[str, list[Device]]) -> list[str]:
+    """Whole, uniform nodes first (natural name order), then nodes with failed or degraded
+    devices: pipelines chained over the groups then line up with node boundaries, and the
+    irregular groups gather in the last pipelines."""
+    full = {}
+    for devs in by_node.values():
+        kind = devs[0].spec.name
+        full[kind] = max(full.get(kind, 0), len(devs))
+
+    def irregular(node: str) -> bool:
+        devs = by_node[node]
+        return len(devs) < full[devs[0].spec.name] or any(d.slowdown > 1 for d in devs)
+
+    return sorted(by_node, key=lambda n: (irregular(n), _natural(n)))
+
+
+def _depth_layouts(groups: list[_Group], profile: ModelProfile, options: PlannerOptions):
+    """Yield (depth, layouts of that depth) in increasing depth; a layout is a tuple of
+    pipelines, each a tuple of TP groups in stage order."""
+    depths = options.pp_degrees or _PP_DEPTHS
+    hetero = len({g.key for g in groups}) > 1
+    for depth in sorted(depths):
+        if depth > min(len(groups), profile.num_layers):
+            break
+        yield depth, [_pipelines(groups, depth, mixed)
+                      for mixed in ((False, True) if hetero and depth > 1 else (False,))]
+
+
+def _natural(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+# ---- the entry point --------------------------------------------------------------------------
+
+def plan_for(inventory: Inventory, profile: ModelProfile, global_batch: int,
+             current_plan: Optional[Plan] = None,
+             options: PlannerOptions = PlannerOptions()) -> PlanResult:
+    """The best plan for ``profile`` on the usable devices of ``inventory``, with alternatives.
+
+    Raises ``PlanInfeasibleError`` (naming the shortfall) when nothing fits, and
+    ``PlannerError`` for bad inputs.
+    """
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlannerError(f"global_batch={global_batch!r} must be a positive integer")
+    _check_tp_degrees(profile, options)
+    usable = inventory.usable
+    if not usable:
+        raise PlanInfeasibleError(f"no usable device: all {len(inventory.devices)} devices of "
+                                  "the inventory have failed")
+    solver = Solver(profile, global_batch, options)
+    drafts = []
+    keep = None
+    for index, devices in enumerate(_variants(usable)):
+        best: dict[tuple, float] = {}
+        for tp_of, groups in _group_sets(devices, profile, options, solver.interned, keep):
+            found = _scan_depths(solver, groups)
+            drafts += found
+            best[tp_of] = min((d.score for d in found), default=math.inf)
+        if index == 0:
+            # Without the stragglers, only the TP degrees that did best with them are retried.
+            keep = set(sorted(best, key=lambda k: (best[k], k))[:_VARIANT_TP_KEEP])
+    if not drafts:
+        raise _infeasible(usable, profile, options)
+    drafts.sort(key=lambda d: (_preference(d, len(usable), profile.num_layers, options),
+                               d.score))  # stable: layouts come in a fixed order
+    candidates = _refine(drafts, solver, inventory, profile, options, current_plan)
+    if not candidates:
+        raise _infeasible(usable, profile, options)
+    ranked = _rank(candidates, options)
+    return PlanResult(ranked[0], tuple(ranked[1:1 + options.alternatives]), profile, inventory)
+
+
+def _scan_depths(solver: Solver, groups: list[_Group]) -> list[Draft]:
+    """Fast-score layouts of increasing pipeline depth. Deeper pipelines trade data parallelism
+    for bubble; once ``_PATIENCE`` depths in a row fail to beat the best, deeper ones stop."""
+    out, best, worse = [], math.inf, 0
+    for _, layouts in _depth_layouts(groups, solver.profile, solver.options):
+        scores = []
+        for layout in layouts:
+            draft = solver.fast(layout)
+            if draft is not None:
+                out.append(draft)
+                scores.append(draft.score)
+        if scores and min(scores) < best:
+            best, worse = min(scores), 0
+        elif best < math.inf:
+            worse += 1
+            if worse >= _PATIENCE:
+                break
+    return out
+
+
+def _preference(draft: Draft, usable: int, num_layers: int, options: PlannerOptions) -> tuple:
+    """The ranking's preference classes for a draft (0 is preferred), as in ``_rank``."""
+    idle = 0
+    if options.use_all_devices:
+        idle = int(sum(g.tp for _, pipe, _ in draft.assigned for g in pipe) < usable)
+    redundant = 0
+    if options.cross_node_replicas:
+        redundant = int(not _draft_cross_node(draft, num_layers))
+    return (idle, redundant)
+
+
+def _draft_cross_node(draft: Draft, num_layers: int) -> bool:
+    first: list = [None] * num_layers
+    twice = [False] * num_layers
+    left = num_layers
+    for model, pipe, _ in draft.assigned:
+        start = 0
+        for g, layers in zip(pipe, model.split):
+            for layer in range(start, start + layers):
+                if first[layer] is None:
+                    first[layer] = g.node
+                elif not twice[layer] and first[layer] != g.node:
+                    twice[layer], left = True, left - 1
+            start += layers
+        if not left:
+            return True
+    return False
+
+
+def _refine(drafts, solver: Solver, inventory: Inventory, profile: ModelProfile,
+            options: PlannerOptions, current_plan: Optional[Plan]) -> list[Candidate]:
+    """Exact plans for the best drafts (the first ``options.refine`` with re-solved layer
+    splits), distinct, plus the candidates derived from ``current_plan``."""
+    out, seen = [], set()
+    wanted = options.refine + options.alternatives
+    for draft in drafts:
+        if len(out) >= wanted:
+            break
+        try:
+            plan = solver.exact(draft, resolve=len(out) < options.refine)
+        except PlanError:
+            continue
+        cand = candidate(plan, "", inventory, profile, options, current_plan)
+        if cand is not None and plan.to_json() not in seen:
+            seen.add(plan.to_json())
+            out.append(cand)
+    if current_plan is not None:
+        for cand in from_current(current_plan, solver, inventory, profile, options):
+            if cand.plan.to_json() not in seen:
+                seen.add(cand.plan.to_json())
+                out.append(cand)
+    return out
+
+
+def _rank(candidates: list[Candidate], options: PlannerOptions) -> list[Candidate]:
+    """Best first: preference classes, then score; near-equal plans by switch traffic."""
+    def key(c: Candidate):
+        redundant = options.cross_node_replicas and not c.estimate.cross_node_replicas
+        idle = options.use_all_devices and bool(c.estimate.unused_devices)
+        return ((int(idle), int(redundant)), c.score, c.plan.to_json())
+
+    ranked = sorted(candidates, key=key)
+    head = key(ranked[0])
+    near = [c for c in ranked
+            if key(c)[0] == head[0] and c.score <= head[1] * (1.0 + options.tie_tolerance)]
+    # Near-equal plans: least switch traffic first, then the shallowest pipelines (fewer
+    # hand-offs, simpler switches), then the score.
+    near.sort(key=lambda c: (c.estimate.switch_bytes or 0,
+                             max(len(p.stages) for p in c.plan.pipelines), c.score,
+                             c.plan.to_json()))
+    return near + [c for c in ranked if c not in near]
+
+
+def _infeasible(usable: tuple[Device, ...], profile: ModelProfile,
+                options: PlannerOptions) -> PlanInfeasibleError:
+    """Why nothing fits: total memory short of one replica, else no stage holds a layer."""
+    state = profile.total_params * profile.state_bytes_per_param
+    act = profile.num_layers * profile.seq_len * profile.activation_bytes_per_token_layer
+    need = int(state + act)
+    have = int(sum(d.spec.memory_bytes for d in usable) * options.memory_fraction)
+    if need > have:
+        return PlanInfeasibleError(
+            f"model {profile.name} needs {need / GiB:.1f} GiB for one replica (weights, gradients, "
+            f"optimizer state, one micro-batch of activations); the {len(usable)} usable devices "
+            f"offer {have / GiB:.1f} GiB: short by {(need - have) / GiB:.1f} GiB",
+            needed_bytes=need, available_bytes=have)
+    biggest = max(usable, key=lambda d: (d.spec.memory_bytes, -d.id))
+    return PlanInfeasibleError(
+        f"model {profile.name} fits the {len(usable)} usable devices in total "
+        f"({have / GiB:.1f} GiB for {need / GiB:.1f} GiB) but no layout does: a stage cannot hold "
+        f"even one layer within {biggest.spec.memory_bytes * options.memory_fraction / GiB:.1f} "
+        f"GiB per device with the allowed TP degrees", needed_bytes=need, available_bytes=have)

@@ -1,0 +1,113 @@
+"""The planner's two small integer problems, solved exactly.
+
+* ``minmax_layers``: layers per stage minimising the slowest stage, every stage at least one
+  layer and at most its memory cap. Greedy water-filling (always give the next layer to the stage
+  that stays fastest) is exact for a min-max of increasing costs.
+* ``pipeline_layers``: the same split minimising the real 1F1B time
+  ``sum(t_s) + (m - 1) max(t_s)``, a small MILP for ``scipy.optimize.milp`` (HiGHS):
+  integer layers per stage, one continuous variable for the slowest stage.
+* ``split_rows``: rows of the global batch per pipeline minimising the slowest pipeline, where a
+  pipeline's time is ``fixed + per_row x rows`` (zero when it gets no rows). Identical pipelines
+  come as one class with a count; a bisection on the step time finds the least feasible level,
+  then surplus rows are taken back from the slowest pipelines. Exact, and linear in the number of
+  classes, which keeps a thousand pipelines cheap.
+
+All three are deterministic: ties go to the lower index.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+
+def minmax_layers(fixed: Sequence[float], per_layer: Sequence[float], caps: Sequence[int],
+                  total: int) -> Optional[tuple[int, ...]]:
+    """Layers per stage, or None when the caps cannot hold ``total`` layers."""
+    n = len(fixed)
+    if n > total or any(c < 1 for c in caps) or sum(min(c, total) for c in caps) < total:
+        return None
+    layers = [1] * n
+    heap = [(fixed[i] + per_layer[i] * 2, i) for i in range(n) if caps[i] > 1]
+    heapq.heapify(heap)
+    for _ in range(total - n):
+        _, i = heapq.heappop(heap)
+        layers[i] += 1
+        if layers[i] < caps[i]:
+            heapq.heappush(heap, (fixed[i] + per_layer[i] * (layers[i] + 1), i))
+    return tuple(layers)
+
+
+def pipeline_layers(fixed: Sequence[float], per_layer: Sequence[float], caps: Sequence[int],
+                    total: int, num_microbatches: int) -> Optional[tuple[int, ...]]:
+    """Layers per stage minimising the 1F1B pipeline time; None when infeasible."""
+    start = minmax_layers(fixed, per_layer, caps, total)
+    n = len(fixed)
+    if start is None or n == 1 or max(per_layer) == min(per_layer):
+        return start  # equal per-layer costs: the sum is fixed, so the min-max split is optimal
+    scale = 1.0 / max(per_layer)
+    a = np.asarray(fixed) * scale
+    c = np.asarray(per_layer) * scale
+    # variables: l_0..l_{n-1} (integer), z (the slowest stage)
+    objective = np.concatenate([c, [num_microbatches - 1.0]])
+    rows = np.zeros((n + 1, n + 1))
+    rows[:n, :n] = np.diag(c)
+    rows[:n, n] = -1.0
+    rows[n, :n] = 1.0
+    lower = np.concatenate([np.full(n, -np.inf), [total]])
+    upper = np.concatenate([-a, [total]])
+    caps_hi = np.array([min(cap, total) for cap in caps], dtype=float)
+    bounds = Bounds(np.concatenate([np.ones(n), [0.0]]), np.concatenate([caps_hi, [np.inf]]))
+    integrality = np.concatenate([np.ones(n), [0]])
+    res = milp(objective, constraints=LinearConstraint(rows, lower, upper),
+               integrality=integrality, bounds=bounds)
+    if res.x is None:
+        return start
+    layers = tuple(int(round(v)) for v in res.x[:n])
+    if sum(layers) != total or any(not 1 <= l <= caps_hi[i] for i, l in enumerate(layers)):
+        return start
+    return layers if _pipe_time(a, c, layers, num_microbatches) <= \
+        _pipe_time(a, c, start, num_microbatches) else start
+
+
+def _pipe_time(a, c, layers, m) -> float:
+    times = [a[i] + c[i] * l for i, l in enumerate(layers)]
+    return sum(times) + (m - 1) * max(times)
+
+
+def split_rows(classes: Sequence[tuple[float, float, int]], total: int) -> list[list[int]]:
+    """Rows per pipeline, per class of ``(fixed, per_row, count)``; min-max of pipeline times."""
+    def rows_at(level: float, fixed: float, per_row: float) -> int:
+        if level < fixed + per_row:
+            return 0
+        return int(math.floor((level - fixed) / per_row + 1e-9))
+
+    def supply(level: float) -> int:
+        return sum(cnt * rows_at(level, f, r) for f, r, cnt in classes)
+
+    lo = 0.0
+    hi = min(f + r * math.ceil(total / cnt) for f, r, cnt in classes)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if supply(mid) >= total:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    out = [[rows_at(hi, f, r)] * cnt for f, r, cnt in classes]
+    surplus = sum(map(sum, out)) - total
+    # Take surplus rows back from the pipelines that are slowest with them, last index first.
+    order = sorted(((f + r * out[k][j] if out[k][j] else 0.0, k, j)
+                    for k, (f, r, _) in enumerate(classes) for j in range(len(out[k]))),
+                   key=lambda x: (-x[0], -x[1], -x[2]))
+    for _, k, j in order:
+        if surplus <= 0:
+            break
+        out[k][j] -= 1
+        surplus -= 1
+    return out

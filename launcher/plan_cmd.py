@@ -1,0 +1,165 @@
+"""``hspmd-launch plan``: ask the planner about a hypothetical cluster.
+
+    hspmd-launch plan --devices 8xH800,8xH800,8xH20,8xH20 --model llama-13b --fail node0:3,7
+
+prints the plan the leader would choose (layout, estimated step time, memory per device, the
+next-best alternatives); ``--json`` prints the same as JSON. It runs the pure planner only: no
+etcd, no processes. Bad input is a usage error (exit 2) with one line naming the bad value; a
+model that fits no layout exits 1 with the planner's shortfall. Also runnable as
+``python -m launcher.plan_cmd``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import click
+
+from hspmd_elastic.plan import Plan, PlanError
+from hspmd_elastic.planner import (Inventory, PlanInfeasibleError, PlannerError, PlannerOptions,
+                                   inventory_from_dict, inventory_from_nodes, plan_for, preset,
+                                   profile_from_dict)
+
+
+def _load_json(path: str, param: str) -> object:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path!r}: {exc.strerror}", param_hint=param) \
+            from None
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"{path!r} is not valid JSON: {exc}", param_hint=param) from None
+
+
+def load_inventory(spec: str) -> Inventory:
+    if spec.endswith(".json") or os.path.isfile(spec):
+        return inventory_from_dict(_load_json(spec, "--devices"))
+    return inventory_from_nodes(spec)
+
+
+def resolve_device(token: str, inventory: Inventory, param: str) -> int:
+    """A device id, or ``NODE:INDEX`` (the INDEX-th device of that node, by id)."""
+    token = token.strip()
+    if ":" in token:
+        node, _, index = token.rpartition(":")
+        members = [d.id for d in inventory.devices if d.node == node]
+        if not members:
+            nodes = sorted({d.node for d in inventory.devices})
+            raise click.BadParameter(f"node {node!r} in {token!r} is unknown; nodes: "
+                                     f"{', '.join(nodes)}", param_hint=param)
+        if not index.isdigit() or int(index) >= len(members):
+            raise click.BadParameter(f"index {index!r} in {token!r}: node {node} has devices "
+                                     f"0..{len(members) - 1}", param_hint=param)
+        return members[int(index)]
+    if not token.isdigit():
+        raise click.BadParameter(f"{token!r} is neither a device id nor NODE:INDEX",
+                                 param_hint=param)
+    ids = {d.id for d in inventory.devices}
+    if int(token) not in ids:
+        raise click.BadParameter(f"device {token} is not in the inventory (ids "
+                                 f"{min(ids)}..{max(ids)})", param_hint=param)
+    return int(token)
+
+
+def _tokens(values: tuple[str, ...]) -> list[str]:
+    return [t for v in values for t in v.split(",") if t.strip()]
+
+
+def _degrades(values: tuple[str, ...], inventory: Inventory) -> dict[int, float]:
+    out = {}
+    for token in _tokens(values):
+        target, sep, factor = token.rpartition("=")
+        try:
+            value = float(factor)
+        except ValueError:
+            value = float("nan")
+        if not sep or not value >= 1.0 or value == float("inf"):
+            raise click.BadParameter(f"{token.strip()!r}: expected ID=FACTOR with FACTOR >= 1 "
+                                     "(2 means half speed)", param_hint="--degrade")
+        out[resolve_device(target, inventory, "--degrade")] = value
+    return out
+
+
+def _degrees(text: Optional[str], param: str) -> Optional[tuple[int, ...]]:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"{text!r}: expected positive integers such as 1,2,4",
+                                 param_hint=param)
+    return values
+
+
+def load_profile(model: str):
+    if model.endswith(".json") or os.path.isfile(model):
+        return profile_from_dict(_load_json(model, "--model"))
+    return preset(model)
+
+
+@click.command("plan")
+@click.option("--devices", required=True, metavar="NODES|FILE.json",
+              help="One item per node, e.g. 8xH800,8xH800,16xH20; or an inventory JSON file.")
+@click.option("--model", default="llama-7b", show_default=True, metavar="NAME|FILE.json",
+              help="llama-7b, llama-13b, llama-32b, or a profile / ModelConfig JSON file.")
+@click.option("--global-batch", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Sequences per step.")
+@click.option("--fail", "fail", multiple=True, metavar="IDS",
+              help="Failed devices: ids or NODE:INDEX, comma-separated or repeated.")
+@click.option("--degrade", multiple=True, metavar="ID=FACTOR",
+              help="Slow devices, e.g. 3=2 (half speed) or node1:0=1.5.")
+@click.option("--current", type=click.Path(dir_okay=False), default=None,
+              help="The current plan (JSON): report the bytes a switch would move.")
+@click.option("--tp", default=None, metavar="DEGREES", help="Allowed TP degrees, e.g. 1,2,4.")
+@click.option("--pp", default=None, metavar="DEPTHS", help="Allowed pipeline depths, e.g. 1,2.")
+@click.option("--cross-node-replicas", is_flag=True,
+              help="Prefer plans that keep every parameter slice on two nodes.")
+@click.option("--alternatives", type=click.IntRange(min=0), default=3, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, ...],
+                 degrade: tuple[str, ...], current: Optional[str], tp: Optional[str],
+                 pp: Optional[str], cross_node_replicas: bool, alternatives: int,
+                 as_json: bool) -> None:
+    """Show the plan the planner would choose for a (hypothetical) cluster."""
+    try:
+        inventory = load_inventory(devices)
+    except PlannerError as exc:
+        raise click.BadParameter(str(exc), param_hint="--devices") from None
+    try:
+        profile = load_profile(model)
+    except PlannerError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+    failed = tuple(resolve_device(t, inventory, "--fail") for t in _tokens(fail))
+    inventory = inventory.with_health(failed, _degrades(degrade, inventory))
+    current_plan = None
+    if current is not None:
+        try:
+            current_plan = Plan.from_dict(_load_json(current, "--current"))
+        except PlanError as exc:
+            raise click.BadParameter(str(exc), param_hint="--current") from None
+    options = PlannerOptions(tp_degrees=_degrees(tp, "--tp"), pp_degrees=_degrees(pp, "--pp"),
+                             cross_node_replicas=cross_node_replicas, alternatives=alternatives)
+    try:
+        result = plan_for(inventory, profile, global_batch, current_plan, options)
+    except PlanInfeasibleError as exc:
+        raise click.ClickException(str(exc)) from None
+    except PlannerError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True) if as_json
+               else result.explain())
+
+
+command = plan_command  # the name launcher.cli's subcommand table looks up
+
+
+def main() -> None:
+    plan_command(prog_name="hspmd-launch plan")
+
+
+if __name__ == "__main__":
+    main()
