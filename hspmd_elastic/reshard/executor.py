@@ -1,0 +1,197 @@
+"""Run a fused BSR schedule over torch.distributed (gloo on CPU, NCCL on GPU).
+
+One call per rank, every rank of the group calls it with the same schedule. Per peer and dtype,
+the rank packs the small boxes it sends into one contiguous buffer; a large box (see
+``FusedSchedule.solo_bytes``) travels as its own message, sent from and received into the tensors
+themselves when their memory is contiguous (no copy). Every send and receive is posted in one
+``batch_isend_irecv`` round and waited for with a deadline; staged receives are then unpacked.
+A rank that holds nothing new still sends; a rank with nothing to do returns at once. A shard
+whose box and device do not change is returned as the same tensor object (rebound, not copied).
+
+Effects only: all decisions were made by the planner. A timeout raises ``ReshardTimeoutError``;
+after it the process group must be rebuilt (gloo closes the pair on a timed-out receive).
+With NCCL, call ``torch.cuda.set_device`` first and run one collective on the group before the
+first exchange, as ``batch_isend_irecv`` requires when it is a group's first operation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from hspmd_elastic.reshard.api import (
+    ExchangeStats,
+    FusedSchedule,
+    Message,
+    ReshardCommError,
+    ReshardPlanError,
+    ReshardTimeoutError,
+)
+
+_POLL_S = 0.001
+
+
+def _view(tensor: torch.Tensor, box, origin) -> torch.Tensor:
+    return tensor[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, origin))]
+
+
+def _origin(ranges) -> tuple[int, ...]:
+    return tuple(lo for lo, _ in ranges)
+
+
+def _old_shard(schedule: FusedSchedule, name: str, rank: int, local_tensors: Mapping[str, torch.Tensor]):
+    spec = schedule.spec(name)
+    ranges = spec.old.local_slices(rank, spec.shape)
+    tensor = local_tensors.get(name)
+    expected = tuple(hi - lo for lo, hi in ranges) if ranges is not None else None
+    if tensor is None or expected is None or tuple(tensor.shape) != expected:
+        got = None if tensor is None else tuple(tensor.shape)
+        raise ReshardPlanError(
+            f"rank {rank}: tensor {name!r} needs its old local shard of shape {expected}, got {got}"
+        )
+    if str(tensor.dtype) != f"torch.{spec.dtype}":
+        raise ReshardPlanError(f"rank {rank}: tensor {name!r} is {tensor.dtype}, planned {spec.dtype}")
+    return tensor, _origin(ranges)
+
+
+def _unmoved(schedule: FusedSchedule, rank: int, local_tensors, device: torch.device):
+    """Old shards this rank keeps unchanged (same box, already on ``device``), by name."""
+    out = {}
+    for t in schedule.local:
+        if t.dst != rank:
+            continue
+        spec = schedule.spec(t.tensor)
+        box = spec.old.local_slices(rank, spec.shape)
+        if box == t.ranges == spec.new.local_slices(rank, spec.shape):
+            src, _ = _old_shard(schedule, t.tensor, rank, local_tensors)
+            if src.device == device:
+                out[t.tensor] = src
+    return out
+
+
+def _payload(schedule: FusedSchedule, msg: Message, rank: int, local_tensors) -> torch.Tensor:
+    """The send buffer of ``msg``: the box itself when it is contiguous, else a packed copy."""
+    parts = []
+    for t in msg.boxes:
+        src, origin = _old_shard(schedule, t.tensor, rank, local_tensors)
+        parts.append(_view(src, t.ranges, origin))
+    if len(parts) == 1:
+        return parts[0].reshape(-1) if parts[0].is_contiguous() else parts[0].contiguous().reshape(-1)
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def _landing(out: dict[str, torch.Tensor], new_origin, msg: Message) -> torch.Tensor | None:
+    """The receive buffer of a one-box message when its target region is contiguous, else None."""
+    if len(msg.boxes) != 1:
+        return None
+    t = msg.boxes[0]
+    target = _view(out[t.tensor], t.ranges, new_origin[t.tensor])
+    return target.view(-1) if target.is_contiguous() else None
+
+
+def _wait_all(works, deadline: float, backend: str, pending: list[str]) -> None:
+    for work, what in zip(works, pending):
+        remaining = deadline - time.monotonic()
+        try:
+            if backend == "gloo":
+                if remaining <= 0 and not work.is_completed():
+                    raise ReshardTimeoutError(f"{what} not done by the deadline")
+                work.wait(timeout=datetime.timedelta(seconds=max(remaining, 0.001)))
+            else:
+                # NCCL's wait() only orders streams; poll completion so the deadline holds.
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise ReshardTimeoutError(f"{what} not done by the deadline")
+                    time.sleep(_POLL_S)
+        except ReshardTimeoutError:
+            raise
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise ReshardTimeoutError(f"{what} timed out: {exc}") from exc
+            raise ReshardCommError(f"{what} failed: {exc}") from exc
+
+
+def execute_fused(
+    schedule: FusedSchedule,
+    rank: int,
+    local_tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    timeout_s: float = 60.0,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dict[str, torch.Tensor], ExchangeStats]:
+    """Execute ``schedule`` as ``rank``; return this rank's new shards by name and its stats.
+
+    ``local_tensors`` maps a tensor name to this rank's old shard (needed where it sends or copies).
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    stats = ExchangeStats(rank=rank)
+    device = torch.device(device)
+    out: dict[str, torch.Tensor] = {}
+    new_origin: dict[str, tuple[int, ...]] = {}
+    rebound = _unmoved(schedule, rank, local_tensors, device)
+    for spec in schedule.specs:
+        ranges = spec.new.local_slices(rank, spec.shape)
+        if ranges is not None:
+            new_origin[spec.name] = _origin(ranges)
+            if spec.name in rebound:
+                out[spec.name] = rebound[spec.name]  # same box, same device: rebind, no copy
+            else:
+                shape = tuple(hi - lo for lo, hi in ranges)
+                out[spec.name] = torch.empty(shape, dtype=getattr(torch, spec.dtype), device=device)
+
+    ops: list[dist.P2POp] = []
+    pending: list[str] = []
+    staged: list[tuple[torch.Tensor, Message]] = []
+    for msg in schedule.messages_of(rank):
+        if msg.src == rank:
+            buf = _payload(schedule, msg, rank, local_tensors).to(device)
+            ops.append(dist.P2POp(dist.isend, buf, msg.dst, group=group, tag=msg.tag))
+            pending.append(f"send of {msg.numel} x {msg.dtype} from rank {rank} to rank {msg.dst}")
+            stats.bytes_sent[msg.dst] = stats.bytes_sent.get(msg.dst, 0) + msg.nbytes
+        else:
+            buf = _landing(out, new_origin, msg)
+            if buf is None:
+                buf = torch.empty(msg.numel, dtype=getattr(torch, msg.dtype), device=device)
+                staged.append((buf, msg))
+            ops.append(dist.P2POp(dist.irecv, buf, msg.src, group=group, tag=msg.tag))
+            pending.append(f"receive of {msg.numel} x {msg.dtype} at rank {rank} from rank {msg.src}")
+            stats.bytes_received[msg.src] = stats.bytes_received.get(msg.src, 0) + msg.nbytes
+    stats.messages = len(ops)
+    packed = time.monotonic()
+    stats.pack_s = packed - start
+
+    works = []
+    if ops:
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            raise ReshardCommError(f"rank {rank}: posting {len(ops)} sends/receives failed: {exc}") from exc
+    # Local copies overlap the transfers in flight.
+    for t in schedule.local:
+        if t.dst != rank or t.tensor in rebound:
+            continue
+        src, origin = _old_shard(schedule, t.tensor, rank, local_tensors)
+        _view(out[t.tensor], t.ranges, new_origin[t.tensor]).copy_(_view(src, t.ranges, origin))
+        stats.bytes_copied_locally += t.nbytes
+
+    copied = time.monotonic()
+    stats.local_s = copied - packed
+    if works:
+        _wait_all(works, deadline, str(dist.get_backend(group)), pending)
+    communicated = time.monotonic()
+    stats.comm_s = communicated - packed
+
+    for buf, msg in staged:
+        at = 0
+        for t in msg.boxes:
+            target = _view(out[t.tensor], t.ranges, new_origin[t.tensor])
+            target.copy_(buf[at : at + t.numel].view(target.shape))
+            at += t.numel
+    stats.unpack_s = time.monotonic() - communicated
+    stats.total_s = time.monotonic() - start
+    return out, stats
