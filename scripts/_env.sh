@@ -25,6 +25,14 @@ if ! command -v etcd >/dev/null 2>&1 && [ -z "${HSPMD_ETCD_BINARY:-}" ]; then
   fi
 fi
 
+# Headless Chromium for the dashboard's browser test (Debian packages chromium + its fonts).
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  say "installing Debian chromium (dashboard browser test)"
+  { apt-get update -qq >/dev/null && \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+    say "apt-get could not install chromium: the dashboard browser test will fail"
+fi
+
 # 2. The virtualenv.
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "Python >= 3.10 is required, found " + sys.version.split()[0])'

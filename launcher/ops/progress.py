@@ -1,0 +1,78 @@
+"""Progress bars for a job's long waits (a rendezvous collecting nodes, a switch in progress).
+
+Promises: ``WaitProgress`` keeps one rich progress bar per wait of the current ``JobView``
+(``view.waits``): a bar with a count when the total is known, a pulsing bar otherwise; bars of
+waits that ended are removed. ``sync(view)`` is the only state change and does no I/O besides
+drawing; ``follow(cache, stop, deadline)`` redraws on every change of a ``JobStateCache`` (an
+etcd watch, no polling) and returns whether the job settled (no wait left) before the deadline.
+Bars go to stderr and only to a terminal unless ``console`` says otherwise, so piped output
+stays clean. Used by ``status --wait``; a launcher can show the same bars with
+``WaitProgress().follow(cache, stop)`` in a thread while its agent waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID,
+                           TextColumn, TimeElapsedColumn)
+
+from launcher.ops.view import JobView
+
+TICK_S = 0.5
+
+
+class WaitProgress:
+    def __init__(self, console: Optional[Console] = None):
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                                 BarColumn(bar_width=30), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=self.console, transient=False,
+                                 auto_refresh=False)
+        self._tasks: dict[str, TaskID] = {}
+
+    def __enter__(self) -> "WaitProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self._tasks)
+
+    def sync(self, view: JobView) -> bool:
+        """Show ``view``'s waits; returns True when none is left (the job is settled)."""
+        current = {w.kind: w for w in view.waits}
+        for kind in list(self._tasks):
+            if kind not in current:
+                self.progress.remove_task(self._tasks.pop(kind))
+        for kind, wait in current.items():
+            task = self._tasks.get(kind)
+            if task is None:
+                task = self._tasks[kind] = self.progress.add_task(wait.label, total=wait.total)
+            self.progress.update(task, description=wait.label, total=wait.total,
+                                 completed=wait.done)
+        self.progress.refresh()
+        return not current
+
+    def follow(self, cache, stop: threading.Event, deadline: Optional[float] = None) -> bool:
+        """Redraw on every change of ``cache`` until settled, ``stop`` or the monotonic
+        ``deadline``; True when the job settled."""
+        version = -1
+        with self:
+            while not stop.is_set():
+                if version != cache.version or version < 0:
+                    version = cache.version
+                    if self.sync(cache.view()):
+                        return True
+                tick = TICK_S if deadline is None else min(TICK_S, deadline - time.monotonic())
+                if tick <= 0:
+                    return False
+                cache.wait_changed(version, tick)
+                self.progress.refresh()
+        return False

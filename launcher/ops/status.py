@@ -1,0 +1,197 @@
+"""The terminal view of a job (``hspmd-launch status``), rendered with rich from a ``JobView``.
+
+Promises: ``render(view)`` is a pure function of the view (plus the display clock) returning one
+rich renderable: a header (leader, plan, throughput, device counts), the cluster (nodes -> GPUs
+coloured by health, with the reason of every non-healthy one), the plan (pipelines x stages x TP
+groups with layer ranges), progress bars for the waits in progress (rendezvous, switch) and the
+recent events. What the job has not published is said in words ("no plan published"), never an
+empty table. ``status --json`` does not come from here: it is ``JobView.document()``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from typing import Optional
+
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from launcher.ops.events import event_dict, format_bytes
+from launcher.ops.view import JobView
+
+HEALTH_STYLE = {"healthy": "green", "degraded": "yellow", "failed": "bold red",
+                "unknown": "grey62", "lost": "magenta"}
+NODE_STYLE = {"running": "green", "ready": "green", "joining": "cyan", "switching": "yellow",
+              "draining": "yellow", "leaving": "grey62", "failed": "bold red", "lost": "magenta"}
+EVENT_STYLE = {"failure": "bold red", "leave": "magenta", "degrade": "yellow", "stall": "yellow",
+               "switch-start": "cyan", "switch-done": "green", "switch-failed": "bold red",
+               "restart": "yellow", "fallback": "bold red", "join": "green", "recover": "green",
+               "replan": "cyan"}
+GLYPH = "\u25a0"  # a filled square per GPU
+RECENT_SHOWN = 12
+
+
+def clock(ts: Optional[float]) -> str:
+    if ts is None:
+        return "-"
+    return _dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+
+
+def age(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 90:
+        return f"{seconds:.1f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def render(view: JobView, endpoints: str = "") -> RenderableType:
+    parts = [_header(view, endpoints), _cluster(view), _plan(view)]
+    waits = _waits(view)
+    if waits is not None:
+        parts.append(waits)
+    parts.append(_events(view))
+    if view.bad_records:
+        bad = Table(title="Undecodable keys", title_justify="left", show_edge=False)
+        bad.add_column("key")
+        bad.add_column("problem", style="red")
+        for key, problem in view.bad_records:
+            bad.add_row(key, problem)
+        parts.append(bad)
+    return Group(*parts)
+
+
+# ----------------------------------------------------------------------------------- header
+def _header(view: JobView, endpoints: str) -> RenderableType:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    leader = view.leader
+    grid.add_row("leader", Text(f"{leader['node']} (term {leader['term']}, since "
+                                f"{clock(leader['since'])})") if leader else
+                 Text("no leader elected", style="grey62"))
+    plan = view.plan
+    grid.add_row("plan", Text(f"v{plan.version}: {plan.reason} ({len(plan.devices)} devices, "
+                              f"{clock(plan.created_at)})") if plan else
+                 Text("no plan published", style="grey62"))
+    tp = view.throughput
+    if tp["workers"]:
+        rate = "-" if tp["steps_per_s"] is None else f"{tp['steps_per_s']:.3f} steps/s"
+        grid.add_row("progress", f"step {tp['step']}, {rate}, {tp['workers']} workers")
+    else:
+        grid.add_row("progress", Text("no workers running", style="grey62"))
+    counts = view.device_counts()
+    line = Text()
+    for state, n in counts.items():
+        if n:
+            line.append(f"{n} {state}  ", style=HEALTH_STYLE[state])
+    grid.add_row("devices", line if line else Text("no devices reported", style="grey62"))
+    c = view.counters
+    grid.add_row("switches", f"{c['total']} done, {c['failed']} failed, "
+                             f"{c['seconds_total']:.2f}s, {format_bytes(c['bytes_moved_total'])}"
+                             " moved")
+    rd = view.rendezvous
+    if rd is not None:
+        grid.add_row("rendezvous", f"round {rd['round']} {rd['state']}, restarts "
+                                   f"{rd['restart_count']}, {len(rd['participants'])} nodes")
+    where = f" @ {endpoints}" if endpoints else ""
+    return Panel(grid, title=f"[bold]job {view.job}[/]{where}",
+                 subtitle=f"etcd revision {view.revision} at {clock(view.generated_at)}",
+                 expand=False)
+
+
+# ---------------------------------------------------------------------------------- cluster
+def _cluster(view: JobView) -> RenderableType:
+    if not view.nodes:
+        return Text("no nodes registered", style="grey62")
+    table = Table(title="Cluster", title_justify="left", expand=False)
+    for col in ("node", "host", "state", "GPUs", "workers", "step", "steps/s"):
+        table.add_column(col, justify="right" if col in ("workers", "step", "steps/s") else "left")
+    for node in view.nodes:
+        gpus = Text()
+        for d in node.devices:
+            gpus.append(GLYPH, style=HEALTH_STYLE[d.health])
+            gpus.append(f"{d.index} ")
+        if not node.devices:
+            gpus.append("none reported", style="grey62")
+        steps = [w.step for w in node.workers]
+        rates = [w.steps_per_s for w in node.workers]
+        table.add_row(node.id, node.host or "-",
+                      Text(node.state, style=NODE_STYLE.get(node.state, "")), gpus,
+                      str(len(node.workers)), str(max(steps)) if steps else "-",
+                      f"{sum(rates) / len(rates):.3f}" if rates else "-")
+    problems = [d for d in view.devices if d.health not in ("healthy", "unknown")]
+    if not problems:
+        return table
+    detail = Table(title="Devices needing attention", title_justify="left", expand=False)
+    for col in ("device", "health", "reason", "xid", "since", "in plan", "replaced by"):
+        detail.add_column(col)
+    for d in problems:
+        detail.add_row(d.id, Text(d.health, style=HEALTH_STYLE[d.health]), d.reason or "-",
+                       "-" if d.xid is None else str(d.xid), clock(d.health_at),
+                       "yes" if d.plan_rank is not None else "no",
+                       "-" if d.replaced_by_plan is None else f"plan v{d.replaced_by_plan}")
+    return Group(table, detail)
+
+
+# ------------------------------------------------------------------------------------- plan
+def _plan(view: JobView) -> RenderableType:
+    plan = view.plan
+    if plan is None:
+        return Text("Plan: no plan published", style="grey62")
+    health = {d.id: d.health for d in view.devices}
+    tree = Tree(Text(f"Plan v{plan.version} ({plan.reason}), store {plan.store_endpoint}",
+                     style="bold"))
+    if plan.layout_error:
+        tree.add(Text(plan.layout_error, style="yellow"))
+        tree.add(json.dumps(plan.strategy, sort_keys=True))
+        tree.add("devices: " + ", ".join(plan.devices))
+        return tree
+    for pipe in plan.pipelines:
+        branch = tree.add(f"pipeline {pipe['index']}: {pipe['num_microbatches']} x "
+                          f"{pipe['microbatch_size']} rows")
+        for st in pipe["stages"]:
+            line = Text(f"stage {st['index']}  layers {st['layers'][0]}-{st['layers'][1] - 1}"
+                        f"  TP{st['tp']} ")
+            for dev in st["devices"]:
+                line.append(f" {dev}", style=HEALTH_STYLE.get(health.get(dev, "unknown")))
+            branch.add(line)
+    if view.plan_history:
+        tree.add(Text("history: " + ", ".join(
+            f"v{p['version']} {p['reason']}" for p in view.plan_history[-5:]), style="grey62"))
+    return tree
+
+
+# ------------------------------------------------------------------------------------ waits
+def _waits(view: JobView) -> Optional[RenderableType]:
+    if not view.waits:
+        return None
+    table = Table.grid(padding=(0, 2))
+    for w in view.waits:
+        bar = ProgressBar(total=w.total, completed=w.done, width=30, pulse=w.total is None)
+        count = f"{w.done}/{w.total}" if w.total is not None else f"{w.done}"
+        table.add_row(w.label, bar, count, age(w.elapsed_s))
+    return Panel(table, title="waiting", expand=False)
+
+
+# ----------------------------------------------------------------------------------- events
+def _events(view: JobView) -> RenderableType:
+    if not view.events:
+        return Text("Events: none recorded", style="grey62")
+    table = Table(title=f"Recent events ({len(view.events)} in all)", title_justify="left",
+                  expand=False)
+    for col in ("time", "seq", "type", "node", "what", "took"):
+        table.add_column(col, justify="right" if col in ("seq", "took") else "left")
+    for ev in view.events[-RECENT_SHOWN:]:
+        d = event_dict(ev)
+        took = "-" if d["duration_s"] is None else f"{d['duration_s']:.2f}s"
+        table.add_row(clock(ev.at), str(ev.seq), Text(ev.type, style=EVENT_STYLE.get(ev.type, "")),
+                      ev.node or "-", d["summary"], took)
+    return table
