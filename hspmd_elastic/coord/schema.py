@@ -5,7 +5,8 @@ Promises:
 * every key lives under ``/hspmd/v1/jobs/<job_id>/`` and is built by one function here; numbers
   in keys are zero-padded so lexicographic order is numeric order;
 * every value is a UTF-8 JSON object with ``"schema": 1`` and a ``"kind"`` naming its record
-  type; no pickle, no base64;
+  type; no pickle, no base64; fields added after a record type was first written have defaults
+  and may be absent from older values (they decode to the default);
 * ``REGISTRY`` is the single table of key patterns -> record types; ``decode(key, raw)`` uses it
   and returns the right record or raises ``RecordError`` naming the key and what is wrong
   (malformed JSON, missing or unknown schema, wrong kind, missing/unknown/mistyped fields, a
@@ -209,6 +210,7 @@ class NodeRecord(Record):
     devices: list[DeviceInfo]
     state: str
     started_at: float
+    store_endpoint: str = ""  # host:port of the TCPStore this agent hosts ("" when none)
 
 
 @dataclass
@@ -264,6 +266,9 @@ class PlanRecord(Record):
     strategy: dict[str, Any]
     store_endpoint: str
     created_at: float
+    # Every device usable when the plan was made -> its speed relative to nominal (1.0 =
+    # nominal): the leader replans when the cluster no longer matches it.
+    inventory: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -472,13 +477,16 @@ def _from_dict(cls: type, body: dict, key: str, path: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     body = {k: v for k, v in body.items() if k not in ("schema", "kind")} if not path else body
-    missing = [n for n in names if n not in body]
+    optional = {f.name for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING
+                or f.default_factory is not dataclasses.MISSING}
+    missing = [n for n in names if n not in body and n not in optional]
     unknown = sorted(set(body) - set(names))
     if missing:
         raise RecordError(key, f"missing field(s) {', '.join(path + n for n in missing)}")
     if unknown:
         raise RecordError(key, f"unknown field(s) {', '.join(path + n for n in unknown)}")
-    values = {n: _coerce(body[n], hints[n], key, path + n) for n in names}
+    values = {n: _coerce(body[n], hints[n], key, path + n) for n in names if n in body}
     for fname, allowed in getattr(cls, "CHOICES", {}).items():
         if values[fname] is not None and values[fname] not in allowed:
             raise RecordError(

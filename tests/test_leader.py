@@ -1,0 +1,367 @@
+"""The leader against a real etcd: agents are real LeasedSessions writing real records.
+
+The failover case runs on a real 3-member cluster: the leader's agent dies mid-replan (with the
+etcd member it talked to) and another candidate takes over and publishes the right plan.
+
+No sleeps as synchronisation: every wait is on watched keys (or the leader's own state) with a
+deadline; debounce clocks are injected where a test needs to hold a replan back.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hspmd_elastic.coord import (
+    EtcdClient,
+    LeasedSession,
+    PrefixWatch,
+    read_events,
+    read_plan,
+    schema,
+)
+from hspmd_elastic.coord.util import Recorder, wait_for
+from hspmd_elastic.planner import ModelProfile, plan_for
+from launcher.elastic_agent import device_table, node_record
+from launcher.leader import Leader, LeaderState, Outcome
+
+JOB = "ljob"
+WAIT = 10.0
+PROFILE = ModelProfile("tiny", num_layers=2, hidden_size=32, ffn_size=64, num_heads=4,
+                       vocab_size=64, seq_len=16)
+BATCH = 8
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, dt: float) -> None:
+        with self._lock:
+            self.now += dt
+
+
+class Agent:
+    """A simulated node agent: its own client and lease, its node and device records, and
+    (optionally) a Leader on the same session, as the real agent runs it."""
+
+    def __init__(self, endpoints, name: str, slots: int = 2, ttl: float = 2):
+        self.name = name
+        self.client = EtcdClient(endpoints, timeout=1.0)
+        self.session = LeasedSession(self.client, ttl=ttl, name=f"agent {name}")
+        self.slots = slots
+        self.leader = None
+
+    def up(self, state: str = "ready") -> "Agent":
+        rec = node_record(f"h-{self.name}", device_table(self.name, self.slots), state, 0.0,
+                          store_endpoint=f"127.0.0.1:{29000 + ord(self.name[-1])}", pid=100)
+        self.session.put(schema.node_key(JOB, self.name), rec.to_json())
+        return self
+
+    def verdict(self, index: int, state: str, reason: str = "", slowdown=None) -> None:
+        rec = schema.DeviceHealthRecord(state=state, reason=reason, xid=None, slowdown=slowdown,
+                                        at=0.0)
+        self.session.put(schema.device_key(JOB, self.name, index), rec.to_json())
+
+    def lead(self, planner_fn=plan_for, debounce_s: float = 0.1, **kw) -> Leader:
+        self.leader = Leader(self.client, self.session, JOB, self.name, planner_fn, PROFILE,
+                             BATCH, debounce_s=debounce_s, election_recheck_s=0.3, **kw)
+        return self.leader.start()
+
+    def crash(self) -> None:
+        """The agent process dies: no more refreshes, nothing revoked, nothing resigned; its
+        keys (node record, candidacy) expire with the lease."""
+        self.session.stop(revoke=False, timeout=3.0)
+
+    def close(self) -> None:
+        if self.leader is not None:
+            self.leader.stop(timeout=3.0)
+        self.session.stop(timeout=3.0)
+        self.client.close()
+
+
+class Cluster:
+    def __init__(self, endpoints):
+        self.endpoints = endpoints
+        self.agents: list[Agent] = []
+        self.client = EtcdClient(endpoints, timeout=1.0)
+        self.plans = Recorder()
+        self.watch = PrefixWatch(self.client, schema.plan_history_prefix(JOB), self._on_plan,
+                                 decode=True, initial=True).start()
+
+    def _on_plan(self, ev) -> None:
+        if ev.record is not None:
+            self.plans(ev.record)
+
+    def agent(self, name: str, **kw) -> Agent:
+        a = Agent(self.endpoints, name, **kw)
+        self.agents.append(a)
+        return a
+
+    def wait_plan(self, version: int, timeout: float = WAIT) -> schema.PlanRecord:
+        ok = self.plans.wait_for(lambda ps: any(p.version == version for p in ps), timeout)
+        assert ok, f"plan v{version} not published in {timeout}s: {self.plans.items}"
+        return next(p for p in self.plans.items if p.version == version)
+
+    def versions(self) -> list[int]:
+        return [p.version for p in self.plans.items]
+
+    def events(self) -> list[schema.EventRecord]:
+        return read_events(self.client, JOB)
+
+    def close(self) -> None:
+        self.watch.stop(3.0)
+        for a in self.agents:
+            a.close()
+        self.client.close()
+
+
+@pytest.fixture
+def cluster(etcd_server):
+    c = Cluster(etcd_server.endpoints)
+    yield c
+    c.close()
+
+
+def _ticks_then(leader: Leader, state: LeaderState, timeout: float = WAIT) -> bool:
+    return wait_for(lambda: leader.state is state, timeout)
+
+
+# ------------------------------------------------------------------------------------------------
+def test_initial_plan_once_all_expected_nodes_are_there(cluster):
+    a = cluster.agent("a").up()
+    leader = a.lead(min_nodes=2)
+    assert _ticks_then(leader, LeaderState.WATCHING)
+    assert leader.pending is None and read_plan(cluster.client, JOB)[0] is None
+    cluster.agent("b").up()
+    v1 = cluster.wait_plan(1)
+    assert v1.reason == "start" and v1.devices == ["a:0", "a:1", "b:0", "b:1"]
+    assert v1.store_endpoint == "127.0.0.1:29097"  # the leader's own node hosts the store
+    assert v1.inventory == {d: 1.0 for d in v1.devices}
+    assert sorted(d for p in v1.strategy["pipelines"] for s in p["stages"]
+                  for d in s["devices"]) == [0, 1, 2, 3]
+    assert wait_for(lambda: [e.type for e in cluster.events()] == ["join", "join", "replan"],
+                    WAIT)
+    replan = cluster.events()[-1]
+    assert replan.node == "a" and replan.detail["version"] == 1
+    assert replan.detail["planner"] == "plan_for"
+    assert replan.timings["detect_to_publish_s"] >= 0.0
+    assert cluster.versions() == [1] and leader.outcomes == [Outcome.PUBLISHED]
+    states = [h[0] for h in leader.history()]
+    assert states == [LeaderState.FOLLOWER, LeaderState.WATCHING, LeaderState.DEBOUNCING,
+                      LeaderState.PLANNING, LeaderState.PUBLISHING, LeaderState.WATCHING]
+    assert all(a[1] <= b[1] for a, b in zip(leader.history(), leader.history()[1:]))
+
+
+def test_lease_expiry_replans_without_the_node(cluster):
+    a = cluster.agent("a").up()
+    b = cluster.agent("b").up()
+    a.lead(min_nodes=2)
+    cluster.wait_plan(1)
+    b.crash()
+    v2 = cluster.wait_plan(2)
+    assert v2.devices == ["a:0", "a:1"] and v2.reason == "leave b"
+    assert wait_for(lambda: [e.type for e in cluster.events()][-2:] == ["leave", "replan"], WAIT)
+    leave = cluster.events()[-2]
+    assert leave.node == "b" and leave.detail["devices"] == ["b:0", "b:1"]
+    assert cluster.versions() == [1, 2]
+
+
+def test_failed_verdict_is_excluded_and_degraded_reaches_the_planner(cluster):
+    inventories = []
+
+    def planner(inventory, profile, global_batch, current_plan=None, options=None):
+        inventories.append(inventory)
+        return plan_for(inventory, profile, global_batch, current_plan, options)
+
+    a = cluster.agent("a").up()
+    b = cluster.agent("b").up()
+    a.lead(planner_fn=planner, min_nodes=2)
+    cluster.wait_plan(1)
+    a.verdict(1, "failed", "Xid 79: GPU fell off the bus")
+    v2 = cluster.wait_plan(2)
+    assert v2.devices == ["a:0", "b:0", "b:1"]
+    assert v2.reason == "failure a:1: Xid 79: GPU fell off the bus"
+    b.verdict(0, "degraded", "thermal slowdown", slowdown=0.5)
+    v3 = cluster.wait_plan(3)
+    assert v3.reason == "degrade b:0: speed 100% -> 50%"
+    assert v3.inventory == {"a:0": 1.0, "b:0": 0.5, "b:1": 1.0}
+    slow = [d for d in inventories[-1].devices if d.node == "b" and d.slowdown != 1.0]
+    assert len(slow) == 1 and slow[0].slowdown == 2.0
+    assert [d.usable for d in inventories[1].devices] == [True, False, True, True]  # a:1 lost
+    assert len(inventories[-1].devices) == 3  # a:1 is in neither v2 nor the cluster
+    assert wait_for(lambda: [e.type for e in cluster.events()] == [
+        "join", "join", "replan", "failure", "replan", "degrade", "replan"], WAIT)
+
+
+def test_a_join_gives_a_bigger_plan(cluster):
+    a = cluster.agent("a").up()
+    a.lead()
+    assert cluster.wait_plan(1).devices == ["a:0", "a:1"]
+    cluster.agent("c", slots=3).up()
+    v2 = cluster.wait_plan(2)
+    assert v2.devices == ["a:0", "a:1", "c:0", "c:1", "c:2"] and v2.reason == "join c"
+    assert wait_for(lambda: any(e.type == "join" and e.node == "c" for e in cluster.events()),
+                    WAIT)
+
+
+def test_two_failures_in_quick_succession_make_one_publication(cluster):
+    clock = ManualClock()
+    a = cluster.agent("a", slots=3).up()
+    b = cluster.agent("b", slots=3).up()
+    leader = a.lead(debounce_s=1.0, clock=clock, min_nodes=2, max_debounce_s=5.0)
+    assert wait_for(lambda: leader.state is LeaderState.DEBOUNCING, WAIT)
+    clock.advance(1.5)
+    leader.poke()
+    cluster.wait_plan(1)
+    assert wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT)
+    a.verdict(2, "failed", "ecc")
+    assert wait_for(lambda: leader.pending is not None and "a:2" in leader.pending.reason, WAIT)
+    clock.advance(0.5)  # within the window: the second failure restarts it
+    b.verdict(0, "failed", "Xid 48")
+    assert wait_for(lambda: leader.pending is not None and "b:0" in leader.pending.reason, WAIT)
+    clock.advance(0.6)  # 1.1s since the first, 0.6s since the second: still waiting
+    leader.poke()
+    assert wait_for(lambda: leader.state is LeaderState.DEBOUNCING, WAIT)
+    assert read_plan(cluster.client, JOB)[0].version == 1
+    clock.advance(0.5)
+    leader.poke()
+    v2 = cluster.wait_plan(2)
+    assert v2.devices == ["a:0", "a:1", "b:1", "b:2"]
+    assert v2.reason == "failure a:2: ecc; failure b:0: Xid 48"
+    assert wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT)
+    replan = [e for e in cluster.events() if e.type == "replan"][-1]
+    assert replan.timings["detect_to_publish_s"] == pytest.approx(1.6)
+    history = cluster.client.get_prefix(schema.plan_history_prefix(JOB))
+    assert [schema.decode(kv.key, kv.value).version for kv in history] == [1, 2]
+    assert cluster.versions() == [1, 2] and leader.outcomes.count(Outcome.PUBLISHED) == 2
+
+
+def test_a_storm_stops_at_the_debounce_bound_and_versions_stay_consecutive(cluster):
+    clock = ManualClock()
+    a = cluster.agent("a", slots=4).up()
+    leader = a.lead(debounce_s=1.0, clock=clock, max_debounce_s=2.0)
+    assert wait_for(lambda: leader.state is LeaderState.DEBOUNCING, WAIT)
+    clock.advance(1.0)
+    leader.poke()
+    cluster.wait_plan(1)
+    assert wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT)
+    for i in (0, 1, 2):  # a failure every 0.8 s keeps the window open until the bound
+        a.verdict(i, "failed", f"ecc {i}")
+        assert wait_for(lambda i=i: leader.pending is not None
+                        and f"a:{i}" in leader.pending.reason, WAIT)
+        clock.advance(0.8)
+        leader.poke()
+    v2 = cluster.wait_plan(2)
+    assert v2.devices == ["a:3"]
+    assert cluster.versions() == [1, 2]
+
+
+def test_a_publication_that_loses_a_race_re_reads_and_converges(cluster):
+    raced = {"armed": False}
+
+    def racing_planner(inventory, profile, global_batch, current_plan=None, options=None):
+        if raced["armed"]:  # another writer publishes v2 while we plan: our v2 must lose
+            raced["armed"] = False
+            other = schema.PlanRecord(version=2, reason="elsewhere", devices=["a:0", "a:1"],
+                                      strategy={}, store_endpoint="127.0.0.1:29097",
+                                      created_at=0.0, inventory={"a:0": 1.0, "a:1": 1.0})
+            cluster.client.put(schema.plan_current_key(JOB), other.to_json())
+            cluster.client.put(schema.plan_history_key(JOB, 2), other.to_json())
+        return plan_for(inventory, profile, global_batch, current_plan, options)
+
+    a = cluster.agent("a").up()
+    leader = a.lead(planner_fn=racing_planner)
+    cluster.wait_plan(1)
+    assert wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT)
+    raced["armed"] = True
+    a.verdict(1, "failed", "ecc")
+    v3 = cluster.wait_plan(3)
+    assert v3.devices == ["a:0"] and v3.reason == "failure a:1: ecc"
+    assert wait_for(lambda: [p.version for p in leader.publications] == [1, 3], WAIT)
+    assert Outcome.CONFLICT in leader.outcomes
+    assert cluster.versions() == [1, 2, 3]
+
+
+def test_a_deposed_leaders_publish_is_rejected(cluster):
+    gate, entered = threading.Event(), threading.Event()
+    hold = {"on": False}
+
+    def slow_planner(inventory, profile, global_batch, current_plan=None, options=None):
+        if hold["on"]:
+            entered.set()
+            gate.wait(WAIT)
+        return plan_for(inventory, profile, global_batch, current_plan, options)
+
+    nodes = [cluster.agent("a").up(), cluster.agent("b").up()]
+    # Leaders on sessions of their own, so deposing one leaves its node's records alone.
+    a_leader_session = LeasedSession(nodes[0].client, ttl=2, name="leader a")
+    a = Leader(nodes[0].client, a_leader_session, JOB, "a", slow_planner, PROFILE, BATCH,
+               debounce_s=0.05, election_recheck_s=0.3, min_nodes=2).start()
+    b_leader_session = LeasedSession(nodes[1].client, ttl=2, name="leader b")
+    b = Leader(nodes[1].client, b_leader_session, JOB, "b", plan_for, PROFILE, BATCH,
+               debounce_s=0.05, election_recheck_s=0.3, min_nodes=2)
+    try:
+        cluster.wait_plan(1)
+        assert a.election.is_leader
+        b.start()
+        hold["on"] = True
+        nodes[1].verdict(1, "failed", "ecc")
+        assert entered.wait(WAIT)  # a is planning v2
+        cluster.client.revoke(a_leader_session.lease_id)  # a's term ends under it
+        v2 = cluster.wait_plan(2)
+        assert v2.devices == ["a:0", "a:1", "b:0"]
+        assert wait_for(lambda: [p.version for p in b.publications] == [2], WAIT)
+        gate.set()
+        assert wait_for(lambda: Outcome.DEPOSED in a.outcomes, WAIT), a.outcomes
+        assert wait_for(lambda: a.state is LeaderState.FOLLOWER, WAIT)
+        assert [p.version for p in a.publications] == [1]
+        assert read_plan(cluster.client, JOB)[0].reason == v2.reason == "failure b:1: ecc"
+        assert cluster.versions() == [1, 2]
+    finally:
+        gate.set()
+        for leader, session in ((a, a_leader_session), (b, b_leader_session)):
+            leader.stop(timeout=3.0)
+            session.stop(timeout=3.0)
+
+
+def test_the_leaders_agent_dies_mid_replan_and_another_takes_over(etcd_cluster3):
+    cluster = Cluster(etcd_cluster3.endpoints)
+    try:
+        a = cluster.agent("a").up()
+        b = cluster.agent("b").up()
+        held = ManualClock()  # a's debounce clock: never advanced once v1 is out
+        leader_a = a.lead(debounce_s=0.5, clock=held, min_nodes=2)
+        assert wait_for(lambda: leader_a.state is LeaderState.DEBOUNCING, WAIT)
+        held.advance(1.0)
+        leader_a.poke()
+        v1 = cluster.wait_plan(1)
+        assert v1.devices == ["a:0", "a:1", "b:0", "b:1"] and v1.store_endpoint.endswith(":29097")
+        leader_b = b.lead(debounce_s=0.1, min_nodes=2)
+        assert wait_for(lambda: leader_a.state is LeaderState.WATCHING, WAIT)
+
+        b.verdict(1, "failed", "ecc")
+        assert wait_for(lambda: leader_a.pending is not None, WAIT)  # a is mid-replan
+        used = a.client.current_endpoint
+        a.crash()
+        next(m for m in etcd_cluster3.members if m.endpoint == used).kill()
+
+        v2 = cluster.wait_plan(2)
+        assert v2.devices == ["b:0"]
+        assert v2.reason == "leave a; failure b:1: ecc; store 127.0.0.1:29097 -> 127.0.0.1:29098"
+        assert v2.store_endpoint.endswith(":29098")  # a's store died with it
+        assert wait_for(lambda: [p.version for p in leader_b.publications] == [2], WAIT)
+        assert [p.version for p in leader_a.publications] == [1]
+        assert Outcome.PUBLISHED not in leader_a.outcomes[1:]
+        assert leader_a.state is LeaderState.FOLLOWER
+        assert cluster.versions() == [1, 2]
+        assert wait_for(lambda: [e.type for e in cluster.events()][-3:] ==
+                        ["leave", "failure", "replan"], WAIT)
+    finally:
+        cluster.close()

@@ -1,0 +1,291 @@
+"""The leader's pure parts: snapshot, decision, planning adapter, fallback plan, state table."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.plan import Plan
+from hspmd_elastic.planner import ModelProfile, PlanInfeasibleError, plan_for
+from launcher.elastic_agent import device_table
+from launcher.leader import (
+    EXIT_PREFIX,
+    STALL_PREFIX,
+    TRANSITIONS,
+    ChangeKind,
+    LeaderState,
+    PlanningFailed,
+    build_snapshot,
+    decide,
+    device_id,
+    fallback_dp_plan,
+    make_layout,
+    parse_device_id,
+    plan_record,
+)
+
+PROFILE = ModelProfile("tiny", num_layers=2, hidden_size=32, ffn_size=64, num_heads=4,
+                       vocab_size=64, seq_len=16)
+
+
+def node(name: str, n: int = 2, state: str = "ready", store: bool = True) -> schema.NodeRecord:
+    endpoint = f"h-{name}:29{ord(name[-1]) % 100:03d}" if store else ""
+    return schema.NodeRecord(host=f"h-{name}", agent_pid=1, devices=device_table(name, n),
+                             state=state, started_at=0.0, store_endpoint=endpoint)
+
+
+def verdict(state: str, reason: str = "", slowdown=None) -> schema.DeviceHealthRecord:
+    return schema.DeviceHealthRecord(state=state, reason=reason, xid=None, slowdown=slowdown,
+                                     at=0.0)
+
+
+def published(decision, version=None) -> schema.PlanRecord:
+    """The plan a leader would publish for ``decision`` (fallback planner: fast, pure)."""
+    layout = make_layout(decision, None, None, PROFILE, 8)
+    return plan_record(decision, layout, 0.0)
+
+
+def test_device_ids_round_trip_and_sort_numerically():
+    assert parse_device_id(device_id("node-a.1", 12)) == ("node-a.1", 12)
+    with pytest.raises(ValueError, match="not <node_id>:<index>"):
+        parse_device_id("node-a")
+    nodes = {"a": node("a", 12)}
+    d = decide(build_snapshot(nodes, {}), None)
+    assert [x.id for x in d.devices][:3] == ["a:0", "a:1", "a:2"]
+    assert [x.id for x in d.devices][-1] == "a:11"
+
+
+def test_snapshot_excludes_failed_and_gone_and_keeps_degraded_speed():
+    nodes = {"a": node("a"), "b": node("b"), "c": node("c", state="leaving")}
+    verdicts = {("a", 1): verdict("failed", "Xid 79"), ("b", 0): verdict("degraded", "hot", 0.5),
+                ("b", 1): verdict("degraded", "throttled", None)}
+    snap = build_snapshot(nodes, verdicts, "b")
+    usable = snap.usable()
+    assert sorted(usable) == ["a:0", "b:0", "b:1"]
+    assert usable["b:0"].speed == 0.5 and usable["b:0"].state == "degraded"
+    assert usable["b:1"].speed == 0.5  # unknown slowdown: summarize_device_health's default
+    assert snap.device("a:1").reason == "Xid 79"
+    assert snap.alive_nodes() == ["a", "b"]
+    assert snap.store_for("b")[0] == "b"
+    assert snap.store_for("c")[0] == "a"  # a leaving node hosts no store; lowest live node id
+    assert build_snapshot({"a": node("a", store=False)}, {}).store_for("a") == ("", "")
+
+
+def test_initial_plan_waits_for_min_nodes():
+    assert decide(build_snapshot({}, {}), None) is None
+    one = build_snapshot({"a": node("a")}, {}, "a")
+    assert decide(one, None, min_nodes=2) is None
+    d = decide(build_snapshot({"a": node("a"), "b": node("b")}, {}, "a"), None, min_nodes=2)
+    assert d.version == 1 and d.reason == "start"
+    assert [c.kind for c in d.changes] == [ChangeKind.JOIN, ChangeKind.JOIN]
+    assert d.store_node == "a" and d.inventory == {"a:0": 1.0, "a:1": 1.0, "b:0": 1.0, "b:1": 1.0}
+
+
+def test_no_change_no_decision_and_each_kind_of_change_is_named():
+    nodes = {"a": node("a"), "b": node("b")}
+    v1 = published(decide(build_snapshot(nodes, {}, "a"), None))
+    assert decide(build_snapshot(nodes, {}, "a"), v1) is None
+
+    gone = decide(build_snapshot({"a": node("a")}, {}, "a"), v1)
+    assert gone.version == 2 and gone.reason == "leave b"
+    assert [(c.kind, c.devices) for c in gone.changes] == [(ChangeKind.LEAVE, ("b:0", "b:1"))]
+
+    failed = decide(build_snapshot(nodes, {("b", 1): verdict("failed", "Xid 79")}, "a"), v1)
+    assert failed.reason == "failure b:1: Xid 79" and not failed.changes[0].journaled
+
+    exits = decide(build_snapshot(nodes, {("b", 1): verdict("failed", EXIT_PREFIX + "code 3")},
+                                  "a"), v1)
+    assert exits.changes[0].kind is ChangeKind.FAILURE and exits.changes[0].journaled
+    stall = decide(build_snapshot(nodes, {("a", 0): verdict("failed", STALL_PREFIX + "hung")},
+                                  "a"), v1)
+    assert stall.changes[0].kind is ChangeKind.STALL and stall.reason == "stall a:0: hung"
+
+    slow = decide(build_snapshot(nodes, {("b", 0): verdict("degraded", "hot", 0.25)}, "a"), v1)
+    assert slow.reason == "degrade b:0: speed 100% -> 25%"
+    assert slow.inventory["b:0"] == 0.25
+    v2 = published(slow)
+    healed = decide(build_snapshot(nodes, {}, "a"), v2)
+    assert healed.reason == "recover b:0: speed 25% -> 100%" and healed.version == 3
+
+    joined = decide(build_snapshot({**nodes, "c": node("c", 1)}, {}, "a"), v1)
+    assert joined.reason == "join c" and joined.changes[0].devices == ("c:0",)
+    regrown = decide(build_snapshot({"a": node("a", 3), "b": node("b")}, {}, "a"), v1)
+    assert regrown.changes[0].kind is ChangeKind.RECOVER and regrown.changes[0].devices == ("a:2",)
+    shrunk = decide(build_snapshot({"a": node("a", 1), "b": node("b")}, {}, "a"), v1)
+    assert shrunk.reason == "failure a:1: device no longer reported"
+    left = decide(build_snapshot({"a": node("a"), "b": node("b", state="draining")}, {}, "a"), v1)
+    assert left.reason == "leave b" and left.changes[0].detail == "node draining"
+
+
+def test_store_host_change_alone_replans_and_several_changes_are_ordered():
+    nodes = {"a": node("a"), "b": node("b")}
+    v1 = published(decide(build_snapshot(nodes, {}, "a"), None))
+    moved = {"a": node("a", store=False), "b": node("b")}
+    d = decide(build_snapshot(moved, {}, "a"), v1)
+    assert d.changes == () and d.store_node == "b" and d.reason.startswith("store h-a:")
+    many = decide(build_snapshot({"a": node("a", 3), "c": node("c")},
+                                 {("a", 0): verdict("failed", "ecc"),
+                                  ("a", 1): verdict("degraded", "hot", 0.5)}, "a"), v1)
+    assert [c.kind for c in many.changes] == [ChangeKind.JOIN, ChangeKind.LEAVE,
+                                              ChangeKind.FAILURE, ChangeKind.DEGRADE,
+                                              ChangeKind.RECOVER]
+    assert many.reason == ("join c; leave b; failure a:0: ecc; degrade a:1: speed 100% -> 50%; "
+                           "recover a:2")
+
+
+def test_a_plan_without_inventory_is_read_as_its_devices_at_full_speed():
+    nodes = {"a": node("a")}
+    old = schema.PlanRecord(version=4, reason="x", devices=["a:0", "a:1"], strategy={},
+                            store_endpoint=nodes["a"].store_endpoint, created_at=0.0)
+    assert decide(build_snapshot(nodes, {}, "a"), old) is None
+    d = decide(build_snapshot(nodes, {("a", 1): verdict("failed", "x")}, "a"), old)
+    assert d.version == 5 and [x.id for x in d.devices] == ["a:0"]
+
+
+# ---- exhaustive: every pair of small worlds ---------------------------------------------------
+_SLOT_STATES = ("ok", "slow", "dead")
+_NODE_WORLDS = [None] + list(itertools.product(_SLOT_STATES, repeat=2))
+
+
+def _world(spec):
+    nodes, verdicts = {}, {}
+    for name, slots in zip(("a", "b"), spec):
+        if slots is None:
+            continue
+        nodes[name] = node(name)
+        for i, s in enumerate(slots):
+            if s == "slow":
+                verdicts[(name, i)] = verdict("degraded", "hot", 0.5)
+            elif s == "dead":
+                verdicts[(name, i)] = verdict("failed", "ecc")
+    return build_snapshot(nodes, verdicts, "a")
+
+
+def _expected_inventory(spec):
+    return {device_id(name, i): 0.5 if s == "slow" else 1.0
+            for name, slots in zip(("a", "b"), spec) if slots is not None
+            for i, s in enumerate(slots) if s != "dead"}
+
+
+def test_decide_exhaustively_over_pairs_of_worlds():
+    worlds = list(itertools.product(_NODE_WORLDS, repeat=2))
+    plans = {}
+    for spec in worlds:
+        d = decide(_world(spec), None)
+        inv = _expected_inventory(spec)
+        if not inv:
+            assert d is None
+            continue
+        assert d.inventory == inv and [x.id for x in d.devices] == sorted(inv)
+        plans[spec] = published(d)
+    checked = 0
+    for before, plan in plans.items():
+        for after in worlds:
+            d = decide(_world(after), plan)
+            inv = _expected_inventory(after)
+            store_moved = after[0] is None and before[0] is not None
+            if not inv:
+                assert d is None
+            elif inv == plan.inventory and not store_moved:
+                assert d is None, (before, after)
+            else:
+                assert d is not None and d.version == 2 and d.inventory == inv, (before, after)
+                assert d.reason and (d.changes or store_moved)
+                gone = set(plan.inventory) - set(inv)
+                named = {dev for c in d.changes for dev in c.devices}
+                assert gone <= named
+                assert d == decide(_world(after), plan)  # deterministic
+            checked += 1
+    assert checked == len(plans) * len(worlds)
+
+
+# ---- planning -----------------------------------------------------------------------------------
+def test_fallback_dp_plan_splits_rows_evenly():
+    p = fallback_dp_plan([4, 1, 2], num_layers=3, global_batch=8)
+    assert [pipe.stages[0].devices for pipe in p.pipelines] == [(1,), (2,), (4,)]
+    assert [pipe.rows for pipe in p.pipelines] == [3, 3, 2]
+    assert all(pipe.stages[0].layers == (0, 3) for pipe in p.pipelines)
+    small = fallback_dp_plan(range(5), num_layers=1, global_batch=2)
+    assert small.devices == (0, 1)
+    with pytest.raises(PlanningFailed):
+        fallback_dp_plan([], 2, 4)
+
+
+def test_layout_without_planner_is_the_fallback_over_compact_ids():
+    nodes = {"a": node("a"), "b": node("b")}
+    d = decide(build_snapshot(nodes, {("a", 0): verdict("failed", "x")}, "a"), None)
+    layout = make_layout(d, None, None, PROFILE, 8)
+    assert layout.planner == "fallback-dp" and layout.devices == ("a:1", "b:0", "b:1")
+    assert layout.plan.devices == (0, 1, 2)
+    rec = plan_record(d, layout, 1.0)
+    assert Plan.from_dict(rec.strategy) == layout.plan
+    schema.encode(rec)
+
+
+def test_layout_with_the_planner_gets_slowdowns_and_the_current_plan():
+    seen = []
+
+    def planner(inventory, profile, global_batch, current_plan=None, options=None):
+        seen.append((inventory, current_plan, options))
+        return plan_for(inventory, profile, global_batch, current_plan, options)
+
+    nodes = {"a": node("a"), "b": node("b")}
+    d1 = decide(build_snapshot(nodes, {}, "a"), None)
+    l1 = make_layout(d1, None, planner, PROFILE, 8)
+    assert l1.planner == "plan_for" and set(l1.devices) == {"a:0", "a:1", "b:0", "b:1"}
+    assert seen[0][2].use_all_devices  # CPU slots: every worker gets a role
+    v1 = plan_record(d1, l1, 0.0)
+    d2 = decide(build_snapshot(nodes, {("a", 0): verdict("failed", "x"),
+                                       ("b", 1): verdict("degraded", "hot", 0.5)}, "a"), v1)
+    l2 = make_layout(d2, v1, planner, PROFILE, 8)
+    inv, current, _ = seen[1]
+    by_id = {dev.id: dev for dev in inv.devices}
+    assert len(by_id) == 4 and not by_id[0].usable  # a:0 is id 0, failed
+    assert by_id[3].slowdown == 2.0  # b:1 at half speed
+    assert current is not None and set(current.devices) == {0, 1, 2, 3}
+    assert set(l2.devices) == {"a:1", "b:0", "b:1"}
+    assert l2.plan.devices == (0, 1, 2)
+    assert sum(p.rows for p in l2.plan.pipelines) == 8
+
+
+def test_layout_falls_back_on_planner_errors_but_not_on_infeasibility():
+    d = decide(build_snapshot({"a": node("a")}, {}, "a"), None)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("not finished")
+
+    assert make_layout(d, None, broken, PROFILE, 8).planner == "fallback-dp"
+
+    def infeasible(*args, **kwargs):
+        raise PlanInfeasibleError("model needs 80 GiB, devices have 16 GiB")
+
+    with pytest.raises(PlanningFailed, match="80 GiB"):
+        make_layout(d, None, infeasible, PROFILE, 8)
+
+
+def test_every_leader_state_can_stop_and_stopped_is_terminal():
+    assert set(TRANSITIONS) == set(LeaderState)
+    for state, targets in TRANSITIONS.items():
+        if state is LeaderState.STOPPED:
+            assert not targets
+        else:
+            assert LeaderState.STOPPED in targets and LeaderState.FOLLOWER in targets or \
+                state is LeaderState.FOLLOWER
+
+
+def test_records_written_before_the_optional_fields_still_decode():
+    job = "j"
+    old_node = (b'{"schema":1,"kind":"node","host":"h","agent_pid":1,"devices":[],'
+                b'"state":"ready","started_at":0.0}')
+    rec = schema.decode(schema.node_key(job, "a"), old_node)
+    assert rec.store_endpoint == ""
+    old_plan = (b'{"schema":1,"kind":"plan","version":1,"reason":"start","devices":["a:0"],'
+                b'"strategy":{},"store_endpoint":"h:1","created_at":0.0}')
+    plan = schema.decode(schema.plan_current_key(job), old_plan)
+    assert plan.inventory == {}
+    with pytest.raises(schema.RecordError, match="missing field"):
+        schema.decode(schema.node_key(job, "a"), b'{"schema":1,"kind":"node","host":"h"}')
+    with pytest.raises(schema.RecordError, match="inventory"):
+        schema.decode(schema.plan_current_key(job), old_plan[:-1] + b',"inventory":[1]}')
