@@ -16,7 +16,6 @@ from launcher.standalone import EtcdCluster  # noqa: E402
 def etcd_server(tmp_path):
     """A single real etcd member; yields the EtcdCluster (``.endpoints``, ``.members[0]``)."""
     cluster = EtcdCluster(size=1, base_dir=str(tmp_path / "etcd"))
-    os.makedirs(cluster.base_dir, exist_ok=True)
     cluster.start()
     try:
         yield cluster
@@ -28,7 +27,6 @@ def etcd_server(tmp_path):
 def etcd_cluster3(tmp_path):
     """A real 3-member etcd cluster on loopback."""
     cluster = EtcdCluster(size=3, base_dir=str(tmp_path / "etcd3"))
-    os.makedirs(cluster.base_dir, exist_ok=True)
     cluster.start()
     try:
         yield cluster

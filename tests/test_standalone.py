@@ -23,7 +23,6 @@ def test_parallel_instances_use_distinct_ports(tmp_path):
     clusters = [EtcdCluster(size=1, base_dir=str(tmp_path / f"e{i}")) for i in range(3)]
     try:
         for c in clusters:
-            os.makedirs(c.base_dir)
             c.start()
         ports = {c.members[0].client_port for c in clusters}
         assert len(ports) == 3

@@ -1,0 +1,193 @@
+"""The launcher's vocabulary: launch configuration, worker identity, agent states and errors.
+
+A reader learns ``launcher`` (the ``hspmd-launch`` control plane) from this file. Promises:
+
+* ``LaunchConfig`` is the whole, validated input of one node agent; the CLI builds it and nothing
+  else reads command-line flags or ``PET_*`` variables;
+* every failure the launcher reports is a ``LaunchError`` subclass carrying one line for the user
+  (the CLI prints ``hspmd-launch: error: <line>``, never a traceback);
+* exit codes follow torchrun: 0 success, 1 workers failed (after the last restart), a signal or a
+  runtime error, 2 usage errors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+DEFAULT_ROLE = "default"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # torchrun: TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30 s
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+# --------------------------------------------------------------------------------------- errors
+class LaunchError(Exception):
+    """Root of the launcher's errors; ``str(err)`` is the one line shown to the user."""
+
+    exit_code = EXIT_FAILED
+
+
+class ConfigError(LaunchError):
+    """A flag value is invalid (names the value and what would be valid)."""
+
+    exit_code = EXIT_USAGE
+
+
+class RendezvousError(LaunchError):
+    """The job's rendezvous could not complete."""
+
+
+class RendezvousConnectionError(RendezvousError):
+    """The rendezvous backend (etcd) cannot be reached."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """Not enough nodes joined before the join timeout."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The job already ended (failed or succeeded); no new round can be joined."""
+
+
+class WorkerSpawnError(LaunchError):
+    """A worker process could not be started (names the command and the OS error)."""
+
+
+class SignalReceived(LaunchError):
+    """The agent received a signal it handles (like torchrun's SignalException)."""
+
+    def __init__(self, signum: int, name: str):
+        self.signum = signum
+        super().__init__(f"process got signal: {signum} ({name})")
+
+
+# ---------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """Where and how the nodes of a job meet (``--rdzv-*`` flags, ``--rdzv-conf`` keys)."""
+
+    backend: str  # as spelled on the command line; every backend is served by etcd
+    endpoints: tuple[str, ...]  # etcd client endpoints host:port
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    join_timeout_s: float = 600.0  # torchrun's default
+    last_call_timeout_s: float = 30.0  # torchrun's default
+    close_timeout_s: float = 60.0
+    lease_ttl_s: float = 10.0
+    exit_barrier_timeout_s: float = 300.0  # torchrun agent's default
+    node_rank: Optional[int] = None  # --node-rank when given: orders nodes in a round
+    standalone: bool = False  # the agent runs the embedded etcd
+    host_etcd: bool = False  # c10d/static: this node may serve the store (etcd) at endpoints[0]
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    """``--log-dir``, ``--redirects``, ``--tee`` and ``--local-ranks-filter``.
+
+    ``redirects``/``tee`` map local rank -> bitmask (1 stdout, 2 stderr), as torchrun's ``Std``.
+    A missing rank means 0; ``default`` applies to ranks not in the map.
+    """
+
+    log_dir: Optional[str] = None
+    redirects: dict[int, int] = field(default_factory=dict)
+    redirects_default: int = 0
+    tee: dict[int, int] = field(default_factory=dict)
+    tee_default: int = 0
+    local_ranks_filter: Optional[frozenset[int]] = None
+
+    def redirect_of(self, local_rank: int) -> int:
+        return self.redirects.get(local_rank, self.redirects_default)
+
+    def tee_of(self, local_rank: int) -> int:
+        return self.tee.get(local_rank, self.tee_default)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything one node agent needs, validated."""
+
+    rdzv: RendezvousSettings
+    nproc_per_node: int
+    entrypoint: tuple[str, ...]  # the command every worker runs (python -u script.py args...)
+    entrypoint_name: str  # shown in the failure summary title (``<script> FAILED``)
+    node_id: str
+    role: str = DEFAULT_ROLE
+    max_restarts: int = 0
+    monitor_interval_s: float = 0.1
+    local_addr: Optional[str] = None
+    master_addr: Optional[str] = None  # static backend: fixed master address
+    master_port: Optional[int] = None  # static backend: fixed master port
+    logs: LogSettings = field(default_factory=LogSettings)
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    signals: tuple[str, ...] = tuple(DEFAULT_SIGNALS.split(","))
+    health_source: str = "none"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------- agent states
+class AgentState(enum.Enum):
+    """A node agent's lifecycle; each non-terminal state is bounded:
+
+    RENDEZVOUS by ``join_timeout`` (and the master wait by ``close_timeout``), RESTARTING by the
+    shutdown grace plus the SIGKILL wait, EXIT_BARRIER by ``exit_barrier_timeout``; RUNNING
+    lasts as long as the workers do (an etcd outage longer than ``ETCD_OUTAGE_MIN_S`` or three
+    lease TTLs ends it).
+    """
+
+    INIT = "init"
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    RESTARTING = "restarting"  # stopping workers before the next round
+    EXIT_BARRIER = "exit_barrier"  # our workers succeeded; waiting for the other nodes
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"  # a handled signal
+
+
+TERMINAL_STATES = frozenset({AgentState.SUCCEEDED, AgentState.FAILED, AgentState.INTERRUPTED})
+
+_ENDS = {AgentState.FAILED, AgentState.INTERRUPTED}
+ALLOWED_TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
+    AgentState.INIT: frozenset({AgentState.RENDEZVOUS, *_ENDS}),
+    AgentState.RENDEZVOUS: frozenset({AgentState.RUNNING, AgentState.RENDEZVOUS, *_ENDS}),
+    AgentState.RUNNING: frozenset(
+        {AgentState.RESTARTING, AgentState.EXIT_BARRIER, *_ENDS}
+    ),
+    AgentState.RESTARTING: frozenset({AgentState.RENDEZVOUS, *_ENDS}),
+    AgentState.EXIT_BARRIER: frozenset(
+        {AgentState.SUCCEEDED, AgentState.RENDEZVOUS, *_ENDS}
+    ),
+    AgentState.SUCCEEDED: frozenset(),
+    AgentState.FAILED: frozenset(),
+    AgentState.INTERRUPTED: frozenset(),
+}
+
+
+class IllegalTransition(LaunchError):
+    """A state change the table does not allow (a bug, not a user error)."""
+
+
+# ------------------------------------------------------------------------------ worker identity
+@dataclass(frozen=True)
+class RankAssignment:
+    """Ranks of one node's workers in a closed round (torchrun's meaning of each variable)."""
+
+    group_rank: int
+    group_world_size: int
+    local_world_size: int
+    base_global_rank: int  # global rank of local rank 0
+    world_size: int
+    role_base_rank: int
+    role_world_size: int
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.base_global_rank + local_rank
+
+    def role_rank(self, local_rank: int) -> int:
+        return self.role_base_rank + local_rank

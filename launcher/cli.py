@@ -1,0 +1,444 @@
+"""``hspmd-launch``: torchrun's command line over the etcd-backed node agent, plus subcommands.
+
+Promises:
+
+* ``hspmd-launch [torchrun flags] script.py [script args...]`` takes every torchrun flag with
+  torchrun's meaning and default, spelled with dashes or underscores, as ``--flag value`` or
+  ``--flag=value``; each flag can also come from ``PET_<FLAG>`` (e.g. ``PET_NPROC_PER_NODE=2``);
+  everything after the script belongs to the script;
+* our own flags are named ``--hspmd-*``;
+* a first argument naming a subcommand (``status``, ``dashboard``, ``inject``, ``plan``) that is
+  not an existing file runs that subcommand; ``hspmd-launch -- status`` runs a script called
+  ``status``;
+* bad input prints one line, ``hspmd-launch: error: ...`` naming the bad value and what would be
+  valid, and exits 2; runtime errors (etcd unreachable, rendezvous timeout) print one line and
+  exit 1; failed workers exit 1 after the failure summary; never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+import shutil
+import socket
+import sys
+import uuid
+from typing import Optional, Sequence
+
+import click
+
+from launcher.api import (
+    DEFAULT_ROLE,
+    DEFAULT_SIGNALS,
+    EXIT_FAILED,
+    EXIT_USAGE,
+    ConfigError,
+    LaunchConfig,
+    LaunchError,
+    LogSettings,
+    RendezvousSettings,
+)
+from launcher.logs import parse_ranks_filter, parse_std
+
+log = logging.getLogger("launcher")
+
+PROG = "hspmd-launch"
+# Subcommands, imported only when used: name -> "module:click_command". A name whose module is
+# not installed yet answers with one line instead of running a script of that name.
+SUBCOMMANDS: dict[str, str] = {
+    "status": "launcher.ops.commands:status",
+    "dashboard": "launcher.ops.commands:dashboard",
+    "inject": "launcher.inject.command:command",
+    "plan": "launcher.plan_cmd:plan_command",
+}
+ETCD_BACKENDS = ("etcd", "etcd-v2")
+KNOWN_BACKENDS = ("etcd", "etcd-v2", "c10d", "static")
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RDZV_CONF_FLOATS = {
+    "join_timeout": "join_timeout_s",
+    "last_call_timeout": "last_call_timeout_s",
+    "close_timeout": "close_timeout_s",
+    "exit_barrier_timeout": "exit_barrier_timeout_s",
+    "lease_ttl": "lease_ttl_s",
+}
+RDZV_CONF_IGNORED = ("timeout", "read_timeout", "is_host", "keep_alive_interval",
+                     "keep_alive_max_attempt", "heartbeat", "protocol", "cacert", "cert", "key",
+                     "etcd_prefix", "use_libuv")
+
+
+def _opt(*names: str, **kw):
+    """A torchrun flag: ``--a-b`` and ``--a_b`` spellings, ``PET_A_B`` from the environment."""
+    longs = [n for n in names if n.startswith("--")]
+    dest = longs[0][2:].replace("-", "_")
+    spellings = list(names)
+    for n in longs:
+        alt = "--" + n[2:].replace("-", "_")
+        if alt not in spellings:
+            spellings.append(alt)
+    kw.setdefault("envvar", f"PET_{dest.upper()}")
+    kw.setdefault("show_envvar", False)
+    return click.option(*spellings, dest, **kw)
+
+
+@click.command(
+    name=PROG,
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"],
+                      "max_content_width": 100},
+    epilog="Subcommands: " + ", ".join(SUBCOMMANDS) + " (hspmd-launch <name> --help). "
+           "Use 'hspmd-launch -- <script>' to run a script named like a subcommand.",
+)
+@_opt("--nnodes", default="1:1", show_default=True, help="N or MIN:MAX nodes.")
+@_opt("--nproc-per-node", default="1", show_default=True,
+      help="Workers per node: an integer, auto, cpu, gpu or xpu.")
+@_opt("--rdzv-backend", default="static", show_default=True,
+      help="etcd (etcd v3); etcd-v2, c10d and static are mapped onto it (see docs).")
+@_opt("--rdzv-endpoint", default="", help="etcd endpoint(s) host:port[,host:port...].")
+@_opt("--rdzv-id", default="none", show_default=True, help="Job id shared by all nodes.")
+@_opt("--rdzv-conf", default="", help="k=v,... : join_timeout, last_call_timeout, "
+      "close_timeout, exit_barrier_timeout, lease_ttl (seconds).")
+@_opt("--standalone", is_flag=True, help="Run an embedded single-member etcd (single node).")
+@_opt("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True)
+@_opt("--monitor-interval", type=click.FloatRange(min=0.0, min_open=True), default=0.1,
+      show_default=True)
+@_opt("--start-method", type=click.Choice(["spawn", "fork", "forkserver"]), default="spawn",
+      show_default=True, help="Accepted for compatibility: workers are always new processes.")
+@_opt("--event-log-handler", default="null", hidden=True)
+@_opt("--role", default=DEFAULT_ROLE, show_default=True)
+@_opt("-m", "--module", is_flag=True, help="Run the script as a module (python -m).")
+@_opt("--no-python", is_flag=True, help="Execute the script directly, without python.")
+@_opt("--run-path", is_flag=True, help="Run the script with runpy.run_path.")
+@_opt("--log-dir", default=None)
+@_opt("-r", "--redirects", default="0", show_default=True,
+      help="Redirect std streams to files: 0-3 or per rank, e.g. 0:3,1:1.")
+@_opt("-t", "--tee", default="0", show_default=True, help="Tee std streams to files and console.")
+@_opt("--local-ranks-filter", default="", help="Only show these local ranks on the console.")
+@_opt("--duplicate-stdout-filters", default="", hidden=True)
+@_opt("--duplicate-stderr-filters", default="", hidden=True)
+@_opt("--node-rank", type=click.IntRange(min=0), default=None,
+      help="Order of this node in the job (default: join order).")
+@_opt("--master-addr", default="127.0.0.1", show_default=True,
+      help="static backend: address of rank 0.")
+@_opt("--master-port", type=click.IntRange(0, 65535), default=None,
+      help="static backend: port of rank 0's store.")
+@_opt("--local-addr", default=None, help="Address other nodes reach this node at.")
+@_opt("--logs-specs", default=None, hidden=True)
+@_opt("--numa-binding", default=None, hidden=True)
+@_opt("--signals-to-handle", default=DEFAULT_SIGNALS, show_default=True)
+@_opt("--shutdown-timeout", type=click.FloatRange(min=0.0), default=None,
+      help="Seconds between SIGTERM and SIGKILL when stopping workers (default 30).")
+@_opt("--virtual-local-rank", is_flag=True, hidden=True)
+@_opt("--hspmd-node-id", default=None,
+            help="This agent's node id (default <hostname>-<pid>); lets several agents on one "
+                 "host act as separate nodes.")
+@_opt("--hspmd-etcd-endpoints", default=None,
+            help="etcd endpoints for coordination (overrides --rdzv-endpoint).")
+@_opt("--hspmd-health-source", default="none", show_default=True,
+            help="Device health source for hspmd-aware jobs: none, nvml or scripted:<file>.")
+@_opt("--hspmd-lease-ttl", type=click.FloatRange(min=1.0), default=None,
+            help="TTL of the node's etcd lease in seconds (default 10).")
+@click.argument("training_script")
+@click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
+def launch_command(**params) -> int:
+    """Start the node agent: rendezvous through etcd, then run NPROC_PER_NODE workers of
+    TRAINING_SCRIPT with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    config = build_config(params)
+    from launcher.agent import launch  # late: keeps --help and usage errors fast
+
+    return launch(config)
+
+
+# ------------------------------------------------------------------------------ config building
+def parse_nnodes(value: str) -> tuple[int, int]:
+    parts = str(value).split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError(value)
+    except ValueError:
+        raise ConfigError(f"invalid --nnodes value {value!r}: use N or MIN:MAX") from None
+    if not 0 < lo <= hi:
+        raise ConfigError(
+            f"invalid --nnodes value {value!r}: need 0 < MIN <= MAX (got min={lo}, max={hi})"
+        )
+    return lo, hi
+
+
+def resolve_nproc(value: str) -> int:
+    text = str(value).strip()
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is not None:
+        if n < 1:
+            raise ConfigError(f"invalid --nproc-per-node value {value!r}: must be >= 1")
+        return n
+    if text not in NPROC_WORDS:
+        raise ConfigError(
+            f"invalid --nproc-per-node value {value!r}: use a positive integer or one of "
+            + ", ".join(NPROC_WORDS)
+        )
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if text == "cpu":
+        return cpus or 1
+    import torch  # only for accelerator counts
+
+    if text == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError("--nproc-per-node gpu: CUDA is not available on this node")
+        return torch.cuda.device_count()
+    if text == "xpu":
+        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            raise ConfigError("--nproc-per-node xpu: XPU is not available on this node")
+        return torch.xpu.device_count()
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        return acc.device_count()
+    return cpus or 1
+
+
+def parse_rdzv_conf(value: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if not value:
+        return out
+    for item in value.split(","):
+        if not item.strip():
+            continue
+        key, sep, val = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"invalid --rdzv-conf entry {item!r}: use key=value[,key=value]")
+        if key in RDZV_CONF_FLOATS:
+            try:
+                out[RDZV_CONF_FLOATS[key]] = float(val)
+            except ValueError:
+                raise ConfigError(
+                    f"invalid --rdzv-conf {key}={val!r}: must be a number of seconds"
+                ) from None
+            if out[RDZV_CONF_FLOATS[key]] < 0:
+                raise ConfigError(f"invalid --rdzv-conf {key}={val!r}: must be >= 0")
+        elif key in RDZV_CONF_IGNORED:
+            log.info("--rdzv-conf %s is not used by the etcd rendezvous; ignored", key)
+        else:
+            raise ConfigError(
+                f"unknown --rdzv-conf key {key!r}: use " + ", ".join(RDZV_CONF_FLOATS)
+            )
+    return out
+
+
+def _endpoints(spec: str, flag: str) -> tuple[str, ...]:
+    from hspmd_elastic.coord.client import parse_endpoints
+
+    try:
+        return tuple(f"{h}:{p}" for h, p in parse_endpoints(spec))
+    except ValueError as exc:
+        raise ConfigError(f"invalid {flag} value {spec!r}: {exc}") from None
+
+
+def _entrypoint(params: dict) -> tuple[tuple[str, ...], str]:
+    script, args = params["training_script"], list(params["training_script_args"])
+    if params["run_path"]:
+        if not os.path.isfile(script):
+            raise ConfigError(f"training script {script!r} does not exist")
+        code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+        return (sys.executable, "-u", "-c", code, script, *args), script
+    if params["no_python"]:
+        if params["module"]:
+            raise ConfigError("--no-python and --module cannot be used together")
+        if not (shutil.which(script) or os.path.isfile(script)):
+            raise ConfigError(f"program {script!r} does not exist (--no-python runs it directly)")
+        return (script, *args), script
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    if params["module"]:
+        return (python, "-u", "-m", script, *args), script
+    if not os.path.isfile(script):
+        raise ConfigError(f"training script {script!r} does not exist")
+    return (python, "-u", script, *args), script
+
+
+def _check_id(flag: str, value: str) -> str:
+    if not ID_RE.match(value):
+        raise ConfigError(
+            f"invalid {flag} value {value!r}: use 1-128 characters from [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def default_node_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._") or "node"
+    return f"{host[:100]}-{os.getpid()}"
+
+
+def _rendezvous(params: dict, min_nodes: int, max_nodes: int) -> RendezvousSettings:
+    backend = params["rdzv_backend"].strip().lower()
+    endpoint = params["rdzv_endpoint"].strip()
+    run_id = params["rdzv_id"]
+    standalone = bool(params["standalone"])
+    if backend not in KNOWN_BACKENDS:
+        raise ConfigError(
+            f"unknown --rdzv-backend {backend!r}: use etcd (also accepted: "
+            + ", ".join(b for b in KNOWN_BACKENDS if b != "etcd") + ")"
+        )
+    if standalone or (backend == "static" and not endpoint and params["master_port"] is None
+                      and max_nodes == 1):
+        run_id = str(uuid.uuid4())  # torchrun: a standalone job gets a fresh id
+    # A single node needs no shared store: torchrun's static and c10d backends then run
+    # standalone here, on an embedded etcd.
+    standalone = standalone or (backend in ("static", "c10d") and max_nodes == 1)
+    host_etcd = False
+    node_rank = params["node_rank"]
+    if standalone:
+        endpoints: tuple[str, ...] = ()
+    elif params["hspmd_etcd_endpoints"]:
+        endpoints = _endpoints(params["hspmd_etcd_endpoints"], "--hspmd-etcd-endpoints")
+    elif backend == "static":
+        # torchrun: node rank 0 serves the store at --master-addr:--master-port; so here.
+        spec = endpoint or f"{params['master_addr']}:{params['master_port'] or 29500}"
+        endpoints = _endpoints(spec, "--rdzv-endpoint")
+        node_rank = node_rank or 0
+        host_etcd = node_rank == 0
+    else:
+        if not endpoint:
+            raise ConfigError(
+                f"--rdzv-backend {backend} needs --rdzv-endpoint <host:port[,...]> "
+                "(or --standalone for a single node)"
+            )
+        if backend == "c10d" and ":" not in endpoint:
+            endpoint += ":29400"  # torchrun's default c10d port
+        endpoints = _endpoints(endpoint, "--rdzv-endpoint")
+        # c10d: the node at the endpoint serves the store (an etcd here), unless one runs there
+        host_etcd = backend == "c10d" and len(endpoints) == 1
+    _check_id("--rdzv-id", run_id)
+    conf = parse_rdzv_conf(params["rdzv_conf"])
+    if params["hspmd_lease_ttl"] is not None:
+        conf["lease_ttl_s"] = params["hspmd_lease_ttl"]
+    return RendezvousSettings(
+        backend=backend, endpoints=endpoints, run_id=run_id, min_nodes=min_nodes,
+        max_nodes=max_nodes, node_rank=node_rank, standalone=standalone, host_etcd=host_etcd,
+        **conf,
+    )
+
+
+def build_config(params: dict) -> LaunchConfig:
+    """Validate flags into a LaunchConfig; ConfigError names the first bad value."""
+    min_nodes, max_nodes = parse_nnodes(params["nnodes"])
+    nproc = resolve_nproc(params["nproc_per_node"])
+    rdzv = _rendezvous(params, min_nodes, max_nodes)
+    entrypoint, name = _entrypoint(params)
+    red_default, red_map = parse_std("--redirects", params["redirects"])
+    tee_default, tee_map = parse_std("--tee", params["tee"])
+    logs = LogSettings(
+        log_dir=params["log_dir"], redirects=red_map, redirects_default=red_default,
+        tee=tee_map, tee_default=tee_default,
+        local_ranks_filter=parse_ranks_filter(params["local_ranks_filter"]),
+    )
+    node_id = _check_id("--hspmd-node-id", params["hspmd_node_id"] or default_node_id())
+    health = params["hspmd_health_source"]
+    if not (health in ("none", "nvml") or health.startswith("scripted:")):
+        raise ConfigError(
+            f"invalid --hspmd-health-source {health!r}: use none, nvml or scripted:<file>"
+        )
+    signals = _signals(params["signals_to_handle"])
+    # MASTER_ADDR/PORT: torchrun's static backend fixes them; on several nodes the port serves
+    # the rendezvous etcd, so the workers' store takes a free port on that address.
+    static = params["rdzv_backend"].strip().lower() == "static"
+    fixed = params["master_port"] is not None and (rdzv.standalone or static)
+    master_addr = params["master_addr"] if fixed or (static and not rdzv.standalone) else None
+    master_port = params["master_port"] if fixed and rdzv.standalone else None
+    timeout = params["shutdown_timeout"]
+    if timeout is None:
+        timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    return LaunchConfig(
+        rdzv=rdzv, nproc_per_node=nproc, entrypoint=entrypoint, entrypoint_name=name,
+        node_id=node_id, role=params["role"], max_restarts=params["max_restarts"],
+        monitor_interval_s=params["monitor_interval"], local_addr=params["local_addr"],
+        master_addr=master_addr, master_port=master_port, logs=logs, shutdown_timeout_s=timeout,
+        signals=signals, health_source=health,
+    )
+
+
+def _signals(value: str) -> tuple[str, ...]:
+    import signal as _signal
+
+    names = tuple(s.strip().upper() for s in value.split(",") if s.strip())
+    for name in names:
+        if not hasattr(_signal, name) or not name.startswith("SIG"):
+            raise ConfigError(
+                f"invalid --signals-to-handle entry {name!r}: use signal names like SIGTERM"
+            )
+    return names
+
+
+# ---------------------------------------------------------------------------------- entry point
+def _run_subcommand(name: str, args: list[str]) -> int:
+    module_name, _, attr = SUBCOMMANDS[name].partition(":")
+    try:
+        command = getattr(importlib.import_module(module_name), attr)
+    except ModuleNotFoundError as exc:
+        if not module_name.startswith(exc.name or "\0"):
+            raise  # the subcommand's module exists but one of its imports is missing
+        command = None
+    except AttributeError:
+        command = None
+    if not isinstance(command, click.Command):
+        _error(f"subcommand {name!r} is not available in this installation "
+               f"(to run a script named {name!r}: {PROG} -- {name})")
+        return EXIT_USAGE
+    return _invoke(command, args, f"{PROG} {name}")
+
+
+def _invoke(command: click.Command, args: list[str], prog: str) -> int:
+    try:
+        rv = command.main(args=args, prog_name=prog, standalone_mode=False)
+    except click.exceptions.Exit as exc:  # --help
+        return exc.exit_code
+    except click.Abort:
+        _error("aborted")
+        return EXIT_FAILED
+    except click.ClickException as exc:
+        _error(exc.format_message().replace("\n", " "))
+        return exc.exit_code
+    except LaunchError as exc:
+        _error(str(exc))
+        return exc.exit_code
+    return rv if isinstance(rv, int) else 0
+
+
+def _error(line: str) -> None:
+    print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+
+
+def _setup_logging() -> None:
+    level = os.environ.get("LOGLEVEL", "INFO").upper()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        "%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s", "%m%d %H:%M:%S"))
+    root = logging.getLogger("launcher")
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level, logging.INFO))
+    root.propagate = False
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console script entry; returns (and exits with) the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    _setup_logging()
+    if args and args[0] in SUBCOMMANDS and not os.path.exists(args[0]):
+        code = _run_subcommand(args[0], args[1:])
+    else:
+        code = _invoke(launch_command, args, PROG)
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()
