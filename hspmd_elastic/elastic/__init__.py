@@ -1,0 +1,9 @@
+"""Live elasticity, worker side: the pieces ``runtime.py`` and ``switch.py`` are built from.
+
+Modules:
+  api.py         errors, the worker lifecycle (state machine), identity, progress, switch timings
+  watchdog.py    the newest published plan (watch + re-read) and the abort-aware comm waiter
+  group.py       forming a plan version's process group on its store (destroy + barrier + init)
+  agree.py       pure decisions: resume step, owners, old-id -> new-rank mapping, BSR tensor list
+  checkpoint.py  asynchronous sharded checkpoints, read back under any plan (the fallback)
+"""

@@ -1,0 +1,162 @@
+"""Periodic, asynchronous checkpoints of the sharded training state, and reading them back under
+any plan: the fallback when a switch finds a slice with no live owner.
+
+Layout: ``<dir>/step-<8 digits>/shard-<rank>.pt`` holds one rank's local state tensors with their
+global index ranges; ``manifest.json`` lists the shards the step needs. Only the devices of the
+plan's first pipeline write (together they hold one full replica of every state tensor). A
+checkpoint is complete when its manifest and every listed shard exist; files are written to a
+temporary name and renamed, so a reader never sees half a file. Writing happens on a background
+thread from a copy taken at the step boundary; ``flush`` waits for it with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import shutil
+import threading
+from typing import Mapping, Optional
+
+import torch
+
+from hspmd_elastic.elastic.api import ElasticError
+from hspmd_elastic.elastic.agree import NO_STEP
+from hspmd_elastic.graph.config import ModelConfig
+from hspmd_elastic.graph.state import state_specs
+from hspmd_elastic.plan import Plan
+
+log = logging.getLogger(__name__)
+
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ElasticError):
+    """A checkpoint could not be written or read (names the path)."""
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def _atomic_save(obj, path: str, as_json: bool = False) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    if as_json:
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+    else:
+        torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def latest_complete(root: Optional[str]) -> int:
+    """The newest complete checkpoint step under ``root`` (``NO_STEP`` if none)."""
+    if not root or not os.path.isdir(root):
+        return NO_STEP
+    steps = sorted((int(m.group(1)) for m in map(_STEP_RE.match, os.listdir(root)) if m),
+                   reverse=True)
+    for step in steps:
+        if _complete(step_dir(root, step)):
+            return step
+    return NO_STEP
+
+
+def _complete(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            shards = json.load(f)["shards"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return all(os.path.exists(os.path.join(path, s)) for s in shards)
+
+
+class CheckpointWriter:
+    """Writes this rank's shards every ``every`` steps on a background thread."""
+
+    def __init__(self, root: str, every: int, keep: int = 3):
+        if every < 1:
+            raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
+        self.root, self.every, self.keep = root, every, keep
+        os.makedirs(root, exist_ok=True)
+        self._queue: "queue.Queue" = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def due(self, step: int) -> bool:
+        return step > 0 and step % self.every == 0
+
+    def submit(self, step: int, config: ModelConfig, plan: Plan, rank: int,
+               tensors: Mapping[str, torch.Tensor]) -> None:
+        """Queue a checkpoint of this rank's local state ``tensors`` at ``step`` (copied now)."""
+        if plan.locate(rank).pipeline != 0:
+            return
+        specs = {name: (spec.annotation.local_slices(rank, spec.shape),
+                        tensors[name].detach().clone())
+                 for name, spec in state_specs(config, plan).items() if name in tensors}
+        writers = sorted(d for s in plan.pipelines[0].stages for d in s.devices)
+        with self._idle:
+            self._pending += 1
+        self._queue.put((step, rank, writers, specs))
+
+    def _run(self) -> None:
+        while True:
+            step, rank, writers, specs = self._queue.get()
+            try:
+                path = step_dir(self.root, step)
+                os.makedirs(path, exist_ok=True)
+                _atomic_save({"step": step, "tensors": specs},
+                             os.path.join(path, f"shard-{rank}.pt"))
+                if rank == writers[0]:
+                    _atomic_save({"step": step, "shards": [f"shard-{w}.pt" for w in writers]},
+                                 os.path.join(path, "manifest.json"), as_json=True)
+                    self._prune(step)
+            except Exception as exc:  # noqa: BLE001 - reported, never kills training
+                self.errors.append(f"checkpoint step {step}: {exc}")
+                log.warning("checkpoint of step %d failed: %s", step, exc)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _prune(self, newest: int) -> None:
+        steps = sorted(int(m.group(1)) for m in map(_STEP_RE.match, os.listdir(self.root)) if m)
+        for step in steps[:-self.keep] if self.keep > 0 else []:
+            if step < newest:
+                shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued checkpoint is written; False at the deadline."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+
+def load_shards(root: str, step: int, config: ModelConfig, plan: Plan,
+                rank: int) -> dict[str, torch.Tensor]:
+    """This rank's local state tensors under ``plan``, read from checkpoint ``step``."""
+    path = step_dir(root, step)
+    if not _complete(path):
+        raise CheckpointError(f"checkpoint {path} is incomplete or missing")
+    pieces: dict[str, list] = {}
+    with open(os.path.join(path, "manifest.json")) as f:
+        shards = json.load(f)["shards"]
+    for shard in shards:
+        data = torch.load(os.path.join(path, shard), weights_only=False)
+        for name, (ranges, tensor) in data["tensors"].items():
+            pieces.setdefault(name, []).append((ranges, tensor))
+    out = {}
+    for name, spec in state_specs(config, plan).items():
+        ranges = spec.annotation.local_slices(rank, spec.shape)
+        if ranges is None:
+            continue
+        if name not in pieces:
+            raise CheckpointError(f"checkpoint {path} lacks tensor {name}")
+        full = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+        for box, tensor in pieces[name]:
+            full[tuple(slice(lo, hi) for lo, hi in box)] = tensor
+        out[name] = full[tuple(slice(lo, hi) for lo, hi in ranges)].clone()
+    return out

@@ -1,0 +1,310 @@
+"""The worker API of hspmd-aware training scripts: ``run(...)`` owns the training loop and keeps
+it going across plan changes, in the same process.
+
+A script gives a model config, optimizer settings, a deterministic sampler keyed by the global
+sample index (``sample(i)`` returns token row ``i``: ``seq_len + 1`` ids), the global batch size
+and the step count. Step ``s`` trains on samples ``[s*B, (s+1)*B)`` whatever the plan, so an
+elastic run computes what a fault-free run computes. ``run`` reads the worker environment set by
+the node agent (``HSPMD_ETCD_ENDPOINTS``, ``HSPMD_JOB_ID``, ``HSPMD_NODE_ID``, ``LOCAL_RANK``),
+waits for a plan that uses this device (``"<node_id>:<local_rank>"``), switches into it (see
+switch.py: the first plan is a switch from nothing), trains, and on a newer plan or a dead peer
+abandons the step and switches again. It returns when every rank of the current plan finished
+all steps (``RunResult``), or when the newest plan does not use this device (``EXCLUDED``).
+
+Progress goes to a ``ProgressReporter`` (default: ``HSPMD_PROGRESS_FILE`` if set, else nothing);
+the etcd worker key belongs to the node agent. Hooks for tests and tools: ``on_step(info)`` after
+every step, ``on_switch(timings)`` after every switch; ``RunResult.final_state`` holds this rank's
+parameter shards with their global index ranges (``gather_full`` assembles them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from hspmd_elastic.coord import EtcdClient
+from hspmd_elastic.elastic.api import (ConfigurationError, Lifecycle, PlanWaitTimeout,
+                                       ProgressReporter, SwitchTimings, TRANSITIONS, WorkerIdentity,
+                                       WorkerProgress, WorkerState, reporter_from_env)
+from hspmd_elastic.elastic.checkpoint import CheckpointWriter
+from hspmd_elastic.elastic.group import (GroupFormer, RegroupAborted, RegroupTimeout,
+                                         StoreUnreachable, wait_keys)
+from hspmd_elastic.elastic.watchdog import PlanWatcher, Watchdog
+from hspmd_elastic.graph.comm import CommTimeoutError
+from hspmd_elastic.graph.config import ModelConfig
+from hspmd_elastic.graph.optim import AdamWConfig
+from hspmd_elastic.reshard import ReshardCommError
+from hspmd_elastic.switch import (GraphSwitch, Held, SwitchTimeouts, check_global_batch,
+                                  plan_of)
+
+log = logging.getLogger("hspmd_elastic.runtime")
+
+Sampler = Callable[[int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RuntimeTimeouts:
+    plan_wait_s: float = 300.0  # for a (newer) plan that uses this device
+    comm_s: float = 60.0  # any one collective / point-to-point wait, and the BSR
+    regroup_s: float = 60.0  # meeting the plan's ranks on the store
+    finish_s: float = 300.0  # for every rank of the plan to finish the last step
+    etcd_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int  # the step just completed (0-based); the state is now at step + 1
+    loss: float
+    rank: int
+    plan_version: int
+    held: Held
+
+
+@dataclass
+class RunResult:
+    state: WorkerState
+    steps_done: int
+    plan_version: int
+    rank: int
+    losses: dict[int, float] = field(default_factory=dict)
+    switches: list[SwitchTimings] = field(default_factory=list)
+    final_state: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)
+
+
+def synthetic_sampler(config: ModelConfig, seed: int = 0) -> Sampler:
+    """A deterministic token source: row ``i`` depends on (seed, i) only."""
+
+    def sample(index: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        return torch.randint(0, config.vocab_size, (config.seq_len + 1,), generator=gen)
+
+    return sample
+
+
+def global_batch_at(sample: Sampler, step: int, global_batch: int) -> torch.Tensor:
+    return torch.stack([sample(step * global_batch + i) for i in range(global_batch)])
+
+
+def gather_full(pieces: list[dict[str, tuple[tuple, torch.Tensor]]],
+                shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Assemble full tensors from several ranks' ``final_state`` (every element must appear)."""
+    out = {}
+    for name, shape in shapes.items():
+        full = torch.full(shape, float("nan"), dtype=torch.float64)
+        for part in pieces:
+            if name in part:
+                ranges, tensor = part[name]
+                full[tuple(slice(lo, hi) for lo, hi in ranges)] = tensor.to(torch.float64)
+        out[name] = full
+    return out
+
+
+class _Context(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        w = self.extra["worker"]
+        return (f"[job={w.identity.job} node={w.identity.node} device={w.identity.device} "
+                f"rank={w.rank} v{w.version} step={w.step}] {msg}", kwargs)
+
+
+class _Worker:
+    def __init__(self, identity, config, sample, global_batch, steps, optim, seed, timeouts,
+                 reporter, on_step, on_switch, checkpoint_dir, checkpoint_every, fault_injector):
+        self.identity, self.config, self.sample = identity, config, sample
+        self.global_batch, self.steps, self.optim, self.seed = global_batch, steps, optim, seed
+        self.timeouts, self.reporter = timeouts, reporter
+        self.on_step, self.on_switch = on_step, on_switch
+        self.lifecycle = Lifecycle()
+        self.held: Optional[Held] = None
+        self.version, self.rank, self.step = 0, -1, 0
+        self.stalled_since: Optional[float] = None
+        self.result = RunResult(WorkerState.WAITING_PLAN, 0, 0, -1)
+        self.log = _Context(log, {"worker": self})
+        self.client = EtcdClient(identity.etcd_endpoints, timeout=timeouts.etcd_s)
+        self.plans = PlanWatcher(self.client, identity.job)
+        inject = None if fault_injector is None else (lambda what: fault_injector(self.step, what))
+        self.watchdog = Watchdog(self.plans, lambda: self.version, timeouts.comm_s, inject)
+        self.former = GroupFormer(timeouts.comm_s, connect_timeout_s=timeouts.regroup_s)
+        writer = (CheckpointWriter(checkpoint_dir, checkpoint_every)
+                  if checkpoint_dir and checkpoint_every else None)
+        self.checkpoints = writer
+        self.switcher = GraphSwitch(
+            identity, self.client, self.plans, self.former, self.watchdog, config, optim, seed,
+            SwitchTimeouts(regroup_s=timeouts.regroup_s, comm_s=timeouts.comm_s),
+            checkpoints=writer, checkpoint_dir=checkpoint_dir)
+        self._rate = (time.monotonic(), 0)
+
+    # ------------------------------------------------------------------------ main loop
+    def run(self) -> RunResult:
+        try:
+            self.plans.start(self.timeouts.etcd_s)
+            while self.lifecycle.state not in (WorkerState.DONE, WorkerState.EXCLUDED):
+                record = self._wait_plan()
+                if record is None:
+                    self._enter(WorkerState.EXCLUDED)
+                    break
+                if self._switch(record) and self._train() and self._finish():
+                    self._enter(WorkerState.DONE)
+        except BaseException as exc:
+            self.log.error("failed in state %s: %s: %s", self.lifecycle.state.value,
+                           type(exc).__name__, exc)
+            if WorkerState.FAILED in TRANSITIONS[self.lifecycle.state]:
+                self._enter(WorkerState.FAILED)
+            raise
+        finally:
+            self._close()
+        self.result.state = self.lifecycle.state
+        return self.result
+
+    def _wait_plan(self):
+        """The newest plan above ours that uses this device; None if we are excluded."""
+        deadline = time.monotonic() + self.timeouts.plan_wait_s
+        floor = self.version
+        while True:
+            record = self.plans.wait_newer(floor, max(0.0, deadline - time.monotonic()))
+            if record is None:
+                raise PlanWaitTimeout(f"no plan newer than v{floor} using device "
+                                      f"{self.identity.device} within "
+                                      f"{self.timeouts.plan_wait_s:g}s")
+            if self.identity.device in record.devices:
+                return record
+            if self.held is not None:
+                self.log.warning("plan v%d does not use this device: leaving", record.version)
+                return None
+            floor = record.version  # not used yet: a later plan may add us
+
+    def _switch(self, record) -> bool:
+        check_global_batch(plan_of(record), self.global_batch)
+        self.version = record.version
+        self._enter(WorkerState.REGROUPING)
+        try:
+            res = self.switcher.switch(record, self.held, self.stalled_since,
+                                       on_phase=self._phase)
+        except (CommTimeoutError, RegroupAborted, RegroupTimeout, StoreUnreachable,
+                ReshardCommError) as exc:
+            self.log.warning("switch to plan v%d interrupted: %s", record.version, exc)
+            self.stalled_since = self.stalled_since or time.monotonic()
+            self._enter(WorkerState.WAITING_PLAN)
+            return False
+        self.held, self.rank, self.step = res.held, res.rank, res.resume_step
+        self.stalled_since = None
+        self.watchdog.reset()
+        self.result.switches.append(res.timings)
+        if self.on_switch:
+            self.on_switch(res.timings)
+        self._enter(WorkerState.TRAINING)
+        return True
+
+    def _phase(self, phase: str) -> None:
+        state = WorkerState(phase)
+        if state is not self.lifecycle.state:
+            self._enter(state)
+
+    def _enter(self, state: WorkerState) -> None:
+        self.lifecycle.to(state)
+        if state is not WorkerState.TRAINING:  # training reports after every step
+            self._progress()
+
+    def _train(self) -> bool:
+        held = self.held
+        try:
+            while self.step < self.steps:
+                batch = global_batch_at(self.sample, self.step, self.global_batch)
+                before = held.snapshot()
+                self.watchdog.check(f"step {self.step}")
+                loss = held.model.step(batch)
+                held.commit(before)
+                self.result.losses[self.step] = loss
+                self.step = held.step
+                if self.checkpoints and self.checkpoints.due(self.step):
+                    self.checkpoints.submit(self.step, self.config, held.plan, self.rank,
+                                            held.tensors_at(self.step))
+                self._progress()
+                if self.on_step:
+                    self.on_step(StepInfo(self.step - 1, loss, self.rank, self.version, held))
+        except CommTimeoutError as exc:  # a newer plan (SwitchRequested) or a dead peer
+            self.log.warning("step %d abandoned: %s", self.step, exc)
+            if self.watchdog.first_failure_at is not None:
+                self.stalled_since = self.watchdog.first_failure_at
+            self._enter(WorkerState.WAITING_PLAN)
+            return False
+        self._enter(WorkerState.FINISHING)
+        return True
+
+    def _finish(self) -> bool:
+        """Wait until every rank of the plan finished (a rank that dies before that is replaced
+        by a switch, in which this rank must take part)."""
+        store, world = self.former.store, len(self.held.devices)
+        try:
+            store.set(f"done/{self.rank}", "1")
+            wait_keys(store, [f"done/{r}" for r in range(world)],
+                      aborted=lambda: self.plans.newer_than(self.version) is not None,
+                      deadline=time.monotonic() + self.timeouts.finish_s,
+                      what=f"plan v{self.version}: ranks finishing")
+        except (RegroupAborted, StoreUnreachable, RuntimeError) as exc:
+            self.log.warning("waiting for the other ranks to finish: %s", exc)
+            self._enter(WorkerState.WAITING_PLAN)
+            return False
+        held = self.held
+        self.result.steps_done, self.result.plan_version, self.result.rank = (
+            self.step, self.version, self.rank)
+        specs = held.model.state_tensors()
+        self.result.final_state = {
+            name: (tuple(specs[name][1].local_slices(self.rank, _full_shape(self.config, name))),
+                   p.detach().clone())
+            for name, p in held.model.params.items()}
+        self.log.info("finished %d steps", self.step)
+        return True
+
+    def _progress(self) -> None:
+        now, (t0, s0) = time.monotonic(), self._rate
+        rate = (self.step - s0) / (now - t0) if now > t0 and self.step > s0 else 0.0
+        if self.step != s0:
+            self._rate = (now, self.step)
+        try:
+            self.reporter.report(WorkerProgress(os.getpid(), self.rank, self.identity.local_rank,
+                                                self.version, self.step, time.time(), rate,
+                                                self.lifecycle.state.value))
+        except OSError as exc:
+            self.log.warning("progress report failed: %s", exc)
+
+    def _close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.flush(30.0)
+        self.former.leave()
+        self.plans.stop()
+        self.client.close()
+
+
+def _full_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
+    from hspmd_elastic.graph.config import param_specs
+
+    return param_specs(config)[name].shape
+
+
+def run(config: ModelConfig, *, sample: Sampler, global_batch: int, steps: int,
+        optim: AdamWConfig = AdamWConfig(), seed: int = 0,
+        checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0,
+        timeouts: RuntimeTimeouts = RuntimeTimeouts(),
+        reporter: Optional[ProgressReporter] = None,
+        on_step: Optional[Callable[[StepInfo], None]] = None,
+        on_switch: Optional[Callable[[SwitchTimings], None]] = None,
+        identity: Optional[WorkerIdentity] = None,
+        fault_injector: Optional[Callable[[int, str], None]] = None) -> RunResult:
+    """Train ``steps`` steps of ``global_batch`` rows elastically (see the module docstring).
+
+    ``fault_injector(step, what)`` is a seam for fault tests: it is called before every
+    communication wait; raising ``CommTimeoutError`` there makes that wait fail."""
+    if steps < 0 or global_batch < 1:
+        raise ConfigurationError(f"steps={steps} must be >= 0 and global_batch={global_batch} "
+                                 ">= 1")
+    if checkpoint_every and not checkpoint_dir:
+        raise ConfigurationError("checkpoint_every is set but checkpoint_dir is not")
+    worker = _Worker(identity or WorkerIdentity.from_env(), config, sample, global_batch, steps,
+                     optim, seed, timeouts, reporter or reporter_from_env(), on_step, on_switch,
+                     checkpoint_dir, checkpoint_every, fault_injector)
+    return worker.run()

@@ -1,0 +1,289 @@
+"""Graph switching: from whatever this process holds to the specialized graph of a new plan,
+without restarting the process or reading a checkpoint when the state survives in memory.
+
+``GraphSwitch.switch(record, held)`` runs the switch of ARCHITECTURE.md on one rank:
+
+1. regroup: leave the old process group, meet the plan's ranks on its store, form the new group;
+2. exchange: one all-gather of every rank's ``Holding`` (state version, step, undo step, newest
+   checkpoint); ``agree.decide`` turns it into the resume step and the owners (see agree.py for
+   the step-consistency argument and the one-step rollback);
+3. reshard: old device ids map to new ranks through the device id strings, dead devices are not
+   owners; one fused BSR moves parameters, AdamW moments and the step counter (the data cursor:
+   step ``s`` reads global samples ``[s*B, (s+1)*B)``; the model has no random state);
+4. rebuild: the new ``SpecializedModel`` binds the received shards, its communication waits
+   through the runtime's watchdog.
+
+Nobody holds state (the first plan, or every worker restarted): the newest complete checkpoint
+is read if there is one, else weights come from the seed. A slice with no live owner raises
+``ReshardError`` on every rank alike (planning is pure); the switch then reads the newest
+checkpoint every rank sees, saying why, or raises ``UnrecoverableStateError`` naming the slices.
+It never trains on wrong weights. A newer plan or a failed communication during the switch
+raises ``SwitchRequested`` / ``CommTimeoutError`` / ``RegroupAborted``, and the caller starts
+over from the newest plan: nothing this rank holds is modified before the switch completes.
+
+Limits. The BSR's own waits (``reshard.executor``) and the creation of the plan's sub-groups do
+not look at the plan watch: a peer that leaves the switch is noticed when its connections close
+(at once, for a dead or regrouping peer) or at the ``comm_s`` deadline. A switch that fails
+after some ranks committed it leaves the state in two layouts; the next switch reads from both
+(see agree.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from hspmd_elastic.coord import EtcdClient, append_event, schema
+from hspmd_elastic.coord.api import CoordinationError
+from hspmd_elastic.elastic import agree
+from hspmd_elastic.elastic.api import (ConfigurationError, SwitchError, SwitchTimings,
+                                       UnrecoverableStateError, WorkerIdentity)
+from hspmd_elastic.elastic.checkpoint import CheckpointWriter, latest_complete, load_shards
+from hspmd_elastic.elastic.group import GroupFormer
+from hspmd_elastic.elastic.watchdog import PlanWatcher, Watchdog
+from hspmd_elastic.graph.comm import Comm, CommTimeoutError
+from hspmd_elastic.graph.config import ModelConfig
+from hspmd_elastic.graph.optim import AdamWConfig
+from hspmd_elastic.graph.specialize import SpecializedModel
+from hspmd_elastic.plan import Plan, PlanError
+from hspmd_elastic.reshard import ReshardError, fused_bsr_schedule
+from hspmd_elastic.reshard.executor import execute_fused
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Held:
+    """What a rank holds between switches: its plan, its model and a one-step undo copy."""
+
+    version: int
+    plan: Plan
+    devices: list[str]
+    model: SpecializedModel
+    undo: Optional[tuple[int, dict[str, torch.Tensor]]] = None
+
+    @property
+    def step(self) -> int:
+        return int(self.model.optimizer.step_count)
+
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """A copy of the state at the current step; it becomes ``undo`` once the step that
+        follows completes (``commit``), so a failed step keeps the previous undo copy."""
+        return (self.step, {n: t.detach().clone()
+                            for n, (t, _ann) in self.model.state_tensors().items()})
+
+    def commit(self, snapshot: tuple[int, dict[str, torch.Tensor]]) -> None:
+        self.undo = snapshot
+
+    def tensors_at(self, step: int) -> dict[str, torch.Tensor]:
+        if self.step == step:
+            return {n: t for n, (t, _ann) in self.model.state_tensors().items()}
+        if self.undo is not None and self.undo[0] == step:
+            return self.undo[1]
+        raise SwitchError(f"rank holds steps {self.step} and "
+                          f"{self.undo[0] if self.undo else None}, not {step}")
+
+
+@dataclass(frozen=True)
+class SwitchTimeouts:
+    regroup_s: float = 60.0  # meeting the plan's ranks on the store
+    comm_s: float = 60.0  # each collective / point-to-point wait, the BSR, group creation
+    checkpoint_flush_s: float = 30.0
+
+
+@dataclass
+class SwitchResult:
+    held: Held
+    rank: int
+    resume_step: int
+    timings: SwitchTimings
+
+
+def plan_of(record: schema.PlanRecord) -> Plan:
+    plan = Plan.from_dict(record.strategy)
+    if plan.devices != tuple(range(len(record.devices))):
+        raise PlanError(f"plan v{record.version}: strategy uses device ids {list(plan.devices)}; "
+                        f"its {len(record.devices)} devices need ids 0..{len(record.devices) - 1}")
+    return plan
+
+
+class GraphSwitch:
+    """Switches one worker between plans (see the module docstring)."""
+
+    def __init__(self, identity: WorkerIdentity, client: EtcdClient, plans: PlanWatcher,
+                 former: GroupFormer, watchdog: Watchdog, config: ModelConfig,
+                 optim: AdamWConfig, seed: int, timeouts: SwitchTimeouts,
+                 checkpoints: Optional[CheckpointWriter] = None,
+                 checkpoint_dir: Optional[str] = None,
+                 wall_clock: Callable[[], float] = time.time):
+        self.identity, self.client, self.plans = identity, client, plans
+        self.former, self.watchdog = former, watchdog
+        self.config, self.optim, self.seed, self.timeouts = config, optim, seed, timeouts
+        self.checkpoints, self.checkpoint_dir = checkpoints, checkpoint_dir
+        self._wall = wall_clock
+
+    # ------------------------------------------------------------------------ the switch
+    def switch(self, record: schema.PlanRecord, held: Optional[Held],
+               stalled_since: Optional[float] = None,
+               on_phase: Callable[[str], None] = lambda phase: None) -> SwitchResult:
+        start = time.monotonic()
+        rank = record.devices.index(self.identity.device)
+        plan = plan_of(record)
+        plan.check_model(self.config)
+        timings = SwitchTimings(held.version if held else 0, record.version, rank)
+        seen = self.plans.seen_at(record.version)
+        if seen is not None:
+            timings.detect_s = max(0.0, seen - record.created_at)
+            if stalled_since is not None:  # first failed wait -> plan seen (on one clock)
+                seen_monotonic = time.monotonic() - (self._wall() - seen)
+                timings.stall_s = max(0.0, seen_monotonic - stalled_since)
+        mine = self._holding(held)  # flushes pending checkpoint writes first
+
+        on_phase("regrouping")
+        t = time.monotonic()
+        self.former.form(record.version, record.store_endpoint, rank, len(record.devices),
+                         aborted=lambda: self.plans.newer_than(record.version) is not None,
+                         deadline=t + self.timeouts.regroup_s)
+        timings.regroup_s = time.monotonic() - t
+
+        on_phase("exchanging")
+        t = time.monotonic()
+        holdings = self._exchange(mine, len(record.devices))
+        decision = agree.decide(holdings)
+        timings.exchange_s = time.monotonic() - t
+
+        on_phase("resharding")
+        t = time.monotonic()
+        state, resume = self._state(record, plan, rank, held, holdings, decision, timings)
+        timings.bsr_s = time.monotonic() - t
+
+        on_phase("building")
+        t = time.monotonic()
+        try:
+            comm = Comm.create(plan, self.config, rank, timeout_s=self.timeouts.comm_s,
+                               waiter=self.watchdog)
+        except RuntimeError as exc:  # a peer left the switch: creating sub-groups timed out
+            raise CommTimeoutError(f"plan v{record.version}: creating the process groups "
+                                   f"failed: {str(exc).splitlines()[0][:200]}") from exc
+        model = SpecializedModel.build(self.config, plan, rank, seed=self.seed, state=state,
+                                       comm=comm, optim=self.optim)
+        timings.rebuild_s = time.monotonic() - t
+        if int(model.optimizer.step_count) != resume:
+            raise SwitchError(f"plan v{record.version} rank {rank}: rebuilt state is at step "
+                              f"{int(model.optimizer.step_count)}, agreed {resume}")
+        timings.resume_step = resume
+        timings.total_s = time.monotonic() - start
+        self._report(record, rank, timings)
+        return SwitchResult(Held(record.version, plan, list(record.devices), model), rank,
+                            resume, timings)
+
+    # ------------------------------------------------------------------------ exchange
+    def _holding(self, held: Optional[Held]) -> agree.Holding:
+        if self.checkpoints is not None and not self.checkpoints.flush(
+                self.timeouts.checkpoint_flush_s):
+            log.warning("checkpoint writes still pending after %.0fs",
+                        self.timeouts.checkpoint_flush_s)
+        ckpt = latest_complete(self.checkpoint_dir)
+        if held is None:
+            return agree.Holding(checkpoint_step=ckpt)
+        undo = held.undo[0] if held.undo is not None else agree.NO_STEP
+        return agree.Holding(held.version, held.step, undo, ckpt)
+
+    def _exchange(self, mine: agree.Holding, world: int) -> list[agree.Holding]:
+        values = torch.tensor(mine.encode(), dtype=torch.int64)
+        out = [torch.empty_like(values) for _ in range(world)]
+        self.watchdog(dist.all_gather(out, values, async_op=True), "switch exchange all_gather")
+        return [agree.Holding.decode(v.tolist()) for v in out]
+
+    # ------------------------------------------------------------------------ state
+    def _state(self, record, plan, rank, held, holdings, decision, timings):
+        """This rank's new local state tensors (None: initialise from the seed) and its step."""
+        if decision.fresh:
+            ckpt = agree.checkpoint_step(holdings)
+            if ckpt >= 0:
+                timings.source = "checkpoint"
+                log.info("plan v%d rank %d: nobody holds state; resuming from the checkpoint "
+                         "of step %d", record.version, rank, ckpt)
+                return load_shards(self.checkpoint_dir, ckpt, self.config, plan, rank), ckpt
+            timings.source = "init"
+            return None, 0
+        sources = []
+        for version in sorted({holdings[r].version for r in decision.owners}):
+            old = self._old_record(version, held)
+            sources.append(agree.Source(version, plan_of(old), tuple(old.devices)))
+        specs, nodes = agree.reshard_request(self.config, sources, holdings, decision.owners,
+                                             record.devices, plan)
+        try:
+            schedule = fused_bsr_schedule(specs, decision.owners, nodes)
+        except ReshardError as exc:
+            return self._fallback(record, plan, rank, holdings, exc, timings)
+        local = held.tensors_at(decision.resume_step) if rank in decision.owners else {}
+        timings.rolled_back = rank in decision.rollback
+        received, stats = execute_fused(schedule, rank, local, timeout_s=self.timeouts.comm_s)
+        totals = schedule.link_stats()
+        timings.bsr_bytes_total = totals.total_bytes
+        timings.bsr_bytes_sent = stats.total_sent
+        timings.bsr_bytes_received = stats.total_received
+        return received, decision.resume_step
+
+    def _old_record(self, version: int, held: Optional[Held]) -> schema.PlanRecord:
+        if held is not None and held.version == version:
+            return schema.PlanRecord(version=version, reason="held", devices=held.devices,
+                                     strategy=held.plan.to_dict(), store_endpoint="",
+                                     created_at=0.0)
+        key = schema.plan_history_key(self.identity.job, version)
+        kv = self.client.get(key)
+        if kv is None:
+            raise SwitchError(f"plan v{version}, whose state the survivors hold, is missing "
+                              f"from etcd ({key})")
+        return schema.decode(key, kv.value)
+
+    def _fallback(self, record, plan, rank, holdings, exc: ReshardError, timings):
+        ckpt = agree.checkpoint_step(holdings) if self.checkpoint_dir else agree.NO_STEP
+        if ckpt < 0:
+            why = ("no checkpoint directory is configured" if not self.checkpoint_dir
+                   else f"no complete checkpoint in {self.checkpoint_dir}")
+            self._event("switch-failed", rank, record, {"error": str(exc), "why": why})
+            raise UnrecoverableStateError(
+                f"plan v{record.version}: {exc}; {why}, so the job cannot continue") from exc
+        timings.source = "checkpoint"
+        log.warning("plan v%d rank %d: %s; falling back to the checkpoint of step %d",
+                    record.version, rank, exc, ckpt)
+        self._event("fallback", rank, record, {"error": str(exc), "checkpoint_step": ckpt})
+        return load_shards(self.checkpoint_dir, ckpt, self.config, plan, rank), ckpt
+
+    # ------------------------------------------------------------------------ reporting
+    def _report(self, record, rank, timings: SwitchTimings) -> None:
+        log.info("switch v%d->v%d rank %d: source=%s resume_step=%d rolled_back=%s detect=%.3fs "
+                 "stall=%.3fs regroup=%.3fs exchange=%.3fs bsr=%.3fs (%d B total, %d B sent, "
+                 "%d B received) rebuild=%.3fs total=%.3fs", timings.from_version,
+                 timings.to_version, rank, timings.source, timings.resume_step,
+                 timings.rolled_back, timings.detect_s, timings.stall_s, timings.regroup_s,
+                 timings.exchange_s, timings.bsr_s, timings.bsr_bytes_total,
+                 timings.bsr_bytes_sent, timings.bsr_bytes_received, timings.rebuild_s,
+                 timings.total_s)
+        if timings.from_version or timings.source != "init":
+            self._event("switch-done", rank, record,
+                        {"source": timings.source, "rolled_back": timings.rolled_back},
+                        timings.numeric())
+
+    def _event(self, type_, rank, record, detail, timings=None) -> None:
+        if rank != 0:
+            return  # one event per switch: the new plan's rank 0 writes it
+        try:
+            append_event(self.client, self.identity.job, type_, node=self.identity.node,
+                         detail=dict(detail, plan_version=record.version), timings=timings)
+        except CoordinationError as exc:
+            log.warning("plan v%d: could not append the %s event: %s", record.version, type_,
+                        exc)
+
+
+def check_global_batch(plan: Plan, global_batch: int) -> None:
+    if plan.global_batch != global_batch:
+        raise ConfigurationError(f"plan global_batch={plan.global_batch}, the script trains with "
+                                 f"global_batch={global_batch}; the leader must plan for it")

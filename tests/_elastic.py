@@ -1,0 +1,242 @@
+"""Harness for the elastic tests: this process is the node agent (it hosts the plan's TCPStore)
+and the leader (it campaigns with ``Election`` and publishes plans); workers are real processes
+running ``hspmd_elastic.runtime.run`` over gloo, each in its own session.
+
+``ElasticJob`` spawns workers (``spawn(device)``), publishes plans (``publish(plan, devices)``),
+kills with real signals, and waits on progress files and process exits, always with deadlines.
+The worker side is ``main()`` below: it reads a JSON payload, trains, and writes its
+``RunResult`` (or its error) with ``torch.save``. ``pause_at`` makes every worker wait, after the
+step that brings it to that step count, until the test creates the release file: the test then
+acts on a known state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+JOB = "elastic-test"
+
+
+class HarnessError(AssertionError):
+    pass
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.02):
+    """Poll ``predicate`` until it returns a truthy value; HarnessError at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise HarnessError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(poll)
+
+
+class ElasticJob:
+    def __init__(self, etcd_endpoints: str, tmp: str, payload: dict):
+        import torch.distributed as dist
+
+        from hspmd_elastic.coord import Election, EtcdClient, LeasedSession
+
+        self.tmp, self.endpoints = str(tmp), etcd_endpoints
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=30))
+        self.client = EtcdClient(etcd_endpoints, timeout=5.0)
+        self.session = LeasedSession(self.client, ttl=5)
+        self.election = Election(self.client, self.session, job=JOB, node="leader")
+        if not self.election.campaign(timeout=10.0):
+            raise HarnessError("the test could not become leader")
+        self.payload = dict(payload, release=os.path.join(self.tmp, "release"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.publish_times: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ leader side
+    def publish(self, plan, devices: list[str], reason: str = "test") -> int:
+        from hspmd_elastic.coord import publish_plan, read_plan, schema
+
+        current, rev = read_plan(self.client, JOB)
+        version = current.version + 1 if current else 1
+        record = schema.PlanRecord(version=version, reason=reason, devices=list(devices),
+                                   strategy=plan.to_dict(),
+                                   store_endpoint=f"127.0.0.1:{self.store.port}",
+                                   created_at=time.time())
+        publish_plan(self.election, record, rev, version - 1)
+        self.publish_times[version] = record.created_at
+        return version
+
+    # ------------------------------------------------------------------ agent side
+    def spawn(self, device: str, script: Optional[list[str]] = None,
+              **overrides) -> subprocess.Popen:
+        """Start ``device``'s worker: this module's ``main`` on the job payload (with
+        ``overrides``), or ``script`` (a script path and its arguments)."""
+        node, local_rank = device.rsplit(":", 1)
+        path = self._path(device, "payload.json")
+        with open(path, "w") as f:
+            json.dump(dict(self.payload, **overrides, out=self._path(device, "out.pt")), f)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT,
+                   HSPMD_ETCD_ENDPOINTS=self.endpoints, HSPMD_JOB_ID=JOB, HSPMD_NODE_ID=node,
+                   LOCAL_RANK=local_rank,
+                   HSPMD_PROGRESS_FILE=self._path(device, "progress.json"))
+        log = open(self._path(device, "log.txt"), "w")
+        cmd = script or [os.path.abspath(__file__), path]
+        proc = subprocess.Popen([sys.executable, *cmd], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=ROOT)
+        self.procs[device] = proc
+        return proc
+
+    def _path(self, device: str, name: str) -> str:
+        return os.path.join(self.tmp, f"{device.replace(':', '_')}.{name}")
+
+    def progress(self, device: str) -> Optional[dict]:
+        try:
+            with open(self._path(device, "progress.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def wait_step(self, devices, step: int, timeout: float = 60.0) -> None:
+        def reached():
+            for d in devices:
+                if self.procs[d].poll() is not None:
+                    raise HarnessError(f"{d} exited ({self.procs[d].returncode}):\n{self.log(d)}")
+            return all((self.progress(d) or {}).get("step", -1) >= step for d in devices)
+
+        wait_until(reached, timeout, f"{list(devices)} to reach step {step}")
+
+    def release(self) -> None:
+        open(self.payload["release"], "w").close()
+
+    def kill(self, device: str, timeout: float = 10.0) -> None:
+        proc = self.procs[device]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)
+
+    def join(self, devices, timeout: float = 60.0) -> dict[str, dict]:
+        """Wait for ``devices`` to exit; their results (``{"ok": ...}`` or ``{"error": ...}``)."""
+        import torch
+
+        deadline = time.monotonic() + timeout
+        out = {}
+        for d in devices:
+            try:
+                self.procs[d].wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise HarnessError(f"{d} still running after {timeout:g}s:\n{self.log(d)}")
+            path = self._path(d, "out.pt")
+            if not os.path.exists(path):
+                raise HarnessError(f"{d} exited ({self.procs[d].returncode}) without a result:"
+                                   f"\n{self.log(d)}")
+            out[d] = dict(torch.load(path, weights_only=False),
+                          returncode=self.procs[d].returncode)
+        return out
+
+    def log(self, device: str) -> str:
+        try:
+            with open(self._path(device, "log.txt")) as f:
+                return f.read()[-6000:]
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5.0)
+        try:
+            self.election.resign(timeout=2.0)
+            self.session.stop(timeout=2.0)
+        finally:
+            self.client.close()
+
+
+# ---------------------------------------------------------------------- reference
+def reference_params(payload: dict):
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.graph.optim import AdamWConfig
+    from hspmd_elastic.graph.reference import reference_train
+    from hspmd_elastic.runtime import global_batch_at, synthetic_sampler
+
+    config = ModelConfig(**payload["config"])
+    sample = synthetic_sampler(config, payload["data_seed"])
+    batches = [global_batch_at(sample, s, payload["global_batch"])
+               for s in range(payload["steps"])]
+    params, _losses = reference_train(config, payload["seed"], batches, AdamWConfig())
+    return params
+
+
+def assemble(results: list[dict], payload: dict):
+    from hspmd_elastic.graph.config import ModelConfig, param_specs
+    from hspmd_elastic.runtime import gather_full
+
+    config = ModelConfig(**payload["config"])
+    shapes = {n: s.shape for n, s in param_specs(config).items()}
+    return gather_full([r["final_state"] for r in results], shapes)
+
+
+# ---------------------------------------------------------------------- worker side
+def main(payload_path: str) -> int:
+    import logging
+
+    import torch
+
+    from hspmd_elastic.graph.comm import CommTimeoutError
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    with open(payload_path) as f:
+        payload = json.load(f)
+    config = ModelConfig(**payload["config"])
+
+    def on_step(info):
+        if payload.get("pause_at") == info.step + 1:
+            wait_until(lambda: os.path.exists(payload["release"]), 60.0, "the release file")
+
+    fault = payload.get("fail_last_wait_of_step")  # this rank abandons that step's last wait
+    waits: dict[int, int] = {}
+
+    def fault_injector(step, what):
+        waits[step] = waits.get(step, 0) + 1
+        if step == fault and waits[step] == waits.get(step - 1, -1):
+            raise CommTimeoutError(f"injected failure of {what} in step {step}")
+
+    try:
+        result = run(config, sample=synthetic_sampler(config, payload["data_seed"]),
+                     global_batch=payload["global_batch"], steps=payload["steps"],
+                     seed=payload["seed"], checkpoint_dir=payload.get("checkpoint_dir"),
+                     checkpoint_every=payload.get("checkpoint_every", 0),
+                     timeouts=RuntimeTimeouts(**payload.get("timeouts", {})), on_step=on_step,
+                     fault_injector=fault_injector if fault is not None else None)
+        out = {"ok": True, "pid": os.getpid(), "state": result.state.value,
+               "steps_done": result.steps_done, "plan_version": result.plan_version,
+               "rank": result.rank, "final_state": result.final_state,
+               "switches": [t.as_dict() for t in result.switches], "losses": result.losses}
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        out = {"ok": False, "pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}",
+               "traceback": traceback.format_exc()}
+        code = 1
+    torch.save(out, payload["out"])
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,226 @@
+"""Live elasticity end to end: real etcd, real worker processes over gloo, real SIGKILL.
+
+The test process is the node agent (it hosts the plan's TCPStore) and the leader (it publishes
+plans). Every scenario checks the final parameters against the dense reference trained on the
+same global batches, within 1e-9 (float64).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _elastic import JOB, ElasticJob, assemble, reference_params, wait_until
+from hspmd_elastic.coord import read_events
+from hspmd_elastic.elastic.checkpoint import latest_complete
+from hspmd_elastic.plan import Pipeline, Plan, Stage, simple_plan
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+CONFIG = dict(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32, seq_len=8,
+              dtype="float64")
+TIMEOUTS = dict(plan_wait_s=40.0, comm_s=30.0, regroup_s=30.0, finish_s=40.0)
+
+
+def payload(**kw):
+    return dict(dict(config=CONFIG, steps=5, global_batch=4, seed=3, data_seed=7, pause_at=2,
+                     timeouts=TIMEOUTS), **kw)
+
+
+def hetero_plan() -> Plan:
+    """Pipeline 0: TP2 on devices 0,1; pipeline 1: TP1 on device 2 (two rows each)."""
+    return Plan((Pipeline((Stage((0, 1), (0, 2)),), 1, 2), Pipeline((Stage((2,), (0, 2)),), 1, 2)),
+                global_batch=4, num_layers=2)
+
+
+def assert_matches_reference(results, pl):
+    got = assemble(list(results), pl)
+    want = reference_params(pl)
+    for name, ref in want.items():
+        diff = (got[name] - ref.to(got[name].dtype)).abs().max().item()
+        assert diff <= 1e-9, f"{name}: max |elastic - reference| = {diff:g}"
+
+
+@pytest.fixture
+def job_factory(etcd_server, tmp_path):
+    jobs = []
+
+    def make(pl):
+        job = ElasticJob(etcd_server.endpoint_str, str(tmp_path), pl)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.close()
+
+
+def test_sigkill_survivors_switch_in_process(job_factory):
+    pl = payload()
+    job = job_factory(pl)
+    devices = ["n0:0", "n0:1", "n1:0"]
+    procs = {d: job.spawn(d) for d in devices}
+    job.publish(hetero_plan(), devices, reason="start")
+    job.wait_step(devices, 2)
+    job.kill("n0:1")  # half of pipeline 0's TP pair
+    survivors = ["n0:0", "n1:0"]
+    job.publish(simple_plan(dp=2, num_layers=2, global_batch=4), survivors, reason="failure")
+    job.release()
+    results = job.join(survivors, timeout=60)
+    for d in survivors:
+        r = results[d]
+        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
+        assert r["pid"] == procs[d].pid  # the same process trained through the switch
+        assert r["steps_done"] == 5 and r["plan_version"] == 2
+        last = r["switches"][-1]
+        assert last["source"] == "bsr" and last["to_version"] == 2
+    # Device n0:0 lost its TP partner: it received the other half of its shards.
+    assert results["n0:0"]["switches"][-1]["bsr_bytes_received"] > 0
+    assert_matches_reference(results.values(), pl)
+
+
+def test_failure_noticed_mid_step_then_plan(job_factory):
+    """The survivors run into the dead peer first; the plan comes after one reported it."""
+    pl = payload(global_batch=6)
+    job = job_factory(pl)
+    devices = ["n0:0", "n1:0", "n2:0"]
+    procs = {d: job.spawn(d) for d in devices}
+    job.publish(simple_plan(dp=3, num_layers=2, global_batch=6), devices, reason="start")
+    job.wait_step(devices, 2)
+    job.kill("n1:0")
+    survivors = ["n0:0", "n2:0"]
+    job.release()
+    wait_until(lambda: any((job.progress(d) or {}).get("state") == "waiting_plan"
+                           for d in survivors), 40, "a survivor to notice the dead peer")
+    job.publish(simple_plan(dp=2, num_layers=2, global_batch=6), survivors, reason="failure")
+    results = job.join(survivors, timeout=60)
+    for d in survivors:
+        r = results[d]
+        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
+        assert r["pid"] == procs[d].pid and r["steps_done"] == 5
+        assert r["switches"][-1]["source"] == "bsr"
+    assert_matches_reference(results.values(), pl)
+
+
+def test_join_receives_state_through_bsr(job_factory):
+    pl = payload()
+    job = job_factory(pl)
+    first = ["n0:0", "n1:0"]
+    procs = {d: job.spawn(d) for d in first}
+    job.publish(simple_plan(dp=2, num_layers=2, global_batch=4), first, reason="start")
+    job.wait_step(first, 2)
+    procs["n2:0"] = job.spawn("n2:0")  # a new node's worker: it holds nothing
+    devices = first + ["n2:0"]
+    job.publish(hetero_plan(), devices, reason="join")
+    job.release()
+    results = job.join(devices, timeout=60)
+    for d in devices:
+        r = results[d]
+        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
+        assert r["steps_done"] == 5 and r["plan_version"] == 2
+    joined = results["n2:0"]["switches"]
+    assert len(joined) == 1 and joined[0]["source"] == "bsr" and joined[0]["resume_step"] == 2
+    assert joined[0]["bsr_bytes_received"] > 0
+    assert_matches_reference(results.values(), pl)
+
+
+def pp2_plan() -> Plan:
+    return Plan((Pipeline((Stage((0,), (0, 1)), Stage((1,), (1, 2))), 2, 2),),
+                global_batch=4, num_layers=2)
+
+
+def _lose_a_stage(job):
+    devices = ["n0:0", "n1:0"]
+    for d in devices:
+        job.spawn(d)
+    job.publish(pp2_plan(), devices, reason="start")
+    job.wait_step(devices, 2)
+    return devices
+
+
+def test_lost_stage_falls_back_to_checkpoint(job_factory, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    pl = payload(checkpoint_dir=ckpt, checkpoint_every=1)
+    job = job_factory(pl)
+    _lose_a_stage(job)
+    wait_until(lambda: latest_complete(ckpt) >= 2, 30, "the checkpoint of step 2")
+    job.kill("n1:0")  # the only holder of layer 1 and the head
+    job.publish(simple_plan(num_layers=2, global_batch=4), ["n0:0"], reason="failure")
+    job.release()
+    r = job.join(["n0:0"], timeout=60)["n0:0"]
+    assert r["ok"], f"{r.get('traceback')}\n{job.log('n0:0')}"
+    last = r["switches"][-1]
+    assert last["source"] == "checkpoint" and last["resume_step"] == 2
+    assert r["steps_done"] == 5
+    events = [e for e in read_events(job.client, JOB) if e.type == "fallback"]
+    assert events and "no live owner" in events[0].detail["error"]
+    assert "layers.1." in events[0].detail["error"]
+    assert_matches_reference([r], pl)
+
+
+def test_lost_stage_without_checkpoint_fails_with_root_cause(job_factory):
+    job = job_factory(payload())
+    _lose_a_stage(job)
+    job.kill("n1:0")
+    job.publish(simple_plan(num_layers=2, global_batch=4), ["n0:0"], reason="failure")
+    job.release()
+    r = job.join(["n0:0"], timeout=60)["n0:0"]  # exits, does not hang
+    assert not r["ok"] and r["returncode"] == 1
+    assert r["error"].startswith("UnrecoverableStateError")
+    assert "no live owner" in r["error"] and "lm_head.weight" in r["error"]
+    assert "no checkpoint directory is configured" in r["error"]
+    assert [e.type for e in read_events(job.client, JOB)][-1] == "switch-failed"
+
+
+def test_rank_one_step_ahead_rolls_back(job_factory):
+    """n0:1 fails the last wait of step 3 (an injected fault) while the others complete that step:
+    the survivors hold different steps, the switch resumes at step 3 and n0:0 rolls back."""
+    pl = payload(pause_at=None, global_batch=6)
+    job = job_factory(pl)
+    devices = ["n0:0", "n0:1", "n1:0"]
+    for d in devices:
+        job.spawn(d, fail_last_wait_of_step=3 if d == "n0:1" else None)
+    job.publish(simple_plan(dp=3, num_layers=2, global_batch=6), devices, reason="start")
+    wait_until(lambda: (job.progress("n0:1") or {}).get("state") == "waiting_plan", 60,
+               "n0:1 to abandon step 3")
+    job.kill("n1:0")
+    survivors = ["n0:0", "n0:1"]
+    job.publish(simple_plan(dp=2, num_layers=2, global_batch=6), survivors, reason="failure")
+    results = job.join(survivors, timeout=60)
+    for d in survivors:
+        assert results[d]["ok"], f"{d}: {results[d].get('traceback')}\n{job.log(d)}"
+        assert results[d]["switches"][-1]["resume_step"] == 3
+    assert results["n0:0"]["switches"][-1]["rolled_back"]
+    assert not results["n0:1"]["switches"][-1]["rolled_back"]
+    assert_matches_reference(results.values(), pl)
+
+
+def test_plan_with_a_dead_device_is_superseded_during_regroup(job_factory):
+    """v2 still lists a dead device (a stale view): the survivors wait for it at the store
+    barrier and move on to v3 as soon as it is published. A device left out of the newest plan
+    while alive leaves cleanly."""
+    pl = payload(global_batch=6)
+    job = job_factory(pl)
+    devices = ["n0:0", "n1:0", "n2:0"]
+    for d in devices:
+        job.spawn(d)
+    job.publish(simple_plan(dp=3, num_layers=2, global_batch=6), devices, reason="start")
+    job.wait_step(devices, 2)
+    job.kill("n2:0")
+    job.publish(simple_plan(dp=3, num_layers=2, global_batch=6), devices, reason="stale")
+    job.release()
+    wait_until(lambda: all((job.progress(d) or {}).get("state") == "regrouping"
+                           and job.progress(d)["plan_version"] == 2 for d in devices[:2]),
+               40, "the survivors to wait for the dead device at the v2 barrier")
+    job.publish(simple_plan(dp=1, num_layers=2, global_batch=6), ["n0:0"], reason="failure")
+    results = job.join(devices[:2], timeout=60)
+    r = results["n0:0"]
+    assert r["ok"], f"{r.get('traceback')}\n{job.log('n0:0')}"
+    assert (r["plan_version"], r["steps_done"]) == (3, 5)
+    assert [s["to_version"] for s in r["switches"]] == [1, 3]
+    left = results["n1:0"]
+    assert left["ok"] and left["state"] == "excluded", job.log("n1:0")
+    assert_matches_reference([r], pl)
+    done = [e for e in read_events(job.client, JOB) if e.type == "switch-done"]
+    assert done[-1].detail["plan_version"] == 3
+    want = {"detect_s", "regroup_s", "bsr_s", "rebuild_s", "bsr_bytes_total"}
+    assert want <= set(done[-1].timings)
