@@ -1,0 +1,129 @@
+"""``hspmd-launch inject``: drive a running job through a scenario of faults and report.
+
+Usage::
+
+    hspmd-launch inject --scenario examples/scenarios/five-faults.json --job my-job \\
+        --etcd-endpoints 127.0.0.1:2379 [--progress 'run/progress/*.jsonl'] \\
+        [--report report.json] [--json]
+
+Also runnable as ``python -m launcher.inject.command``. Promises: a bad scenario, job id or
+endpoint is one line naming the bad value and exit 2 (click's usage errors); an unreachable
+etcd is one line and exit 1; after the run the report is printed (a table, or JSON with
+``--json``) and written to ``--report`` as JSON; the exit code is 0 when every fault was
+detected and recovered (or, for faults a job rides through, survived), 1 otherwise.
+``--progress`` names the job's progress files (JSON lines: ``step``, ``round``, ``rank``,
+``t``, ``batch``); without it, progress is read from the job's ``workers/`` records.
+``etcd-restart`` needs etcd members the harness owns, so from the command line it is reported
+``not injected`` (the programmatic ``Harness`` takes ``EtcdMember`` handles).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from typing import Optional
+
+import click
+
+from hspmd_elastic.coord.api import CoordinationError
+from hspmd_elastic.coord.client import EtcdClient, parse_endpoints
+from hspmd_elastic.coord.schema import job_prefix
+from launcher.inject.api import InjectError, ScenarioError
+from launcher.inject.detect import JobObserver, default_progress
+from launcher.inject.faults import InjectContext
+from launcher.inject.harness import Harness
+from launcher.inject.report import all_handled, render_json, render_table
+from launcher.inject.scenario import load_scenario
+
+log = logging.getLogger(__name__)
+
+ETCD_TIMEOUT_S = 5.0
+
+
+def _check_job(job: str) -> str:
+    try:
+        job_prefix(job)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--job") from None
+    return job
+
+
+@click.command("inject", context_settings={"help_option_names": ["-h", "--help"],
+                                           "max_content_width": 100})
+@click.option("--scenario", "scenario_path", required=True,
+              help="Scenario file (JSON, see examples/scenarios/).")
+@click.option("--job", required=True, help="The job's id (its --rdzv-id).")
+@click.option("--etcd-endpoints", required=True, envvar="HSPMD_ETCD_ENDPOINTS",
+              help="The job's etcd: host:port[,host:port...].")
+@click.option("--report", "report_path", default=None, help="Write the JSON report here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--progress", default=None,
+              help="Glob or directory of the job's progress files (default: workers/ records).")
+@click.option("--log-dir", default=None, help="Where started agents (join) write their output.")
+@click.option("--wait-end", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="Seconds to wait after the last fault for the job to end (totals cover the "
+                   "whole run).")
+def command(scenario_path: str, job: str, etcd_endpoints: str, report_path: Optional[str],
+            as_json: bool, progress: Optional[str], log_dir: Optional[str],
+            wait_end: float) -> int:
+    """Inject the faults of a scenario into a running job; report detection and recovery."""
+    try:
+        scenario = load_scenario(scenario_path)
+    except ScenarioError as exc:
+        raise click.BadParameter(str(exc), param_hint="--scenario") from None
+    _check_job(job)
+    try:
+        endpoints = parse_endpoints(etcd_endpoints)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--etcd-endpoints") from None
+    client = EtcdClient(endpoints, timeout=ETCD_TIMEOUT_S)
+    try:
+        return _run(client, scenario, job, report_path, as_json, progress, log_dir, wait_end)
+    except (CoordinationError, InjectError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        client.close()
+
+
+def _run(client: EtcdClient, scenario, job: str, report_path: Optional[str], as_json: bool,
+         progress: Optional[str], log_dir: Optional[str], wait_end: float) -> int:
+    try:
+        client.revision()
+    except CoordinationError as exc:
+        raise click.ClickException(f"cannot reach the job's etcd at "
+                                   f"{','.join(client.endpoints)}: {exc}") from None
+    observer = JobObserver(client, job, default_progress(progress)).start()
+    ctx = InjectContext(client, job, log_dir=log_dir)
+    harness = Harness(scenario, ctx, observer, wait_end_s=wait_end)
+    previous = signal.signal(signal.SIGINT, lambda *_: harness.stop())
+    try:
+        report = harness.run()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        observer.stop()
+    text = render_json(report)
+    if report_path:
+        with open(report_path, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    click.echo(text if as_json else render_table(report))
+    return 0 if all_handled(report) else 1
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname).1s%(asctime)s %(name)s] "
+                                                   "%(message)s", stream=sys.stderr)
+    try:
+        rv = command.main(args=argv, prog_name="hspmd-launch inject", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.Abort:
+        return 1
+    return rv if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

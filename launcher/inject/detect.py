@@ -1,0 +1,447 @@
+"""What the job did about a fault: detection and recovery, from what it wrote to etcd.
+
+``JobObserver`` watches the job's ``events/`` and ``devices/`` keys with ``PrefixWatch`` (every
+change, in order, across etcd restarts), reads ``rdzv/state`` and ``plan/current`` on demand,
+and collects training progress from a ``ProgressSource`` (the ``workers/`` records, or the
+JSON-lines progress files a training script writes). The decisions are pure functions of those
+observations, so they are unit-tested without a job:
+
+* ``match_detection``: the first reaction of the job after the injection that names the fault's
+  target: a ``failure``/``stall`` event for a worker fault (by pid when the event lists pids),
+  a ``leave`` event about the node, or a ``failure`` of its peers, for an agent fault; a
+  failed/degraded verdict under ``devices/<node>/<device>`` (or a ``failure``/``degrade``
+  event) for a device fault; a ``join`` event for a join; an etcd restart and an
+  informational Xid expect no reaction;
+* ``match_recovery``: a ``switch-done`` event after the detection (elastic jobs), else the first
+  progress in a newer round or plan than the one the fault hit (restart-mode jobs); for faults
+  the job should ride through: the first progress past the step the fault hit, once the fault
+  ended;
+* ``steps_lost`` / ``lineage_gaps``: steps recomputed after a fault, steps never trained.
+
+Nothing here ever invents a detection: no matching record means "not detected".
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent
+from hspmd_elastic.coord.client import EtcdClient
+from hspmd_elastic.coord.watch import PrefixWatch
+from launcher.health.rules import classify_xid
+from launcher.inject.api import AGENT_FAULTS, DEVICE_FAULTS, WORKER_FAULTS, ProgressPoint
+
+log = logging.getLogger(__name__)
+
+WATCH_START_TIMEOUT_S = 10.0
+TERMINAL_RDZV = ("succeeded", "failed")
+
+
+# ------------------------------------------------------------------------------- observations
+@dataclass(frozen=True)
+class DeviceVerdictSeen:
+    """A ``devices/<node>/<index>`` record as the observer saw it (``seen`` = order number)."""
+
+    seen: int
+    node: str
+    index: int
+    state: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The job as it was just before an injection."""
+
+    at: float  # wall clock of the injection
+    last_seq: int  # last event sequence number seen
+    devices_seen: int  # how many device records were seen
+    round: int  # newest round/plan version in the progress (or rdzv/plan), -1 if none
+    step: int  # most steps completed so far, -1 if none
+
+
+@dataclass(frozen=True)
+class Detection:
+    at: float  # wall clock (the writer's, for events and verdicts)
+    by: str
+    seq: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Recovery:
+    at: float
+    by: str
+    round: Optional[int] = None
+
+
+@dataclass
+class Injected:
+    """What an injection did, as detection needs it (``ended_at`` is set when a follow-up
+    ends the fault)."""
+
+    fault: str
+    target: dict[str, Any]
+    pids: tuple[int, ...] = ()
+    xid: Optional[int] = None
+    ended_at: Optional[float] = None  # wall clock the fault stopped acting (thaw, etcd back)
+
+
+def expects_reaction(fault: str, xid: Optional[int] = None) -> bool:
+    """False for faults a job should ride through without reacting."""
+    if fault == "etcd-restart":
+        return False
+    if fault == "xid" and xid is not None:
+        return classify_xid(xid).fatal
+    return True
+
+
+# ------------------------------------------------------------------------------- pure matching
+def _event_pids(ev: schema.EventRecord) -> set[int]:
+    pids = {f.get("pid") for f in ev.detail.get("failures", []) if isinstance(f, dict)}
+    if isinstance(ev.detail.get("pid"), int):
+        pids.add(ev.detail["pid"])
+    return {p for p in pids if isinstance(p, int)}
+
+
+def _worker_event(ev: schema.EventRecord, inj: Injected) -> bool:
+    if ev.type not in ("failure", "stall"):
+        return False
+    pids = _event_pids(ev)
+    if pids and inj.pids:
+        return bool(pids & set(inj.pids))
+    node, slot = inj.target.get("node"), inj.target.get("local_rank")
+    if isinstance(ev.detail.get("local_rank"), int) and slot is not None \
+            and ev.detail["local_rank"] != slot:
+        return False  # e.g. a stall event: node and slot, no pid
+    return node is None or ev.node == node
+
+
+def _agent_event(ev: schema.EventRecord, node: str) -> bool:
+    """A ``leave`` about the node, or a ``failure`` anywhere: when an agent dies its workers
+    die with it, and the surviving ranks' collectives fail (a restart-mode job notices the loss
+    that way before the node's lease expires)."""
+    if ev.type == "leave":
+        return ev.node == node or f"node {node} left" in str(ev.detail.get("reason", ""))
+    return ev.type == "failure"
+
+
+def _device_event(ev: schema.EventRecord, inj: Injected) -> bool:
+    if ev.type not in ("failure", "degrade") or ev.node != inj.target.get("node"):
+        return False
+    want = str(inj.target.get("device"))
+    devices = ev.detail.get("devices")  # the leader's change events: ["<node>:<index>", ...]
+    if isinstance(devices, list):
+        return any(str(d).rsplit(":", 1)[-1] == want for d in devices)
+    dev = ev.detail.get("device", ev.detail.get("index"))
+    if isinstance(dev, str) and ":" in dev:
+        dev = dev.rsplit(":", 1)[1]
+    return dev is None or str(dev) == want
+
+
+def switch_started(events: Sequence[schema.EventRecord], after_seq: int) -> Optional[float]:
+    """When the job started switching plans after ``after_seq`` (elastic jobs): a
+    ``switch-start`` event, or a ``replan`` that replaces a plan."""
+    for ev in events:
+        if ev.seq > after_seq and (ev.type == "switch-start" or (
+                ev.type == "replan" and ev.detail.get("previous_version", 0))):
+            return ev.at
+    return None
+
+
+def match_detection(inj: Injected, base: Baseline, events: Sequence[schema.EventRecord],
+                    verdicts: Sequence[DeviceVerdictSeen] = ()) -> Optional[Detection]:
+    """The job's first reaction to the fault after ``base``, or None (not detected)."""
+    if not expects_reaction(inj.fault, inj.xid):
+        return None
+    later = [e for e in events if e.seq > base.last_seq]
+    fault = inj.fault
+    if fault in DEVICE_FAULTS:
+        want = "degraded" if fault == "thermal" else "failed"
+        for v in verdicts:
+            if (v.seen >= base.devices_seen and v.node == inj.target["node"]
+                    and v.index == inj.target["device"] and v.state == want):
+                return Detection(v.at, f"verdict {v.state} at devices/{v.node}/{v.index}")
+    for ev in later:
+        if fault in WORKER_FAULTS:
+            hit = _worker_event(ev, inj)
+        elif fault in AGENT_FAULTS:
+            hit = _agent_event(ev, inj.target["node"])
+        elif fault in DEVICE_FAULTS:
+            hit = _device_event(ev, inj)
+        elif fault == "join":
+            hit = ev.type == "join" and (ev.node in (None, inj.target["node"])
+                                         or "joined" in str(ev.detail.get("reason", "")))
+        else:
+            hit = False
+        if hit:
+            return Detection(ev.at, f"{ev.type} event #{ev.seq}", ev.seq)
+    return None
+
+
+def match_recovery(inj: Injected, base: Baseline, detection: Optional[Detection],
+                   events: Sequence[schema.EventRecord],
+                   points: Sequence[ProgressPoint]) -> Optional[Recovery]:
+    """When training went on after the fault, or None."""
+    if detection is not None:
+        after_seq = detection.seq if detection.seq is not None else base.last_seq
+        for ev in events:
+            if ev.seq > after_seq and ev.type == "switch-done":
+                return Recovery(ev.at, f"switch-done event #{ev.seq}",
+                                ev.detail.get("version", ev.detail.get("plan_version")))
+        since = max(detection.at, inj.ended_at or 0.0)
+        newer = [p for p in points if p.round > base.round and p.t >= since]
+        if newer:
+            first = min(newer, key=lambda p: p.t)
+            return Recovery(first.t, f"progress in round {first.round} (step {first.step})",
+                            first.round)
+        return None
+    if expects_reaction(inj.fault, inj.xid):
+        return None
+    return progress_after(inj, base, points)
+
+
+def progress_after(inj: Injected, base: Baseline,
+                   points: Sequence[ProgressPoint]) -> Optional[Recovery]:
+    """The first progress past the step the fault hit, once the fault ended: the job rode
+    through it (or went on unaware after a resume)."""
+    since = max(base.at, inj.ended_at or base.at)
+    later = [p for p in points if p.step > base.step and p.t >= since]
+    if later:
+        first = min(later, key=lambda p: p.t)
+        return Recovery(first.t, f"progress to step {first.step}", first.round)
+    return None
+
+
+def steps_lost(points: Sequence[ProgressPoint], recovered_round: Optional[int],
+               base: Baseline) -> Optional[int]:
+    """Steps trained before the fault and trained again after it (0 when nothing restarted)."""
+    if recovered_round is None:
+        return None
+    if recovered_round <= base.round:
+        return 0
+    mine = [p.step for p in points if p.round == recovered_round]
+    before = [p.step for p in points if p.round < recovered_round]
+    if not mine or not before:
+        return None
+    return max(0, max(before) - (min(mine) - 1))
+
+
+@dataclass(frozen=True)
+class Lineage:
+    steps_skipped: int  # steps no round trained (a resume past the last completed step)
+    samples_lost: Optional[int]  # steps_skipped x global batch, when the batch is known
+    final_step: Optional[int]
+
+
+def lineage_gaps(points: Sequence[ProgressPoint]) -> Lineage:
+    """Walk the rounds in order: a round that resumes past the last step its predecessor
+    completed skipped those steps' samples."""
+    rounds = sorted({p.round for p in points})
+    skipped, prev_max = 0, None
+    for r in rounds:
+        steps = [p.step for p in points if p.round == r]
+        if prev_max is not None:
+            skipped += max(0, (min(steps) - 1) - prev_max)
+        prev_max = max(steps)
+    batches = {p.batch for p in points if p.batch is not None}
+    samples = skipped * batches.pop() if len(batches) == 1 else (0 if skipped == 0 else None)
+    return Lineage(skipped, samples, prev_max)
+
+
+# ------------------------------------------------------------------------------ progress sources
+class ProgressSource(Protocol):
+    def poll(self) -> list[ProgressPoint]:
+        """Every progress point known so far (new ones appended), never raises."""
+
+
+def _point(body: dict, default_t: float) -> Optional[ProgressPoint]:
+    try:
+        rank = int(body.get("rank", body.get("global_rank", 0)))
+        rnd = int(body.get("round", body.get("plan_version", 0)))
+        step = int(body["step"])
+        t = float(body.get("t", body.get("last_progress_at", default_t)))
+        batch = body.get("batch")
+        return ProgressPoint(rank, rnd, step, t, int(batch) if batch is not None else None)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class FileProgress:
+    """Progress from files matching a glob: JSON lines (one object per completed step) or one
+    JSON object rewritten in place (``HSPMD_PROGRESS_FILE``). Fields: ``step`` (steps
+    completed), ``round``/``plan_version``, ``rank``/``global_rank``, ``t``/``last_progress_at``,
+    optional ``batch``. Each poll reads only what was appended since the last one (a file
+    replaced by a rename is read again from its start)."""
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+        self._points: dict[tuple[int, int, int], ProgressPoint] = {}
+        self._read: dict[str, tuple[int, int]] = {}  # path -> (inode, offset of the next line)
+
+    def poll(self) -> list[ProgressPoint]:
+        now = time.time()
+        for path in sorted(glob.glob(self.pattern)):
+            for line in self._new_lines(path):
+                try:
+                    body = json.loads(line)
+                except ValueError:
+                    continue
+                p = _point(body, now) if isinstance(body, dict) else None
+                if p is not None and p.step > 0:
+                    self._points.setdefault((p.rank, p.round, p.step), p)
+        return sorted(self._points.values(), key=lambda p: p.t)
+
+    def _new_lines(self, path: str) -> list[str]:
+        try:
+            with open(path, "rb") as fh:
+                inode = os.fstat(fh.fileno()).st_ino
+                seen_inode, offset = self._read.get(path, (inode, 0))
+                if seen_inode != inode:
+                    offset = 0
+                fh.seek(offset)
+                data = fh.read()
+        except OSError:
+            return []
+        complete = data.rfind(b"\n") + 1  # a line still being written waits for next time
+        if complete == 0 and data.strip().startswith(b"{") and data.strip().endswith(b"}"):
+            complete = len(data)  # one object without a newline (rewritten by rename)
+        self._read[path] = (inode, offset + complete)
+        return data[:complete].decode("utf-8", "replace").splitlines()
+
+
+class EtcdProgress:
+    """Progress from the job's ``workers/`` records (``step``, ``plan_version``), as the agent
+    publishes its workers' heartbeats."""
+
+    def __init__(self) -> None:
+        self._points: dict[tuple[int, int, int], ProgressPoint] = {}
+        self._lock = threading.Lock()
+
+    def on_worker(self, ev: WatchEvent) -> None:
+        rec = ev.record
+        if ev.type is EventType.PUT and isinstance(rec, schema.WorkerRecord) and rec.step > 0:
+            p = ProgressPoint(rec.global_rank, rec.plan_version, rec.step, rec.last_progress_at)
+            with self._lock:
+                self._points.setdefault((p.rank, p.round, p.step), p)
+
+    def poll(self) -> list[ProgressPoint]:
+        with self._lock:
+            return sorted(self._points.values(), key=lambda p: p.t)
+
+
+# ------------------------------------------------------------------------------------ observer
+@dataclass
+class _Seen:
+    events: list = field(default_factory=list)
+    seqs: set = field(default_factory=set)
+    verdicts: list = field(default_factory=list)
+
+
+class JobObserver:
+    """Watches one job; thread-safe snapshots of what it saw."""
+
+    def __init__(self, client: EtcdClient, job: str, progress: Optional[ProgressSource] = None):
+        self.client = client
+        self.job = job
+        self._etcd_progress = EtcdProgress()
+        self.progress: ProgressSource = progress or self._etcd_progress
+        self._seen = _Seen()
+        self._lock = threading.Lock()
+        self._watches: list[PrefixWatch] = []
+
+    def start(self, timeout: float = WATCH_START_TIMEOUT_S) -> "JobObserver":
+        specs = [(schema.events_prefix(self.job), self._on_event),
+                 (schema.devices_prefix(self.job), self._on_device),
+                 (schema.workers_prefix(self.job), self._etcd_progress.on_worker)]
+        for prefix, callback in specs:
+            watch = PrefixWatch(self.client, prefix, callback, decode=True, initial=True,
+                                name=f"inject {prefix}", progress_s=1.0)
+            self._watches.append(watch.start(timeout))
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for watch in self._watches:
+            watch.stop(timeout)
+        self._watches.clear()
+
+    def _on_event(self, ev: WatchEvent) -> None:
+        if ev.type is EventType.PUT and isinstance(ev.record, schema.EventRecord):
+            with self._lock:
+                if ev.record.seq not in self._seen.seqs:  # a resync replays every event
+                    self._seen.seqs.add(ev.record.seq)
+                    self._seen.events.append(ev.record)
+
+    def _on_device(self, ev: WatchEvent) -> None:
+        if ev.type is not EventType.PUT or not isinstance(ev.record, schema.DeviceHealthRecord):
+            return
+        rest = ev.key[len(schema.devices_prefix(self.job)):]
+        node, _, index = rest.partition("/")
+        with self._lock:
+            self._seen.verdicts.append(DeviceVerdictSeen(
+                len(self._seen.verdicts), node, int(index), ev.record.state, ev.record.reason,
+                ev.record.at))
+
+    # ---------------------------------------------------------------------------- snapshots
+    def events(self) -> list[schema.EventRecord]:
+        with self._lock:
+            return sorted(self._seen.events, key=lambda e: e.seq)
+
+    def verdicts(self) -> list[DeviceVerdictSeen]:
+        with self._lock:
+            return list(self._seen.verdicts)
+
+    def points(self) -> list[ProgressPoint]:
+        return self.progress.poll()
+
+    def max_step(self) -> int:
+        return max((p.step for p in self.points()), default=-1)
+
+    def baseline(self) -> Baseline:
+        events, points = self.events(), self.points()
+        rnd = max((p.round for p in points), default=-1)
+        rnd = max(rnd, self._etcd_round())
+        return Baseline(at=time.time(), last_seq=max((e.seq for e in events), default=0),
+                        devices_seen=len(self.verdicts()), round=rnd,
+                        step=max((p.step for p in points), default=-1))
+
+    def _etcd_round(self) -> int:
+        """The restart round (rdzv/state) or the plan version, whichever the job has."""
+        out = -1
+        for key in (schema.rdzv_state_key(self.job), schema.plan_current_key(self.job)):
+            try:
+                kv = self.client.get(key)
+                if kv is not None:
+                    rec = schema.decode(key, kv.value)
+                    out = max(out, getattr(rec, "round", getattr(rec, "version", -1)))
+            except CoordinationError as exc:
+                log.debug("[%s] cannot read %s: %s", self.job, key, exc)
+        return out
+
+    def job_ended(self) -> Optional[str]:
+        """``succeeded``/``failed`` once the restart-mode rendezvous says so, else None."""
+        key = schema.rdzv_state_key(self.job)
+        try:
+            kv = self.client.get(key)
+            state = schema.decode(key, kv.value).state if kv is not None else None
+        except CoordinationError as exc:  # etcd down for a moment, or a bad record: not ended
+            log.debug("[%s] cannot read %s: %s", self.job, key, exc)
+            return None
+        return state if state in TERMINAL_RDZV else None
+
+
+def default_progress(pattern: Optional[str]) -> Optional[ProgressSource]:
+    """``--progress`` value -> source (None: the workers' etcd records)."""
+    if not pattern:
+        return None
+    if os.path.isdir(pattern):
+        pattern = os.path.join(pattern, "*")
+    return FileProgress(pattern)

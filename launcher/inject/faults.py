@@ -1,0 +1,389 @@
+"""The faults themselves: each acts on real things of a running job.
+
+* worker faults send real signals (``os.kill``) to the pid a ``workers/<node>/<local_rank>``
+  record names, after psutil confirmed the process is alive and belongs to the job (its
+  ``HSPMD_JOB_ID``/``TORCHELASTIC_RUN_ID``, or its agent is the job's); ``kill-worker`` is
+  SIGKILL, ``stop-worker`` and ``hang`` SIGSTOP (from outside a process, a hang is a process
+  that stays alive and stops advancing), optionally resumed (SIGCONT) or escalated (SIGKILL when
+  the job has not noticed in time);
+* agent faults signal the ``agent_pid`` of ``nodes/<node>``: SIGKILL, or SIGSTOP for
+  ``duration_s`` (longer than the lease TTL, so the node's lease expires) then SIGCONT;
+* device faults append to the node's fault script at ``faults/<node>``, the key a
+  ``ScriptedHealthSource`` (``--hspmd-health-source scripted:etcd``) reads, with a
+  compare-and-set so that concurrent writers never drop each other's faults;
+* ``etcd-restart`` kills (or stops) an etcd member the harness owns (``EtcdMember``), keeps it
+  down ``down_s`` and starts it again on the same ports and data;
+* ``join`` starts another ``hspmd-launch`` agent with the job's rendezvous id.
+
+Promises: a target that matches no live process of the job raises ``TargetNotFound`` naming
+the target and what the job has; every process the harness stopped is resumed, and every agent
+it started is stopped and reaped, by ``InjectContext.close`` (no stopped or orphan process is
+left behind); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import psutil
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp
+from hspmd_elastic.coord.client import EtcdClient
+from launcher.health.scripted import Fault, encode_fault_script, parse_faults
+from launcher.health.verdicts import fault_script_key
+from launcher.inject.api import InjectError, NotOwnedError, TargetNotFound
+from launcher.inject.detect import Injected
+from launcher.inject.scenario import FaultSpec
+from launcher.standalone import EtcdStartError
+
+log = logging.getLogger(__name__)
+
+ETCD_START_TIMEOUT_S = 20.0
+STOP_GRACE_S = 10.0
+CAS_TIMEOUT_S = 5.0
+_JOB_ENV = ("HSPMD_JOB_ID", "TORCHELASTIC_RUN_ID", "PET_RDZV_ID")
+
+
+def _launcher_argv() -> list[str]:
+    script = Path(sys.executable).parent / "hspmd-launch"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "launcher.cli"]
+
+
+@dataclass
+class InjectContext:
+    """What faults act through: the job's etcd, the etcd members the harness owns (for
+    ``etcd-restart``), and the processes the harness started or stopped (cleaned up by
+    ``close``)."""
+
+    client: EtcdClient
+    job: str
+    etcd_members: Sequence[Any] = ()
+    log_dir: Optional[str] = None  # output of started agents (a temporary directory if None)
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    launcher_argv: list[str] = field(default_factory=_launcher_argv)
+    spawned: dict[str, subprocess.Popen] = field(default_factory=dict)
+    stopped: set[int] = field(default_factory=set)
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(self.client.endpoints)
+
+    def signal(self, pid: int, sig: signal.Signals) -> None:
+        """Send ``sig`` to ``pid``; a process already gone raises TargetNotFound."""
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError as exc:
+            raise TargetNotFound(f"process {pid} of job {self.job} is gone") from exc
+        if sig == signal.SIGSTOP:
+            self.stopped.add(pid)
+        elif sig in (signal.SIGCONT, signal.SIGKILL):
+            self.stopped.discard(pid)
+        log.info("[%s] sent %s to pid %d", self.job, sig.name, pid)
+        self.reap()
+
+    def reap(self) -> None:
+        for proc in self.spawned.values():
+            proc.poll()
+
+    def close(self, timeout: float = STOP_GRACE_S) -> None:
+        """Resume what the harness stopped; stop and reap the agents it started."""
+        for pid in sorted(self.stopped):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.stopped.clear()
+        live = [p for p in self.spawned.values() if p.poll() is None]
+        for proc in live:
+            proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in live:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("[%s] agent pid %d ignored SIGTERM; killing it", self.job, proc.pid)
+                proc.kill()
+                proc.wait(timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------- targets
+def _belongs(proc: psutil.Process, job: str, depth: int = 2) -> bool:
+    """Whether a process is the job's: by its environment (a worker), its command line (an
+    agent started with ``--rdzv-id``), or its children (an agent whose workers are the job's)."""
+    try:
+        env = proc.environ()
+        if any(env.get(k) == job for k in _JOB_ENV):
+            return True
+        if job in proc.cmdline():
+            return True
+        if depth > 0:
+            return any(_belongs(c, job, depth - 1) for c in proc.children())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return False
+    return False
+
+
+def live_job_process(pid: int, job: str) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and _belongs(proc, job)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+@dataclass(frozen=True)
+class WorkerTarget:
+    node: str
+    local_rank: int
+    rank: int
+    pid: int
+
+
+def find_worker(ctx: InjectContext, target: dict[str, Any]) -> WorkerTarget:
+    """The live worker of the job that ``target`` (node, local_rank, rank) names."""
+    prefix = schema.workers_prefix(ctx.job)
+    found = []
+    for kv in ctx.client.get_prefix(prefix):
+        rec = schema.decode(kv.key, kv.value)
+        node = kv.key[len(prefix):].split("/", 1)[0]
+        w = WorkerTarget(node, rec.local_rank, rec.global_rank, rec.pid)
+        if all(target.get(k, v) == v for k, v in
+               (("node", w.node), ("local_rank", w.local_rank), ("rank", w.rank))):
+            found.append(w)
+    for w in sorted(found, key=lambda w: (w.node, w.local_rank)):
+        if live_job_process(w.pid, ctx.job):
+            return w
+    raise TargetNotFound(f"no live worker of job {ctx.job} matches target {target} "
+                         f"({len(found)} matching record(s), none alive)")
+
+
+def find_agent(ctx: InjectContext, node: str) -> int:
+    """The pid of the live agent of ``node``."""
+    key = schema.node_key(ctx.job, node)
+    kv = ctx.client.get(key)
+    if kv is None:
+        raise TargetNotFound(f"node {node} has no record in job {ctx.job} (not running)")
+    pid = schema.decode(key, kv.value).agent_pid
+    if not live_job_process(pid, ctx.job):
+        raise TargetNotFound(f"agent pid {pid} of node {node} is not a live process of job "
+                             f"{ctx.job}")
+    return pid
+
+
+# ----------------------------------------------------------------------------------- faults
+@dataclass
+class Timer:
+    """A follow-up action ``after_s`` seconds after the injection (resume, thaw, escalate)."""
+
+    after_s: float
+    label: str
+    action: Callable[[], None]
+    only_if_undetected: bool = False
+    ends_fault: bool = False
+    done: bool = False
+
+
+@dataclass
+class Injection:
+    injected: Injected
+    detail: dict[str, Any] = field(default_factory=dict)
+    timers: list[Timer] = field(default_factory=list)
+
+
+class FaultAction:
+    """Base of the faults: ``inject(ctx)`` applies the fault now and says what it did."""
+
+    def __init__(self, spec: FaultSpec):
+        self.spec = spec
+
+    def inject(self, ctx: InjectContext) -> Injection:
+        raise NotImplementedError
+
+
+class KillWorker(FaultAction):
+    def inject(self, ctx: InjectContext) -> Injection:
+        w = find_worker(ctx, self.spec.target)
+        ctx.signal(w.pid, signal.SIGKILL)
+        return Injection(Injected(self.spec.fault, _worker_dict(w), (w.pid,)),
+                         {"pid": w.pid, "signal": "SIGKILL"})
+
+
+class StopWorker(FaultAction):
+    """SIGSTOP; ``resume_after_s``: SIGCONT then; ``escalate_after_s``: SIGKILL then, unless
+    the job noticed first."""
+
+    def inject(self, ctx: InjectContext) -> Injection:
+        w = find_worker(ctx, self.spec.target)
+        ctx.signal(w.pid, signal.SIGSTOP)
+        inj = Injection(Injected(self.spec.fault, _worker_dict(w), (w.pid,)),
+                        {"pid": w.pid, "signal": "SIGSTOP"})
+        p = self.spec.params
+        if "resume_after_s" in p:
+            inj.timers.append(Timer(p["resume_after_s"], "SIGCONT",
+                                    _quiet(ctx, w.pid, signal.SIGCONT), ends_fault=True))
+        if "escalate_after_s" in p:
+            inj.timers.append(Timer(p["escalate_after_s"], "SIGKILL (not detected in time)",
+                                    _quiet(ctx, w.pid, signal.SIGKILL), only_if_undetected=True))
+        return inj
+
+
+class KillAgent(FaultAction):
+    def inject(self, ctx: InjectContext) -> Injection:
+        node = self.spec.target["node"]
+        pid = find_agent(ctx, node)
+        ctx.signal(pid, signal.SIGKILL)
+        return Injection(Injected(self.spec.fault, {"node": node}, (pid,)),
+                         {"pid": pid, "signal": "SIGKILL"})
+
+
+class FreezeAgent(FaultAction):
+    def inject(self, ctx: InjectContext) -> Injection:
+        node = self.spec.target["node"]
+        pid = find_agent(ctx, node)
+        ctx.signal(pid, signal.SIGSTOP)
+        duration = self.spec.params["duration_s"]
+        return Injection(Injected(self.spec.fault, {"node": node}, (pid,)),
+                         {"pid": pid, "signal": "SIGSTOP", "duration_s": duration},
+                         [Timer(duration, "SIGCONT (thawed)", _quiet(ctx, pid, signal.SIGCONT),
+                                ends_fault=True)])
+
+
+class DeviceFault(FaultAction):
+    """Appends to the node's etcd fault script (read by ``ScriptedHealthSource``)."""
+
+    def faults(self) -> list[Fault]:
+        t, p = self.spec.target, self.spec.params
+        kind = self.spec.fault
+        if kind == "xid":
+            return [Fault(device=t["device"], kind="xid", xid=p["xid"])]
+        if kind == "ecc":
+            return [Fault(device=t["device"], kind="ecc", reason=f"uncorrectable ECC error "
+                          f"{i + 1}/{p['count']} (injected burst)") for i in range(p["count"])]
+        return [Fault(device=t["device"], kind="thermal", slowdown=p["slowdown"])]
+
+    def inject(self, ctx: InjectContext) -> Injection:
+        node = self.spec.target["node"]
+        key = fault_script_key(ctx.job, node)
+        added = self.faults()
+        total = append_faults(ctx.client, key, added)
+        return Injection(Injected(self.spec.fault, dict(self.spec.target),
+                                  xid=self.spec.params.get("xid")),
+                         {"key": key, "faults": [f.to_dict() for f in added],
+                          "script_length": total})
+
+
+def append_faults(client: EtcdClient, key: str, added: list[Fault],
+                  timeout: float = CAS_TIMEOUT_S) -> int:
+    """Append ``added`` to the fault script at ``key`` (compare-and-set, retried on contention);
+    returns the script's new length."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kv = client.get(key)
+        current = parse_faults(kv.value.decode("utf-8"), f"etcd key {key}") if kv else []
+        script = current + added
+        res = client.txn([Compare(key, CompareTarget.MOD, "==", kv.mod_revision if kv else 0)],
+                         [PutOp(key, encode_fault_script(script))])
+        if res.succeeded:
+            return len(script)
+    raise CoordinationError(f"fault script {key} contended for {timeout}s")
+
+
+class EtcdRestart(FaultAction):
+    def member(self, ctx: InjectContext) -> Any:
+        if not ctx.etcd_members:
+            raise NotOwnedError("etcd-restart needs the etcd members the harness owns; this run "
+                                "was given none (the job's etcd is not the harness's)")
+        want = self.spec.target.get("member", 0)
+        for i, m in enumerate(ctx.etcd_members):
+            if want in (i, m.name):
+                return m
+        names = ", ".join(m.name for m in ctx.etcd_members)
+        raise TargetNotFound(f"etcd member {want!r} is not one of the harness's: {names}")
+
+    def inject(self, ctx: InjectContext) -> Injection:
+        member = self.member(ctx)
+        how, down = self.spec.params["how"], self.spec.params["down_s"]
+        (member.kill if how == "kill" else member.stop)()
+        log.info("[%s] etcd member %s %s; down for %.1fs", ctx.job, member.name,
+                 "killed" if how == "kill" else "stopped", down)
+        threading.Event().wait(down)  # the outage itself
+        try:
+            member.launch()
+            member.wait_healthy(ETCD_START_TIMEOUT_S)
+        except (EtcdStartError, OSError) as exc:
+            raise InjectError(f"etcd member {member.name} did not come back: {exc}") from exc
+        back = time.time()
+        log.info("[%s] etcd member %s is back at %s", ctx.job, member.name, member.endpoint)
+        return Injection(Injected(self.spec.fault, {"member": member.name}, ended_at=back),
+                         {"member": member.name, "how": how, "down_s": down,
+                          "endpoint": member.endpoint})
+
+
+class Join(FaultAction):
+    def inject(self, ctx: InjectContext) -> Injection:
+        node = self.spec.target["node"]
+        if node in ctx.spawned and ctx.spawned[node].poll() is None:
+            raise TargetNotFound(f"node {node} was already started by this harness (pid "
+                                 f"{ctx.spawned[node].pid})")
+        args = list(self.spec.params["args"])
+        fixed = {"--rdzv-backend": "etcd", "--rdzv-id": ctx.job,
+                 "--rdzv-endpoint": ctx.endpoints, "--hspmd-node-id": node}
+        front = [x for flag, value in fixed.items() if not _has_flag(args, flag)
+                 for x in (flag, value)]
+        argv = [*ctx.launcher_argv, *front, *args]
+        ctx.log_dir = ctx.log_dir or tempfile.mkdtemp(prefix="hspmd-inject-")
+        os.makedirs(ctx.log_dir, exist_ok=True)
+        out = open(os.path.join(ctx.log_dir, f"join-{node}.log"), "ab")
+        try:
+            proc = subprocess.Popen(argv, env={**ctx.env, **self.spec.params["env"]},
+                                    stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            raise TargetNotFound(f"cannot start agent {argv[0]}: {exc}") from exc
+        finally:
+            out.close()
+        ctx.spawned[node] = proc
+        log.info("[%s] started agent for node %s (pid %d)", ctx.job, node, proc.pid)
+        return Injection(Injected(self.spec.fault, {"node": node}, (proc.pid,)),
+                         {"pid": proc.pid, "argv": argv})
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    spellings = (flag, "--" + flag[2:].replace("-", "_"))
+    return any(a in spellings or a.startswith(tuple(s + "=" for s in spellings)) for a in args)
+
+
+def _worker_dict(w: WorkerTarget) -> dict[str, Any]:
+    return {"node": w.node, "local_rank": w.local_rank, "rank": w.rank}
+
+
+def _quiet(ctx: InjectContext, pid: int, sig: signal.Signals) -> Callable[[], None]:
+    """A follow-up signal: a process that already exited is no error."""
+    def send() -> None:
+        try:
+            ctx.signal(pid, sig)
+        except TargetNotFound:
+            log.info("[%s] pid %d already gone; %s not sent", ctx.job, pid, sig.name)
+    return send
+
+
+FAULT_CLASSES: dict[str, type[FaultAction]] = {
+    "kill-worker": KillWorker, "stop-worker": StopWorker, "hang": StopWorker,
+    "kill-agent": KillAgent, "freeze-agent": FreezeAgent, "xid": DeviceFault,
+    "ecc": DeviceFault, "thermal": DeviceFault, "etcd-restart": EtcdRestart, "join": Join,
+}
+
+
+def make_fault(spec: FaultSpec) -> FaultAction:
+    return FAULT_CLASSES[spec.fault](spec)

@@ -1,0 +1,282 @@
+"""``Harness``: drive a running job through a scenario, one fault at a time, and report.
+
+For each entry, in order: wait for its trigger (seconds since the start, or the job's current
+step), take a baseline of the job, inject, then wait (bounded by the entry's
+``detect_timeout_s``, counted again from an escalation) for the job's reaction and (bounded by
+``recover_timeout_s``) for training to go on; follow-ups (resume, thaw, escalation) fire on
+time meanwhile; the next fault starts once the previous one is settled and its follow-ups that
+end it have fired. With
+``wait_end_s`` the run then waits (bounded) for the job to end, so that the totals (samples lost,
+last step) cover the whole run.
+
+Promises: every wait has a deadline on ``time.monotonic``; a fault that cannot be applied (its
+target is gone, the harness does not own the etcd) or whose trigger never comes (the job ended)
+is reported ``not injected`` with the reason, and the run goes on; nothing is marked detected
+that the job did not record itself; ``run`` always ends with ``InjectContext.close`` (stopped
+processes resumed, started agents stopped).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from hspmd_elastic.coord.api import CoordinationError
+from launcher.inject.api import (
+    NOT_DETECTED,
+    NOT_RECOVERED,
+    RECOVERED,
+    SURVIVED,
+    FaultRow,
+    InjectError,
+    Report,
+    TargetNotFound,
+)
+from launcher.inject.detect import (
+    Baseline,
+    Detection,
+    JobObserver,
+    Recovery,
+    expects_reaction,
+    match_detection,
+    match_recovery,
+    progress_after,
+    switch_started,
+)
+from launcher.inject.faults import InjectContext, Injection, make_fault
+from launcher.inject.report import finalize
+from launcher.inject.scenario import FaultSpec, Scenario
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+ENDED_CHECK_S = 0.5
+TARGET_WAIT_S = 10.0
+
+
+class Harness:
+    """Runs ``scenario`` against the job that ``ctx`` and ``observer`` point at."""
+
+    def __init__(self, scenario: Scenario, ctx: InjectContext, observer: JobObserver,
+                 poll_s: float = POLL_S, on_row: Optional[Callable[[FaultRow], None]] = None,
+                 wait_end_s: float = 0.0):
+        self.scenario = scenario
+        self.wait_end_s = wait_end_s
+        self.ctx = ctx
+        self.observer = observer
+        self.poll_s = poll_s
+        self.on_row = on_row
+        self._stop = threading.Event()
+        self._start_mono = 0.0
+        self._start_wall = 0.0
+        self._ended: Optional[str] = None
+        self._ended_checked = 0.0
+
+    def stop(self) -> None:
+        """Ask a running ``run`` to stop at its next wait (remaining faults: not injected)."""
+        self._stop.set()
+
+    # ------------------------------------------------------------------------------- run
+    def run(self) -> Report:
+        self._start_mono, self._start_wall = time.monotonic(), time.time()
+        report = Report(self.scenario.name, self.ctx.job, [], self._start_wall)
+        bases: dict[int, tuple[Baseline, Optional[int]]] = {}
+        try:
+            for spec in self.scenario.faults:
+                row, base, rnd = self._one(spec)
+                report.rows.append(row)
+                if base is not None:
+                    bases[row.index] = (base, rnd)
+                log.info("[%s] fault %s: %s%s", self.ctx.job, spec.describe(), row.outcome,
+                         f" ({row.note})" if row.note else "")
+                if self.on_row is not None:
+                    self.on_row(row)
+            self._wait_end()
+        finally:
+            self.ctx.close()
+        return finalize(report, self.observer.points(), bases)
+
+    def _wait_end(self) -> None:
+        """With ``wait_end_s``: let the job finish, so the totals cover the whole run."""
+        deadline = time.monotonic() + self.wait_end_s
+        while self.wait_end_s > 0 and not self._job_ended() and not self._stop.is_set():
+            if time.monotonic() >= deadline:
+                log.warning("[%s] job still running %.0fs after the last fault; reporting "
+                            "progress so far", self.ctx.job, self.wait_end_s)
+                return
+            self._stop.wait(self.poll_s * 4)
+
+    def _rel(self, wall: Optional[float]) -> Optional[float]:
+        return None if wall is None else round(wall - self._start_wall, 3)
+
+    def _one(self, spec: FaultSpec) -> tuple[FaultRow, Optional[Baseline], Optional[int]]:
+        row = FaultRow(spec.index, spec.fault, dict(spec.target))
+        why = self._wait_trigger(spec)
+        if why:
+            row.note = why
+            return row, None, None
+        try:
+            base, inj = self._inject(spec)
+        except (InjectError, CoordinationError, OSError) as exc:
+            row.note = str(exc)
+            return row, None, None
+        row.injected_at, row.target, row.detail = self._rel(base.at), inj.injected.target, \
+            inj.detail
+        det = self._wait_detection(spec, base, inj, row)
+        rec: Optional[Recovery] = None
+        reaction = expects_reaction(inj.injected.fault, inj.injected.xid)
+        if det is not None or not reaction:
+            rec = self._wait_recovery(spec, base, inj, det, row)
+        self._finish_timers(inj, base, det, row)
+        if det is None and reaction and inj.injected.ended_at is not None:
+            rec = self._went_on(spec, base, inj)
+        if det is not None:
+            row.detected_at, row.detected_by = self._rel(det.at), det.by
+            started = switch_started(self.observer.events(),
+                                     det.seq if det.seq is not None else base.last_seq)
+            if started is not None and rec is not None and started <= rec.at:
+                row.detail["switch_started_at"] = self._rel(started)
+        if rec is not None:
+            row.recovered_at, row.recovered_by = self._rel(rec.at), rec.by
+        if not reaction:
+            row.outcome = SURVIVED if rec else NOT_RECOVERED
+            row.detected_by = row.detected_by or "n/a (no reaction expected)"
+        elif det is None:
+            row.outcome = NOT_DETECTED
+            if rec is not None:
+                row.note = "the job never noticed; it went on once the fault ended"
+        else:
+            row.outcome = RECOVERED if rec else NOT_RECOVERED
+        if self._ended and row.outcome not in (RECOVERED, SURVIVED):
+            row.note = (row.note + "; " if row.note else "") + f"job {self._ended}"
+        return row, base, rec.round if rec else None
+
+    # ---------------------------------------------------------------------------- phases
+    def _job_ended(self) -> Optional[str]:
+        now = time.monotonic()
+        if self._ended is None and now - self._ended_checked >= ENDED_CHECK_S:
+            self._ended_checked = now
+            self._ended = self.observer.job_ended()
+        return self._ended
+
+    def _current_step(self) -> int:
+        points = self.observer.points()
+        if not points:
+            return -1
+        newest = max(p.round for p in points)
+        return max(p.step for p in points if p.round == newest)
+
+    def _wait_trigger(self, spec: FaultSpec) -> str:
+        """'' once the entry is due; otherwise why it never came. A time trigger fires at its
+        time; a step trigger waits at most the scenario's ``trigger_timeout_s``."""
+        if spec.at_step is None:
+            deadline = self._start_mono + (spec.at_s or 0.0)
+        else:
+            deadline = time.monotonic() + self.scenario.trigger_timeout_s
+        while True:
+            if self._stop.is_set():
+                return "the harness was stopped"
+            ended = self._job_ended()
+            if ended:
+                return f"job {ended} before the trigger"
+            if spec.at_step is not None and self._current_step() >= spec.at_step:
+                return ""
+            if time.monotonic() >= deadline:
+                if spec.at_step is None:
+                    return ""
+                return (f"trigger (step {spec.at_step}) did not come within "
+                        f"{self.scenario.trigger_timeout_s:.0f}s")
+            self._stop.wait(min(self.poll_s, max(deadline - time.monotonic(), 0.0)))
+
+    def _inject(self, spec: FaultSpec) -> tuple[Baseline, Injection]:
+        """Inject, retrying a little while the target is between restarts (or etcd blinks)."""
+        deadline = time.monotonic() + TARGET_WAIT_S
+        fault = make_fault(spec)
+        while True:
+            base = self.observer.baseline()
+            try:
+                inj = fault.inject(self.ctx)
+                log.info("[%s] injected %s: %s", self.ctx.job, spec.describe(), inj.detail)
+                return base, inj
+            except (TargetNotFound, CoordinationError) as exc:
+                if time.monotonic() >= deadline or self._job_ended():
+                    raise
+                log.debug("[%s] %s: retrying the injection: %s", self.ctx.job,
+                          spec.describe(), exc)
+            self._stop.wait(self.poll_s * 4)
+
+    def _fire_timers(self, inj: Injection, base: Baseline, detected: bool,
+                     row: FaultRow) -> bool:
+        """Fire the follow-ups that are due; True when an escalation fired."""
+        elapsed = time.time() - base.at
+        escalated = False
+        for timer in inj.timers:
+            if timer.done or elapsed < timer.after_s:
+                continue
+            timer.done = True
+            if timer.only_if_undetected and detected:
+                continue
+            timer.action()
+            if timer.only_if_undetected:
+                row.escalated = escalated = True
+                row.note = f"the job had not reacted after {timer.after_s:.1f}s: sent " \
+                           f"{timer.label}"
+            if timer.ends_fault:
+                inj.injected.ended_at = time.time()
+        return escalated
+
+    def _wait_detection(self, spec: FaultSpec, base: Baseline, inj: Injection,
+                        row: FaultRow) -> Optional[Detection]:
+        if not expects_reaction(inj.injected.fault, inj.injected.xid):
+            return None
+        deadline = time.monotonic() + spec.detect_timeout_s
+        while True:
+            if self._fire_timers(inj, base, False, row):  # the job gets time to see the kill
+                deadline = time.monotonic() + spec.detect_timeout_s
+            det = match_detection(inj.injected, base, self.observer.events(),
+                                  self.observer.verdicts())
+            if det is not None:
+                if row.escalated:
+                    det = Detection(det.at, det.by + " (after the escalation)", det.seq)
+                return det
+            escalation_due = any(t.only_if_undetected and not t.done for t in inj.timers)
+            if (time.monotonic() >= deadline and not escalation_due) or self._job_ended() \
+                    or self._stop.is_set():
+                return None
+            self._stop.wait(self.poll_s)
+
+    def _wait_recovery(self, spec: FaultSpec, base: Baseline, inj: Injection,
+                       det: Optional[Detection], row: FaultRow) -> Optional[Recovery]:
+        deadline = time.monotonic() + spec.recover_timeout_s
+        while True:
+            self._fire_timers(inj, base, det is not None, row)
+            rec = match_recovery(inj.injected, base, det, self.observer.events(),
+                                 self.observer.points())
+            if rec is not None:
+                return rec
+            if time.monotonic() >= deadline or self._job_ended() or self._stop.is_set():
+                return None
+            self._stop.wait(self.poll_s)
+
+    def _went_on(self, spec: FaultSpec, base: Baseline, inj: Injection) -> Optional[Recovery]:
+        """After an unnoticed fault that ended (resume, thaw): did training go on?"""
+        deadline = time.monotonic() + spec.recover_timeout_s
+        while True:
+            rec = progress_after(inj.injected, base, self.observer.points())
+            if rec is not None or time.monotonic() >= deadline or self._job_ended() \
+                    or self._stop.is_set():
+                return rec
+            self._stop.wait(self.poll_s)
+
+    def _finish_timers(self, inj: Injection, base: Baseline, det: Optional[Detection],
+                       row: FaultRow) -> None:
+        """Follow-ups that end the fault (resume, thaw) fire before the next fault starts."""
+        pending = [t for t in inj.timers if not t.done and t.ends_fault]
+        if not pending:
+            return
+        deadline = time.monotonic() + max(t.after_s for t in pending) + 1.0
+        while any(not t.done for t in pending) and time.monotonic() < deadline:
+            self._fire_timers(inj, base, det is not None, row)
+            self._stop.wait(self.poll_s)
