@@ -107,6 +107,8 @@ def test_what_a_job_writes_decodes_and_is_documented(etcd_server):
             node="node-a", addr="gpu-a", port=29500, at=0.0).to_json())
         client.put(schema.rdzv_done_key(job, 0, "node-a"), schema.RdzvDoneRecord(
             node="node-a", at=0.0).to_json())
+        client.put(schema.fault_script_key(job, "node-a"), schema.FaultScriptRecord(
+            faults=[{"at": 1.0, "device": 0, "kind": "xid", "xid": 79}]).to_json())
         assert election.campaign(5.0)
         plan = schema.PlanRecord(version=1, reason="start", devices=["node-a:0"], strategy={},
                                  store_endpoint="gpu-a:29500", created_at=0.0).to_json()

@@ -132,6 +132,11 @@ def event_seq_key(job: str) -> str:
     return job_prefix(job) + "event_seq"
 
 
+def fault_script_key(job: str, node: str) -> str:
+    """A node's scripted device faults (fault drills), read by the ``scripted:etcd`` source."""
+    return f"{job_prefix(job)}faults/{_ident('node id', node)}"
+
+
 def switch_prefix(job: str, version: Optional[int] = None) -> str:
     base = job_prefix(job) + "switch/"
     return base if version is None else f"{base}{_padded('plan version', version)}/"
@@ -292,6 +297,15 @@ class CounterRecord(Record):
 
 
 @dataclass
+class FaultScriptRecord(Record):
+    """Scripted device faults for one node (fault drills); read by ``ScriptedHealthSource``."""
+
+    KIND: ClassVar[str] = "fault_script"
+
+    faults: list[dict[str, Any]]
+
+
+@dataclass
 class SwitchAckRecord(Record):
     KIND: ClassVar[str] = "switch_ack"
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": SWITCH_STATES}
@@ -357,7 +371,7 @@ class RdzvDoneRecord(Record):
 
 RECORD_TYPES: tuple[type[Record], ...] = (
     NodeRecord, DeviceHealthRecord, WorkerRecord, CandidateRecord, LeaderRecord, PlanRecord,
-    EventRecord, CounterRecord, SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord,
+    EventRecord, CounterRecord, FaultScriptRecord, SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord,
     RdzvMasterRecord, RdzvDoneRecord,
 )
 NESTED_TYPES: tuple[type, ...] = (DeviceInfo, RdzvParticipant)
@@ -412,6 +426,7 @@ REGISTRY: tuple[KeySpec, ...] = (
     KeySpec("event_seq", CounterRecord, "none", "any agent or the leader (compare-and-set)"),
     KeySpec("switch/<version>/<node_id>", SwitchAckRecord, "agent", "node agent",
             (("version", "plan_version"), ("node_id", "node"))),
+    KeySpec("faults/<node_id>", FaultScriptRecord, "none", "fault injector (hspmd-launch inject)"),
     KeySpec("rdzv/state", RdzvStateRecord, "none", "node agents (compare-and-set)"),
     KeySpec("rdzv/rounds/<round>/joined/<node_id>", RdzvJoinRecord, "agent", "node agent",
             (("node_id", "node"),)),

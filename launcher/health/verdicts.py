@@ -30,7 +30,7 @@ from hspmd_elastic.coord.schema import (
     devices_prefix,
     device_key,
     encode,
-    job_prefix,
+    fault_script_key as _schema_fault_script_key,
     match_key,
 )
 from launcher.health.api import (
@@ -52,8 +52,7 @@ LeaseArg = Union[int, Callable[[], int]]
 
 def fault_script_key(job: str, node: str) -> str:
     """Where an injector writes a node's fault script: ``/hspmd/v1/jobs/<job>/faults/<node>``."""
-    devices_prefix(job, node)  # validates the node id the way the schema does
-    return f"{job_prefix(job)}faults/{node}"
+    return _schema_fault_script_key(job, node)
 
 
 # ------------------------------------------------------------------------------------ publisher
