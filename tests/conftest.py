@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -32,3 +33,17 @@ def etcd_cluster3(tmp_path):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """Commands run in-process (click's main) may install a stderr handler on the root logger.
+    That handler would hold this test's captured stream after it is closed, so later threads'
+    log lines would fail to print; put the root logger back as it was."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in root.handlers[:]:
+        if h not in handlers:
+            root.removeHandler(h)
+    root.setLevel(level)
