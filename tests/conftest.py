@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,10 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from launcher.standalone import EtcdCluster  # noqa: E402
+
+# Helpers shared by the tests that launch real jobs (tests/scripts/launch_harness.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from launch_harness import assert_no_leftovers, new_marker  # noqa: E402
 
 
 @pytest.fixture
@@ -47,3 +53,12 @@ def _restore_root_logging():
         if h not in handlers:
             root.removeHandler(h)
     root.setLevel(level)
+
+
+@pytest.fixture
+def marker():
+    """A unique tag in the environment of every process a test launches; at the end of the test
+    no process carrying it may be left (no orphaned agents, workers or etcd)."""
+    m = new_marker()
+    yield m
+    assert_no_leftovers(m)

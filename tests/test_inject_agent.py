@@ -17,9 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from launch_harness import (  # noqa: E402
     SCRIPTS,
     Launcher,
-    assert_no_leftovers,
     base_env,
-    new_marker,
     pid_alive,
     wait_for,
 )
@@ -36,13 +34,6 @@ from launcher.inject.harness import Harness  # noqa: E402
 from launcher.inject.scenario import parse_scenario  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
-
-
-@pytest.fixture
-def marker():
-    m = new_marker()
-    yield m
-    assert_no_leftovers(m)
 
 
 def test_freeze_past_the_lease_then_kill_the_agent(tmp_path, marker, etcd_server):

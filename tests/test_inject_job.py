@@ -19,9 +19,7 @@ from inject_train import reference_params  # noqa: E402
 from launch_harness import (  # noqa: E402
     SCRIPTS,
     Launcher,
-    assert_no_leftovers,
     base_env,
-    new_marker,
 )
 
 from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
@@ -35,13 +33,6 @@ from launcher.inject.scenario import parse_scenario  # noqa: E402
 pytestmark = pytest.mark.multiproc
 
 STEPS, BATCH = 24, 12
-
-
-@pytest.fixture
-def marker():
-    m = new_marker()
-    yield m
-    assert_no_leftovers(m)
 
 
 def test_restart_mode_job_survives_five_faults(tmp_path, marker, etcd_server):

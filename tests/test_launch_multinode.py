@@ -17,9 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from launch_harness import (  # noqa: E402
     SCRIPTS,
     Launcher,
-    assert_no_leftovers,
     base_env,
-    new_marker,
     pid_alive,
     read_json_files,
     wait_for,
@@ -30,13 +28,6 @@ from launcher.standalone import free_ports  # noqa: E402
 from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
-
-
-@pytest.fixture
-def marker():
-    m = new_marker()
-    yield m
-    assert_no_leftovers(m)
 
 
 def agent_args(etcd, job: str, node: str, nnodes: str, *extra: str) -> list[str]:

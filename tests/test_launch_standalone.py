@@ -17,9 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from launch_harness import (  # noqa: E402
     SCRIPTS,
     Launcher,
-    assert_no_leftovers,
     base_env,
-    new_marker,
     pid_alive,
     read_json_files,
     run_launch,
@@ -27,13 +25,6 @@ from launch_harness import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.multiproc
-
-
-@pytest.fixture
-def marker():
-    m = new_marker()
-    yield m
-    assert_no_leftovers(m)
 
 
 def test_env_dump_matches_torchrun(tmp_path, marker):

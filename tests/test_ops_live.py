@@ -36,9 +36,7 @@ from launch_harness import (  # noqa: E402
     REPO,
     SCRIPTS,
     Launcher,
-    assert_no_leftovers,
     base_env,
-    new_marker,
     wait_for,
 )
 
@@ -52,13 +50,6 @@ pytestmark = pytest.mark.multiproc
 NODE = "node-a"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = REPO / "artifacts"
-
-
-@pytest.fixture
-def marker():
-    m = new_marker()
-    yield m
-    assert_no_leftovers(m)
 
 
 class RuntimeStandIn:
