@@ -34,7 +34,7 @@ from hspmd_elastic.planner import cost
 from hspmd_elastic.planner.api import (GiB, Candidate, Device, Inventory, ModelProfile,
                                        PlanInfeasibleError, PlannerError, PlannerOptions,
                                        PlanResult)
-from hspmd_elastic.planner.current import candidate, from_current, score
+from hspmd_elastic.planner.current import candidate, from_current
 from hspmd_elastic.planner.passes import Draft, Solver, tp_options
 
 _PP_DEPTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
