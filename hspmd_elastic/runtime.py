@@ -214,10 +214,8 @@ class _Worker:
         try:
             while self.step < self.steps:
                 batch = global_batch_at(self.sample, self.step, self.global_batch)
-                before = held.snapshot()
                 self.watchdog.check(f"step {self.step}")
-                loss = held.model.step(batch)
-                held.commit(before)
+                loss = held.train_step(batch)
                 self.result.losses[self.step] = loss
                 self.step = held.step
                 if self.checkpoints and self.checkpoints.due(self.step):

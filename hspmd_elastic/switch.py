@@ -21,11 +21,13 @@ It never trains on wrong weights. A newer plan or a failed communication during 
 raises ``SwitchRequested`` / ``CommTimeoutError`` / ``RegroupAborted``, and the caller starts
 over from the newest plan: nothing this rank holds is modified before the switch completes.
 
-Limits. The BSR's own waits (``reshard.executor``) and the creation of the plan's sub-groups do
-not look at the plan watch: a peer that leaves the switch is noticed when its connections close
-(at once, for a dead or regrouping peer) or at the ``comm_s`` deadline. A switch that fails
-after some ranks committed it leaves the state in two layouts; the next switch reads from both
-(see agree.py).
+Every wait of the switch sees a newer plan: the store barrier of the regroup, the exchange (the
+watchdog), the BSR's transfers (``should_abort``: ``ReshardAborted``) and the creation of the
+plan's sub-groups (a polled barrier on the version's store first: ``CommAborted``), so a peer
+that leaves the switch, dead or gone to a newer plan, costs the others at most the time until
+that plan is published. Limits: a peer that dies inside gloo's connection of the sub-groups,
+after the barrier, is waited for up to ``comm_s``. A switch that fails after some ranks
+committed it leaves the state in two layouts; the next switch reads from both (see agree.py).
 """
 
 from __future__ import annotations
@@ -59,7 +61,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Held:
-    """What a rank holds between switches: its plan, its model and a one-step undo copy."""
+    """What a rank holds between switches: its plan, its model and a one-step undo copy.
+
+    ``train_step`` keeps the undo copy cheaply: the state is copied once the step's
+    communication succeeded (a failed step copies nothing), into the same buffers every step
+    (no allocation; live state plus one copy in memory). The copy itself, parameters and both
+    AdamW moments, stays: about one optimizer update's worth of memory traffic per step.
+    ``snapshot`` + ``commit`` is the allocating form of the same (a fresh copy per step).
+    """
 
     version: int
     plan: Plan
@@ -79,6 +88,22 @@ class Held:
 
     def commit(self, snapshot: tuple[int, dict[str, torch.Tensor]]) -> None:
         self.undo = snapshot
+
+    def train_step(self, batch: torch.Tensor) -> float:
+        """One training step; the undo copy becomes the state before it once it commits."""
+        return self.model.step(batch, before_update=self._keep_undo)
+
+    @torch.no_grad()
+    def _keep_undo(self) -> None:
+        step, live = self.step, self.model.state_tensors()
+        buffers = self.undo[1] if self.undo is not None else None
+        if buffers is None or buffers.keys() != live.keys() or any(
+                buffers[n].shape != t.shape for n, (t, _ann) in live.items()):
+            self.undo = self.snapshot()
+            return
+        for name, (tensor, _ann) in live.items():
+            buffers[name].copy_(tensor)
+        self.undo = (step, buffers)
 
     def tensors_at(self, step: int) -> dict[str, torch.Tensor]:
         if self.step == step:
@@ -147,7 +172,7 @@ class GraphSwitch:
         on_phase("regrouping")
         t = time.monotonic()
         self.former.form(record.version, record.store_endpoint, rank, len(record.devices),
-                         aborted=lambda: self.plans.newer_than(record.version) is not None,
+                         aborted=self._superseded(record.version),
                          deadline=t + self.timeouts.regroup_s)
         timings.regroup_s = time.monotonic() - t
 
@@ -166,7 +191,10 @@ class GraphSwitch:
         t = time.monotonic()
         try:
             comm = Comm.create(plan, self.config, rank, timeout_s=self.timeouts.comm_s,
-                               waiter=self.watchdog)
+                               waiter=self.watchdog, store=self.former.store,
+                               aborted=self._superseded(record.version))
+        except CommTimeoutError:
+            raise
         except RuntimeError as exc:  # a peer left the switch: creating sub-groups timed out
             raise CommTimeoutError(f"plan v{record.version}: creating the process groups "
                                    f"failed: {str(exc).splitlines()[0][:200]}") from exc
@@ -181,6 +209,10 @@ class GraphSwitch:
         self._report(record, rank, timings)
         return SwitchResult(Held(record.version, plan, list(record.devices), model), rank,
                             resume, timings)
+
+    def _superseded(self, version: int) -> Callable[[], bool]:
+        """True once a plan newer than ``version`` is known (a lock-only check)."""
+        return lambda: self.plans.newer_than(version) is not None
 
     # ------------------------------------------------------------------------ exchange
     def _holding(self, held: Optional[Held]) -> agree.Holding:
@@ -224,7 +256,8 @@ class GraphSwitch:
             return self._fallback(record, plan, rank, holdings, exc, timings)
         local = held.tensors_at(decision.resume_step) if rank in decision.owners else {}
         timings.rolled_back = rank in decision.rollback
-        received, stats = execute_fused(schedule, rank, local, timeout_s=self.timeouts.comm_s)
+        received, stats = execute_fused(schedule, rank, local, timeout_s=self.timeouts.comm_s,
+                                        should_abort=self._superseded(record.version))
         totals = schedule.link_stats()
         timings.bsr_bytes_total = totals.total_bytes
         timings.bsr_bytes_sent = stats.total_sent

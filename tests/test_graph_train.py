@@ -149,6 +149,32 @@ def silent_peer(rank: int, world: int, payload: dict) -> dict:
     return {"outcome": outcome, "seen": seen}
 
 
+def absent_peer(rank: int, world: int, payload: dict) -> dict:
+    """Rank 1 never creates the plan's groups (it left for a newer plan); rank 0's creation is
+    abandoned when ``aborted()`` turns true after 0.3 s, long before its 30 s timeout."""
+    import time
+
+    import torch.distributed as dist
+
+    from hspmd_elastic.graph.comm import Comm, CommAborted
+
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.wait(["absent_done"], datetime.timedelta(seconds=60))
+        return {}
+    plan = simple_plan(dp=2, num_layers=4, global_batch=GLOBAL_BATCH)
+    start = time.monotonic()
+    try:
+        Comm.create(plan, CONFIG, rank, timeout_s=30.0, store=dist.PrefixStore("v9/", store),
+                    aborted=lambda: time.monotonic() - start > 0.3)
+        outcome = "created"
+    except CommAborted:
+        outcome = "aborted"
+    finally:
+        store.set("absent_done", "1")
+    return {"outcome": outcome, "elapsed": time.monotonic() - start}
+
+
 # ---- checks in the test process ---------------------------------------------------------------
 
 _REFERENCE: dict = {}
@@ -224,6 +250,12 @@ def test_a_silent_peer_times_out_through_the_waiter():
     results = run_world("test_graph_train:silent_peer", 2, {})
     assert results[0]["outcome"] == "timeout"
     assert results[0]["seen"] == ["recv from rank 1 tag 99"]
+
+
+def test_creating_groups_is_abandoned_when_a_peer_never_comes():
+    results = run_world("test_graph_train:absent_peer", 2, {})
+    assert results[0]["outcome"] == "aborted"
+    assert 0.3 <= results[0]["elapsed"] < 3.0, results[0]  # not the 30 s group timeout
 
 
 def test_switch_plans_through_annotations_continues_the_same_training():

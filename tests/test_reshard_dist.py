@@ -182,6 +182,7 @@ def world_main(rank, world_size):
             report[name] = {"error": traceback.format_exc()}
         dist.barrier()
     report["missing"] = _missing_scenario()
+    report["abort"] = _abort_scenario(rank)
     report["timeout"] = _timeout_scenario(rank)  # last: it leaves the pair 0-1 closed
     return report
 
@@ -220,6 +221,35 @@ def _timeout_scenario(rank):
         return {"error_type": type(exc).__name__}
     finally:
         store.set("timeout_done", "1")
+    return {"error_type": None}
+
+
+def _abort_scenario(rank):
+    """Rank 2 waits for a receive that rank 3 never sends; ``should_abort`` turns true after
+    0.3 s and the exchange must end then, not at its 30 s deadline."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from hspmd_elastic.reshard.executor import ReshardAborted, execute_fused
+
+    spec = TensorSpec("w", (4,), "float32", T.single_group([3], {}), T.single_group([2], {}))
+    schedule = fused_bsr_schedule([spec], {3}, {})
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 3:
+        store.wait(["abort_done"], datetime.timedelta(seconds=60))
+        return {"skipped": True}
+    if rank != 2:
+        return {"skipped": True}
+    start = time.monotonic()
+    try:
+        execute_fused(schedule, 2, {}, "cpu", timeout_s=30.0,
+                      should_abort=lambda: time.monotonic() - start > 0.3)
+    except ReshardAborted as exc:
+        return {"error_type": type(exc).__name__, "elapsed": time.monotonic() - start}
+    finally:
+        store.set("abort_done", "1")
     return {"error_type": None}
 
 
@@ -273,6 +303,12 @@ def test_random_mixed_dtype_unions(reports, seed):
 def test_lost_zero_shard_is_named_on_every_rank(reports):
     for r in reports:
         assert r["missing"]["missing"] == [["w.exp_avg", [[6, 8]]]]
+
+
+def test_pending_exchange_is_abandoned_when_should_abort_turns_true(reports):
+    got = reports[2]["abort"]
+    assert got["error_type"] == "ReshardAborted"
+    assert 0.3 <= got["elapsed"] < 3.0, got  # not the 30 s deadline
 
 
 def test_receive_from_a_silent_peer_times_out(reports):

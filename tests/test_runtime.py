@@ -14,6 +14,7 @@ from hspmd_elastic.elastic.agree import Holding, decide
 from hspmd_elastic.elastic.api import (ConfigurationError, FileReporter, IllegalTransition,
                                        Lifecycle, WorkerIdentity, WorkerProgress, WorkerState)
 from hspmd_elastic.elastic.checkpoint import CheckpointWriter, latest_complete, load_shards
+from hspmd_elastic.graph.comm import CommTimeoutError
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.init import full_params
 from hspmd_elastic.graph.optim import AdamWConfig
@@ -135,6 +136,29 @@ def test_undo_copy_restores_the_state_before_the_last_step():
     assert int(at_one["optim.step"]) == 1
     with pytest.raises(Exception, match="not 0"):
         held.tensors_at(0)
+
+
+def test_train_step_keeps_the_undo_copy_in_reused_buffers_and_only_for_completed_steps():
+    sample = synthetic_sampler(CONFIG, 1)
+    plan = simple_plan(num_layers=2, global_batch=2)
+    held = Held(1, plan, ["n:0"], SpecializedModel.build(CONFIG, plan, 0, seed=5))
+    batches = [global_batch_at(sample, s, 2) for s in range(3)]
+    held.train_step(batches[0])
+    buffer = held.undo[1]["layers.0.attn.wq.weight"]
+    held.train_step(batches[1])
+    assert held.step == 2 and held.undo[0] == 1
+    assert held.undo[1]["layers.0.attn.wq.weight"] is buffer  # copied into, not reallocated
+    want, _ = reference_train(CONFIG, 5, batches[:1], AdamWConfig())
+    for name, ref in want.items():
+        assert torch.allclose(held.tensors_at(1)[name], ref, atol=1e-12, rtol=0)
+    assert int(held.tensors_at(1)["optim.step"]) == 1
+    def lost_peer(*_args):
+        raise CommTimeoutError("injected: the step's last all-reduce failed")
+
+    held.model.comm.all_reduce = lost_peer  # the step fails in its last communication
+    with pytest.raises(CommTimeoutError, match="injected"):
+        held.train_step(batches[2])
+    assert held.step == 2 and held.undo[0] == 1 and int(held.undo[1]["optim.step"]) == 1
 
 
 # ---------------------------------------------------------------------------- checkpoints

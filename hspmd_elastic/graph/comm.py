@@ -7,11 +7,19 @@ Every collective and point-to-point operation here is issued with ``async_op=Tru
 through one ``Waiter``. The default waiter gives each wait a deadline and raises
 ``CommTimeoutError``; the runtime can pass its own waiter (a watchdog that also watches for plan
 changes) without touching the graph code.
+
+Creating the groups blocks inside gloo until every member connects (up to the group timeout).
+``Comm.create(..., store=, aborted=)`` first meets every rank of the world at a barrier on
+``store`` that it polls, so a rank that never comes (dead, or gone to a newer plan) costs the
+others one ``aborted()`` check (``CommAborted``) or the deadline, not a blocked ``new_group``.
+A rank that dies after the barrier, while the groups connect, is still waited for up to the
+group timeout.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -28,6 +36,37 @@ class GraphError(RuntimeError):
 
 class CommTimeoutError(GraphError):
     """A communication failed or did not complete before its deadline (a peer is dead or stuck)."""
+
+
+class CommAborted(CommTimeoutError):
+    """Creating the plan's groups was abandoned because ``aborted()`` said so (a newer plan)."""
+
+
+_BARRIER_POLL_FIRST_S = 0.001
+_BARRIER_POLL_MAX_S = 0.02
+
+
+def store_barrier(store, key: str, rank: int, world: int, deadline: float,
+                  aborted: Callable[[], bool]) -> None:
+    """Meet ``world`` ranks at ``key`` on ``store`` by polling: returns when all arrived;
+    ``CommAborted`` when ``aborted()``; ``CommTimeoutError`` at ``deadline`` (monotonic)."""
+    keys = [f"{key}/{r}" for r in range(world)]
+    delay = _BARRIER_POLL_FIRST_S
+    try:
+        store.set(keys[rank], "1")
+        while not store.check(keys):
+            if aborted():
+                raise CommAborted(f"barrier {key!r}: abandoned, a newer plan was published")
+            if time.monotonic() >= deadline:
+                missing = [k for k in keys if not store.check([k])]
+                raise CommTimeoutError(f"barrier {key!r}: still missing {missing} at the "
+                                       "deadline")
+            time.sleep(delay)  # a remote store: nothing to wait on locally
+            delay = min(delay * 2, _BARRIER_POLL_MAX_S)
+    except RuntimeError as exc:
+        if isinstance(exc, CommTimeoutError):
+            raise
+        raise CommTimeoutError(f"barrier {key!r}: the store failed: {exc}") from exc
 
 
 # A waiter blocks until ``work`` completes or raises; ``what`` names the operation for errors.
@@ -71,12 +110,21 @@ class Comm:
 
     @classmethod
     def create(cls, plan: Plan, config: ModelConfig, rank: int, *, timeout_s: float = 60.0,
-               waiter: Optional[Waiter] = None) -> "Comm":
-        """Create the plan's groups; every rank of the default group must call this."""
+               waiter: Optional[Waiter] = None, store=None,
+               aborted: Optional[Callable[[], bool]] = None,
+               barrier_key: str = "comm-create") -> "Comm":
+        """Create the plan's groups; every rank of the default group must call this.
+
+        With ``store`` (a store every rank shares, fresh keys for ``barrier_key``), the ranks
+        first meet at a polled barrier there, abandoned with ``CommAborted`` as soon as
+        ``aborted()`` is true, or with ``CommTimeoutError`` after ``timeout_s``."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if max(plan.devices) >= world:
             raise PlanError(f"plan uses device {max(plan.devices)} but the world has {world} ranks")
         timeout = datetime.timedelta(seconds=timeout_s)
+        if store is not None and world > 1:
+            store_barrier(store, barrier_key, rank, world, time.monotonic() + timeout_s,
+                          aborted or (lambda: False))
         groups = {}
         for members in group_members(plan, config):
             group = dist.new_group(list(members), timeout=timeout, backend="gloo")

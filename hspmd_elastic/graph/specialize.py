@@ -5,8 +5,11 @@ seed; ``build(..., state=tensors)`` binds given shards instead (after a reshard)
 initialising. ``step(global_batch)`` runs one training step: this pipeline's slice of the batch
 through the 1F1B schedule, gradient synchronisation across pipelines, AdamW on local shards, and
 returns the global mean loss (the same value on every rank). A step that fails in communication
-changes no state, so the runtime can rerun it after a switch. ``state_tensors()`` exposes the
-parameters and optimizer state with their HSPMD annotations, the input of resharding.
+changes no state, so the runtime can rerun it after a switch; ``step(batch, before_update=f)``
+calls ``f()`` once all of the step's communication succeeded and before any state changes (the
+runtime copies its one-step undo state there, so a failed step costs no copy).
+``state_tensors()`` exposes the parameters and optimizer state with their HSPMD annotations,
+the input of resharding.
 
 Process groups: the default group's ranks are the plan's devices; building creates the plan's
 sub-groups, which every rank of the default group must do together (``Comm.create``).
@@ -17,7 +20,7 @@ moments, the step counter).
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -87,8 +90,11 @@ class SpecializedModel:
                           self.tp.index))
 
     # ---- training ------------------------------------------------------------------------
-    def step(self, batch: torch.Tensor) -> float:
-        """One optimizer step on the global batch [global_batch, seq+1]; the global mean loss."""
+    def step(self, batch: torch.Tensor,
+             before_update: Optional[Callable[[], None]] = None) -> float:
+        """One optimizer step on the global batch [global_batch, seq+1]; the global mean loss.
+
+        ``before_update()`` runs after the step's last communication, before the update."""
         self._check_batch(batch)
         self.optimizer.zero_grad()
         pi = self.placement.pipeline
@@ -115,6 +121,8 @@ class SpecializedModel:
         global_loss = self._global_loss(loss)
         # All communication of the step is done: state changes only now, so a step interrupted
         # by a communication error leaves parameters and optimizer state as they were.
+        if before_update is not None:
+            before_update()
         for n, p in self.params.items():
             p.grad = grads[n]
         self.optimizer.step()

@@ -10,6 +10,15 @@ whose box and device do not change is returned as the same tensor object (reboun
 
 Effects only: all decisions were made by the planner. A timeout raises ``ReshardTimeoutError``;
 after it the process group must be rebuilt (gloo closes the pair on a timed-out receive).
+
+``should_abort`` (optional) is looked at every ``poll_s`` while transfers are pending; when it
+returns true the exchange is abandoned with ``ReshardAborted`` (a newer plan: a peer may have left
+the exchange and will never send). Gloo's point-to-point works progress only inside ``wait()``,
+so with ``should_abort`` they are waited on by one helper thread, with the full deadline, while
+the caller polls; an abandoned helper ends at that deadline or when the group is destroyed, and
+the process group must be rebuilt as after a timeout. Receives land only in fresh buffers, so
+an abandoned exchange never writes into the caller's tensors.
+
 With NCCL, call ``torch.cuda.set_device`` first and run one collective on the group before the
 first exchange, as ``batch_isend_irecv`` requires when it is a group's first operation.
 """
@@ -17,8 +26,9 @@ first exchange, as ``batch_isend_irecv`` requires when it is a group's first ope
 from __future__ import annotations
 
 import datetime
+import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +43,11 @@ from hspmd_elastic.reshard.api import (
 )
 
 _POLL_S = 0.001
+ABORT_POLL_S = 0.02  # how often a pending exchange looks at ``should_abort``
+
+
+class ReshardAborted(ReshardCommError):
+    """The exchange was abandoned because ``should_abort`` said so (a newer plan exists)."""
 
 
 def _view(tensor: torch.Tensor, box, origin) -> torch.Tensor:
@@ -115,6 +130,30 @@ def _wait_all(works, deadline: float, backend: str, pending: list[str]) -> None:
             raise ReshardCommError(f"{what} failed: {exc}") from exc
 
 
+def _wait_abortable(works, deadline: float, backend: str, pending: list[str],
+                    should_abort: Callable[[], bool], poll_s: float, rank: int) -> None:
+    """``_wait_all`` on a helper thread; ``ReshardAborted`` as soon as ``should_abort()``."""
+    done, error = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            _wait_all(works, deadline, backend, pending)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+            error.append(exc)
+        done.set()
+
+    threading.Thread(target=wait, name=f"bsr-wait-{rank}", daemon=True).start()
+    while not done.wait(poll_s):
+        if should_abort():
+            raise ReshardAborted(f"rank {rank}: exchange abandoned with {len(works)} "
+                                 f"transfer(s) pending: a newer plan was published")
+        if time.monotonic() > deadline + 1.0:  # the helper's own deadline passed long ago
+            raise ReshardTimeoutError(f"rank {rank}: {len(works)} transfer(s) not done by the "
+                                      "deadline")
+    if error:
+        raise error[0]
+
+
 def execute_fused(
     schedule: FusedSchedule,
     rank: int,
@@ -122,11 +161,17 @@ def execute_fused(
     device: torch.device | str = "cpu",
     timeout_s: float = 60.0,
     group: dist.ProcessGroup | None = None,
+    should_abort: Optional[Callable[[], bool]] = None,
+    poll_s: float = ABORT_POLL_S,
 ) -> tuple[dict[str, torch.Tensor], ExchangeStats]:
     """Execute ``schedule`` as ``rank``; return this rank's new shards by name and its stats.
 
     ``local_tensors`` maps a tensor name to this rank's old shard (needed where it sends or copies).
+    ``should_abort`` (checked before posting and every ``poll_s`` while waiting) abandons the
+    exchange with ``ReshardAborted``.
     """
+    if should_abort is not None and should_abort():
+        raise ReshardAborted(f"rank {rank}: exchange not started: a newer plan was published")
     start = time.monotonic()
     deadline = start + timeout_s
     stats = ExchangeStats(rank=rank)
@@ -181,7 +226,10 @@ def execute_fused(
 
     copied = time.monotonic()
     stats.local_s = copied - packed
-    if works:
+    if works and should_abort is not None:
+        _wait_abortable(works, deadline, str(dist.get_backend(group)), pending, should_abort,
+                        poll_s, rank)
+    elif works:
         _wait_all(works, deadline, str(dist.get_backend(group)), pending)
     communicated = time.monotonic()
     stats.comm_s = communicated - packed

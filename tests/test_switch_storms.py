@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Failure storms during live elasticity: real etcd, real worker processes over gloo, real
+SIGKILL; this test process hosts the plans' TCPStore and publishes the plans as the leader.
+
+(a) two workers of four die a moment apart: the test publishes v2 after the first death and v3
+after the second, possibly while the survivors are still switching to v2;
+(b) a worker dies in the middle of the switch to v2 (it kills itself with SIGKILL when it enters
+the "building" phase, after its part of the BSR, while the others wait to create v2's groups);
+v3 without it must reach the others at once, not after the communication timeout;
+(c) a worker hangs in the middle of the switch to v2 (SIGSTOP as it enters the BSR, before its
+sends: its connections stay open): one peer waits for its data, the others to create v2's
+groups; v3 without it must free both at once.
+
+Both end with the survivors' parameters equal to the dense reference within 1e-9 (float64).
+This file is also the workers' entry point (``main``): ``_elastic.main`` plus a progress reporter
+that can kill its own process when it enters a given state of a given plan version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from _elastic import ElasticJob, assemble, reference_params, wait_until
+from hspmd_elastic.plan import Pipeline, Plan, Stage, simple_plan
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
+
+CONFIG = dict(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32, seq_len=8,
+              dtype="float64")
+TIMEOUTS = dict(plan_wait_s=40.0, comm_s=30.0, regroup_s=30.0, finish_s=40.0)
+DEVICES = ["n0:0", "n0:1", "n1:0", "n1:1"]
+
+
+def payload(**kw):
+    return dict(dict(config=CONFIG, steps=5, global_batch=4, seed=3, data_seed=7, pause_at=2,
+                     timeouts=TIMEOUTS), **kw)
+
+
+def dp_plan(rows: list[int]) -> Plan:
+    return Plan(tuple(Pipeline((Stage((d,), (0, 2)),), 1, r) for d, r in enumerate(rows)),
+                global_batch=sum(rows), num_layers=2)
+
+
+def tp2_dp2() -> Plan:
+    return simple_plan(tp=2, dp=2, num_layers=2, global_batch=4)
+
+
+def hetero_plan() -> Plan:
+    """Pipeline 0: TP2 on devices 0,1; pipeline 1: TP1 on device 2 (two rows each)."""
+    return Plan((Pipeline((Stage((0, 1), (0, 2)),), 1, 2), Pipeline((Stage((2,), (0, 2)),), 1, 2)),
+                global_batch=4, num_layers=2)
+
+
+def assert_matches_reference(results, pl):
+    got = assemble(list(results), pl)
+    for name, ref in reference_params(pl).items():
+        diff = (got[name] - ref.to(got[name].dtype)).abs().max().item()
+        assert diff <= 1e-9, f"{name}: max |elastic - reference| = {diff:g}"
+
+
+@pytest.fixture
+def job(etcd_server, tmp_path):
+    jobs = []
+
+    def make(pl):
+        jobs.append(ElasticJob(etcd_server.endpoint_str, str(tmp_path), pl))
+        return jobs[-1]
+
+    yield make
+    for j in jobs:
+        j.close()
+
+
+def spawn(job: ElasticJob, device: str, **overrides):
+    return job.spawn(device, script=[os.path.abspath(__file__),
+                                     job._path(device, "payload.json")], **overrides)
+
+
+def state_of(job: ElasticJob, device: str) -> tuple[int, str]:
+    p = job.progress(device) or {}
+    return p.get("plan_version", 0), p.get("state", "")
+
+
+def check_survivors(job, results, procs, pl, version):
+    for d, r in results.items():
+        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
+        assert r["pid"] == procs[d].pid  # the same process trained through every switch
+        assert (r["steps_done"], r["plan_version"]) == (pl["steps"], version), job.log(d)
+        assert r["switches"][-1]["source"] == "bsr"
+    assert_matches_reference(results.values(), pl)
+
+
+def test_two_failures_in_quick_succession(job):
+    pl = payload()
+    j = job(pl)
+    procs = {d: spawn(j, d) for d in DEVICES}
+    j.publish(tp2_dp2(), DEVICES, reason="start")
+    j.wait_step(DEVICES, 2)
+    j.kill("n1:1")
+    j.publish(hetero_plan(), DEVICES[:3], reason="failure of n1:1")
+    j.release()
+    # The second failure: as soon as n1:0 has started switching to v2.
+    wait_until(lambda: state_of(j, "n1:0")[0] == 2, 30, "n1:0 to start switching to v2")
+    j.kill("n1:0")
+    survivors = DEVICES[:2]
+    j.publish(simple_plan(dp=2, num_layers=2, global_batch=4), survivors,
+              reason="failure of n1:0")
+    results = j.join(survivors, timeout=50)
+    check_survivors(j, results, procs, pl, 3)
+
+
+def test_failure_during_a_switch(job):
+    pl = payload()
+    j = job(pl)
+    procs = {d: spawn(j, d, die_in={"version": 2, "state": "building"} if d == "n1:0" else None)
+             for d in DEVICES}
+    j.publish(tp2_dp2(), DEVICES, reason="start")
+    j.wait_step(DEVICES, 2)
+    j.kill("n1:1")
+    j.publish(hetero_plan(), DEVICES[:3], reason="failure of n1:1")
+    j.release()
+    # n1:0 receives its missing TP half through v2's BSR, then dies as it starts building; the
+    # others have no data to move and wait for it to create v2's groups.
+    procs["n1:0"].wait(timeout=30)
+    assert procs["n1:0"].returncode == -signal.SIGKILL, j.log("n1:0")
+    assert state_of(j, "n1:0") == (2, "building")
+    survivors = DEVICES[:2]
+    wait_until(lambda: all(state_of(j, d) == (2, "building") for d in survivors), 30,
+               "the survivors to wait for n1:0 in v2's building phase")
+    t0 = time.monotonic()
+    j.publish(simple_plan(dp=2, num_layers=2, global_batch=4), survivors,
+              reason="failure of n1:0")
+    results = j.join(survivors, timeout=50)
+    recovered = time.monotonic() - t0
+    check_survivors(j, results, procs, pl, 3)
+    # Abandoning v2 took the publication of v3, not the 30 s communication timeout.
+    assert recovered < TIMEOUTS["comm_s"] / 2, f"v3 took {recovered:.1f}s to finish"
+    for d in survivors:
+        assert [s["to_version"] for s in results[d]["switches"]] == [1, 3]
+
+
+def test_hung_peer_during_the_bsr(job):
+    pl = payload()
+    j = job(pl)
+    hang = {"version": 2, "state": "resharding", "signal": "SIGSTOP"}
+    procs = {d: spawn(j, d, die_in=hang if d == "n0:1" else None) for d in DEVICES}
+    j.publish(tp2_dp2(), DEVICES, reason="start")
+    j.wait_step(DEVICES, 2)
+    # v2 (DP4, e.g. after a slow-down verdict): n0:0 needs n0:1's TP half, n1:* swap theirs.
+    j.publish(dp_plan([1, 1, 1, 1]), DEVICES, reason="replan")
+    j.release()
+    want = {"n0:1": (2, "resharding"), "n0:0": (2, "resharding"), "n1:0": (2, "building"),
+            "n1:1": (2, "building")}
+    wait_until(lambda: all(state_of(j, d) == s for d, s in want.items()), 30,
+               f"the v2 switch to stall on the stopped n0:1 as {want}")
+    survivors = ["n0:0", "n1:0", "n1:1"]
+    t0 = time.monotonic()
+    j.publish(dp_plan([2, 1, 1]), survivors, reason="n0:1 hangs")
+    results = j.join(survivors, timeout=50)
+    recovered = time.monotonic() - t0
+    assert procs["n0:1"].poll() is None  # still stopped: nobody saw its connections close
+    j.kill("n0:1")
+    check_survivors(j, results, procs, pl, 3)
+    assert recovered < TIMEOUTS["comm_s"] / 2, f"v3 took {recovered:.1f}s to finish"
+    for d in survivors:
+        assert [s["to_version"] for s in results[d]["switches"]] == [1, 3]
+
+
+# ---------------------------------------------------------------------- worker side
+class _DyingReporter:
+    """A ``FileReporter`` that sends its own process a signal (default SIGKILL) on entering
+    ``state`` of ``version``."""
+
+    def __init__(self, inner, die_in):
+        self.inner, self.die_in = inner, die_in
+
+    def report(self, progress) -> None:
+        self.inner.report(progress)
+        if (self.die_in and progress.plan_version == self.die_in["version"]
+                and progress.state == self.die_in["state"]):
+            os.kill(os.getpid(), getattr(signal, self.die_in.get("signal", "SIGKILL")))
+
+
+def main(payload_path: str) -> int:
+    import logging
+    import traceback
+
+    import torch
+
+    from hspmd_elastic.elastic.api import reporter_from_env
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    with open(payload_path) as f:
+        pl = json.load(f)
+    config = ModelConfig(**pl["config"])
+
+    def on_step(info):
+        if pl.get("pause_at") == info.step + 1:
+            wait_until(lambda: os.path.exists(pl["release"]), 60.0, "the release file")
+
+    try:
+        result = run(config, sample=synthetic_sampler(config, pl["data_seed"]),
+                     global_batch=pl["global_batch"], steps=pl["steps"], seed=pl["seed"],
+                     timeouts=RuntimeTimeouts(**pl["timeouts"]), on_step=on_step,
+                     reporter=_DyingReporter(reporter_from_env(), pl.get("die_in")))
+        out = {"ok": True, "pid": os.getpid(), "state": result.state.value,
+               "steps_done": result.steps_done, "plan_version": result.plan_version,
+               "rank": result.rank, "final_state": result.final_state,
+               "switches": [t.as_dict() for t in result.switches]}
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        out = {"ok": False, "pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}",
+               "traceback": traceback.format_exc()}
+        code = 1
+    torch.save(out, pl["out"])
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
