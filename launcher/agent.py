@@ -2,7 +2,9 @@
 
 One agent runs per node. Its lifecycle is the state machine of ``launcher.api.AgentState``
 (INIT -> RENDEZVOUS -> RUNNING -> RESTARTING/EXIT_BARRIER -> ... -> SUCCEEDED/FAILED/INTERRUPTED)
-with a timestamped history. Promises:
+with a timestamped history; with ``--hspmd-elastic`` it is INIT -> ELASTIC -> SUCCEEDED/FAILED/
+INTERRUPTED, and ``launcher.elastic_mode`` drives the node (workers are never restarted: the
+leader replans and the survivors switch in memory). Promises:
 
 * the node record ``nodes/<node>`` and the worker records ``workers/<node>/<local_rank>`` live
   under the agent's lease, so they vanish when the agent dies; events go to ``events/<seq>``;
@@ -160,6 +162,8 @@ class NodeAgent:
 
     def run(self) -> int:
         """Drive the state machine to a terminal state; returns the exit code."""
+        if self.config.elastic is not None:
+            return self._run_elastic()
         steps = {
             AgentState.INIT: self._step_init,
             AgentState.RENDEZVOUS: self._step_rendezvous,
@@ -183,6 +187,26 @@ class NodeAgent:
         finally:
             self._shutdown()
         return EXIT_OK if self.state is AgentState.SUCCEEDED else EXIT_FAILED
+
+    def _run_elastic(self) -> int:
+        """Elastic mode (``--hspmd-elastic``): ``launcher.elastic_mode`` drives the node."""
+        from launcher.elastic_mode import ElasticRun, ElasticState
+
+        self.transition(AgentState.ELASTIC, "elastic mode")
+        run = ElasticRun(self)
+        try:
+            end = run.run()
+        except LaunchError as exc:
+            log.error("[%s] node %s: %s", self.job, self.config.node_id, exc)
+            end, run.reason = ElasticState.FAILED, str(exc)
+        finally:
+            self._shutdown()
+        final = {ElasticState.SUCCEEDED: AgentState.SUCCEEDED,
+                 ElasticState.INTERRUPTED: AgentState.INTERRUPTED}.get(end, AgentState.FAILED)
+        self.transition(final, run.reason)
+        if final is not AgentState.SUCCEEDED:
+            self.error_line = run.reason
+        return EXIT_OK if final is AgentState.SUCCEEDED else EXIT_FAILED
 
     # ---------------------------------------------------------------------------------- steps
     def _step_init(self) -> None:
@@ -410,7 +434,7 @@ class NodeAgent:
         log.debug("[%s] node %s: state history %s", self.job, self.config.node_id,
                   [(s.value, round(t, 3), why) for s, t, _, why in self.history])
         try:
-            if self.session.started:
+            if self.session.started and self.config.elastic is None:
                 state = "failed" if self.state is AgentState.FAILED else "leaving"
                 try:
                     self._put_node(state)

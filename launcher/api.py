@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -109,6 +109,19 @@ class LogSettings:
 
 
 @dataclass(frozen=True)
+class ElasticSettings:
+    """``--hspmd-elastic``: what the leader plans for. ``model_profile`` is a
+    ``hspmd_elastic.planner.ModelProfile`` (from ``--hspmd-model``; when it comes from a
+    ``ModelConfig`` JSON the planner checks its plans against that model), ``global_batch`` the
+    rows of every step (``--hspmd-global-batch``), the same whatever the plan."""
+
+    model_profile: Any
+    global_batch: int
+    model_spec: str = ""  # the --hspmd-model value, for messages
+    debounce_s: float = 1.0  # the leader waits this long for the cluster to settle
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """Everything one node agent needs, validated."""
 
@@ -128,6 +141,7 @@ class LaunchConfig:
     signals: tuple[str, ...] = tuple(DEFAULT_SIGNALS.split(","))
     health_source: str = "none"
     extra_env: dict[str, str] = field(default_factory=dict)
+    elastic: Optional[ElasticSettings] = None  # None: restart mode (torchrun's semantics)
 
 
 # ------------------------------------------------------------------------------- agent states
@@ -137,7 +151,7 @@ class AgentState(enum.Enum):
     RENDEZVOUS by ``join_timeout`` (and the master wait by ``close_timeout``), RESTARTING by the
     shutdown grace plus the SIGKILL wait, EXIT_BARRIER by ``exit_barrier_timeout``; RUNNING
     lasts as long as the workers do (an etcd outage longer than ``ETCD_OUTAGE_MIN_S`` or three
-    lease TTLs ends it).
+    lease TTLs ends it); ELASTIC is bounded as ``launcher.elastic_mode.ElasticState`` says.
     """
 
     INIT = "init"
@@ -145,6 +159,7 @@ class AgentState(enum.Enum):
     RUNNING = "running"
     RESTARTING = "restarting"  # stopping workers before the next round
     EXIT_BARRIER = "exit_barrier"  # our workers succeeded; waiting for the other nodes
+    ELASTIC = "elastic"  # elastic mode: launcher.elastic_mode runs its own state machine
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     INTERRUPTED = "interrupted"  # a handled signal
@@ -154,7 +169,8 @@ TERMINAL_STATES = frozenset({AgentState.SUCCEEDED, AgentState.FAILED, AgentState
 
 _ENDS = {AgentState.FAILED, AgentState.INTERRUPTED}
 ALLOWED_TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
-    AgentState.INIT: frozenset({AgentState.RENDEZVOUS, *_ENDS}),
+    AgentState.INIT: frozenset({AgentState.RENDEZVOUS, AgentState.ELASTIC, *_ENDS}),
+    AgentState.ELASTIC: frozenset({AgentState.SUCCEEDED, *_ENDS}),
     AgentState.RENDEZVOUS: frozenset({AgentState.RUNNING, AgentState.RENDEZVOUS, *_ENDS}),
     AgentState.RUNNING: frozenset(
         {AgentState.RESTARTING, AgentState.EXIT_BARRIER, *_ENDS}

@@ -6,7 +6,9 @@ Promises:
   torchrun's meaning and default, spelled with dashes or underscores, as ``--flag value`` or
   ``--flag=value``; each flag can also come from ``PET_<FLAG>`` (e.g. ``PET_NPROC_PER_NODE=2``);
   everything after the script belongs to the script;
-* our own flags are named ``--hspmd-*``;
+* our own flags are named ``--hspmd-*``; ``--hspmd-elastic`` (with ``--hspmd-model`` and
+  ``--hspmd-global-batch``) runs the agent in elastic mode (``launcher.elastic_mode``) instead of
+  torchrun's restart mode;
 * a first argument naming a subcommand (``status``, ``dashboard``, ``inject``, ``plan``) that is
   not an existing file runs that subcommand; ``hspmd-launch -- status`` runs a script called
   ``status``;
@@ -18,6 +20,7 @@ Promises:
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import re
@@ -35,6 +38,7 @@ from launcher.api import (
     EXIT_FAILED,
     EXIT_USAGE,
     ConfigError,
+    ElasticSettings,
     LaunchConfig,
     LaunchError,
     LogSettings,
@@ -139,6 +143,18 @@ def _opt(*names: str, **kw):
             help="Device health source for hspmd-aware jobs: none, nvml or scripted:<file>.")
 @_opt("--hspmd-lease-ttl", type=click.FloatRange(min=1.0), default=None,
             help="TTL of the node's etcd lease in seconds (default 10).")
+@_opt("--hspmd-elastic", is_flag=True,
+            help="Live elasticity for hspmd-aware scripts (hspmd_elastic.runtime): a worker "
+                 "failure, node loss or join makes the elected leader publish a new plan and "
+                 "the surviving workers switch to it in memory (no restart, no checkpoint "
+                 "read); the agent starts workers only for devices a plan adds. Needs "
+                 "--hspmd-model and --hspmd-global-batch.")
+@_opt("--hspmd-model", default=None,
+            help="Elastic mode: the model the leader plans for: a ModelConfig JSON file (the "
+                 "one the script trains; plans are checked against it), an inline JSON object, "
+                 "or a preset (llama-7b, llama-13b, llama-32b).")
+@_opt("--hspmd-global-batch", type=int, default=None,
+            help="Elastic mode: rows per training step, the same under every plan.")
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def launch_command(**params) -> int:
@@ -356,13 +372,61 @@ def build_config(params: dict) -> LaunchConfig:
     timeout = params["shutdown_timeout"]
     if timeout is None:
         timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    elastic = _elastic(params)
     return LaunchConfig(
         rdzv=rdzv, nproc_per_node=nproc, entrypoint=entrypoint, entrypoint_name=name,
         node_id=node_id, role=params["role"], max_restarts=params["max_restarts"],
         monitor_interval_s=params["monitor_interval"], local_addr=params["local_addr"],
         master_addr=master_addr, master_port=master_port, logs=logs, shutdown_timeout_s=timeout,
-        signals=signals, health_source=health,
+        signals=signals, health_source=health, elastic=elastic,
     )
+
+
+def parse_model(value: str):
+    """``--hspmd-model``: a preset name, a JSON file or an inline JSON object -> ModelProfile."""
+    from hspmd_elastic.planner import PlannerError
+    from hspmd_elastic.planner.profiles import PRESETS, preset, profile_from_dict
+
+    text = str(value).strip()
+    valid = f"use a JSON file, an inline JSON object or a preset ({', '.join(PRESETS)})"
+    if text.lower() in PRESETS:
+        return preset(text)
+    try:
+        if text.startswith("{"):
+            data = json.loads(text)
+        elif os.path.isfile(text):
+            with open(text, encoding="utf-8") as f:
+                data = json.load(f)
+        else:
+            raise ConfigError(f"invalid --hspmd-model value {value!r}: no such file; {valid}")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"invalid --hspmd-model value {value!r}: not readable JSON "
+                          f"({str(exc).splitlines()[0]})") from None
+    try:
+        return profile_from_dict(data)
+    except PlannerError as exc:
+        raise ConfigError(f"invalid --hspmd-model value {value!r}: {exc}") from None
+
+
+def _elastic(params: dict) -> Optional[ElasticSettings]:
+    model, batch = params["hspmd_model"], params["hspmd_global_batch"]
+    if not params["hspmd_elastic"]:
+        for flag, given in (("--hspmd-model", model), ("--hspmd-global-batch", batch)):
+            if given is not None:
+                raise ConfigError(f"{flag} {given} is only used with --hspmd-elastic")
+        return None
+    if model is None or batch is None:
+        missing = [f for f, v in (("--hspmd-model", model), ("--hspmd-global-batch", batch))
+                   if v is None]
+        raise ConfigError(f"--hspmd-elastic needs {' and '.join(missing)} (what the leader "
+                          "plans for)")
+    if batch < 1:
+        raise ConfigError(f"invalid --hspmd-global-batch value {batch}: must be >= 1")
+    if params["max_restarts"]:
+        log.info("--max-restarts %d is not used with --hspmd-elastic: surviving workers are "
+                 "never restarted", params["max_restarts"])
+    return ElasticSettings(model_profile=parse_model(model), global_batch=batch,
+                           model_spec=str(model))
 
 
 def _signals(value: str) -> tuple[str, ...]:

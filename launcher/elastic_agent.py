@@ -20,8 +20,8 @@ number). The pieces here are small and independent; ``ElasticNode`` bundles them
 * surviving workers are never restarted: ``ElasticWorkers.apply_plan`` starts workers only for
   this node's devices that a plan adds (``new_local_ranks``, pure), spawning through
   ``launcher.workers``; workers get ``HSPMD_ETCD_ENDPOINTS``, ``HSPMD_JOB_ID``,
-  ``HSPMD_NODE_ID``, ``LOCAL_RANK``, ``HSPMD_PLAN_VERSION`` (the plan that started them) and
-  ``HSPMD_PROGRESS_FILE``; a slot whose worker exited (with any code) is not started again
+  ``HSPMD_NODE_ID``, ``LOCAL_RANK``, ``HSPMD_PLAN_VERSION`` (the plan that started them),
+  ``HSPMD_PROGRESS_FILE`` and ``TORCHELASTIC_ERROR_FILE`` (for the failure summary); a slot whose worker exited (with any code) is not started again
   (a failed one is failed for the leader too);
 * every etcd call has the client's deadline; nothing here blocks without a timeout.
 """
@@ -311,8 +311,10 @@ class ElasticWorkers:
                 os.unlink(progress)
             env = elastic_worker_env(self._base_env, self.endpoints, self.job, self.node, lr,
                                      plan.version, progress)
+            logs = self._log_paths(plan.version, lr)
+            env["TORCHELASTIC_ERROR_FILE"] = logs.error_file  # for torchrun's failure summary
             workers.append(Worker(local_rank=lr, global_rank=plan_rank(plan, self.node, lr),
-                                  argv=argv, env=env, logs=self._log_paths(plan.version, lr)))
+                                  argv=argv, env=env, logs=logs))
         group = WorkerGroup(role=self.role, workers=workers)
         group.start()
         self._groups.append(group)
@@ -397,12 +399,13 @@ class ElasticNode:
         for ex in self.workers.poll():
             log.warning("[%s] node %s: %s (slot %d)", self.job, self.node, ex.describe(),
                         ex.local_rank)
-            self.session.delete(schema.worker_key(self.job, self.node, ex.local_rank))
             self.records.pop(ex.local_rank, None)
             if ex.ok:
                 self.succeeded.add(ex.local_rank)
-            else:
+            else:  # sticky before any etcd call: a failed call must not lose the verdict
                 self.slots.fail(ex.local_rank, ex.verdict(self._clock()))
+            self.session.delete(schema.worker_key(self.job, self.node, ex.local_rank))
+            if not ex.ok:
                 report_worker_exit(self.client, self.job, self.node, ex, self.plan_version,
                                    self._wall)
         self._relay_progress()

@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
 """The main job, run by ``scripts/demo``: a CPU training job survives an injected fault.
 
+Elastic mode (the default, ``--mode elastic``):
+
 1. starts an embedded etcd (one member, loopback, free ports);
-2. runs ``hspmd-launch`` with 3 gloo workers of ``examples/ddp_train.py`` (an unmodified
-   torchrun-style DDP script with snapshots) against it, ``--max-restarts 1``;
-3. shows the job's state in etcd (node, workers, rendezvous) and the training progress live;
+2. runs two ``hspmd-launch --hspmd-elastic`` agents against it as two nodes of this host, two
+   gloo workers each, training the project's decoder with ``hspmd_elastic.runtime`` (float64);
+3. prints the job's journal (``events/``) live from an etcd watch: plans, failures, switches;
 4. SIGKILLs one worker mid-run (a real signal to a real process);
-5. waits for the launcher to detect it, restart the workers and finish the job;
-6. recomputes the same steps fault-free in this process and compares every parameter.
+5. the leader replans, the three survivors switch to the new plan in memory (fused BSR, no
+   restart, no checkpoint), the job finishes every step;
+6. trains the same global batches fault-free in this process (the dense reference) and compares
+   every parameter.
+
+Restart mode (``--mode restart``): one agent, three workers of ``examples/ddp_train.py`` (an
+unmodified torchrun-style DDP script with snapshots), ``--max-restarts 1``; the fault makes the
+agent restart every worker, which resume from their snapshot.
 
 The last line is ``RESULT {json}`` with what was measured (nothing in it is asserted here).
 """
@@ -87,14 +95,7 @@ def wait_for(pred, timeout: float, what: str, poll: float = 0.05):
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--kill-at", type=int, default=17, help="SIGKILL a worker after this step")
-    ap.add_argument("--nproc", type=int, default=3)
-    ap.add_argument("--timeout", type=float, default=240.0)
-    args = ap.parse_args()
-
+def run_restart(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="hspmd-demo-"))
     progress = work / "progress"
     progress.mkdir()
@@ -167,6 +168,174 @@ def main() -> int:
     }
     print("RESULT " + json.dumps(result), flush=True)
     return 0 if result["recovered"] else 1
+
+
+# ------------------------------------------------------------------------------ elastic mode
+ELASTIC_CONFIG = dict(vocab_size=64, hidden_size=32, num_heads=4, num_layers=4, ffn_size=64,
+                      seq_len=16, dtype="float64")
+ELASTIC_BATCH, ELASTIC_SEED, ELASTIC_DATA_SEED = 8, 3, 7
+NODES = ("node0", "node1")
+
+
+def show_event(ev) -> None:
+    """One journal entry, as it arrives from the etcd watch."""
+    d, t = ev.detail, ev.timings
+    if ev.type == "replan":
+        text = (f"plan v{d.get('version')} over {d.get('devices')} device(s) ({d.get('reason')}); "
+                f"detect->publish {t.get('detect_to_publish_s', 0):.3f}s")
+    elif ev.type == "failure":
+        text = f"{d.get('device')}: {d.get('reason')}"
+    elif ev.type.startswith("switch"):
+        text = (f"plan v{d.get('plan_version')} source={d.get('source')} "
+                + " ".join(f"{k}={t[k]:.3f}s" for k in ("stall_s", "regroup_s", "bsr_s",
+                                                         "rebuild_s", "total_s") if k in t))
+        if d.get("error"):
+            text += f" error={str(d['error'])[:200]}"
+    else:
+        text = json.dumps(d)[:200]
+    say(f"EVENT #{ev.seq} {ev.type} [{ev.node}] {text}")
+
+
+def worker_records(client: EtcdClient) -> dict[str, schema.WorkerRecord]:
+    prefix = schema.workers_prefix(JOB)
+    return {kv.key[len(prefix):].replace("/", ":"): schema.decode(kv.key, kv.value)
+            for kv in client.get_prefix(prefix)}
+
+
+def elastic_reference(steps: int) -> dict[str, torch.Tensor]:
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.graph.optim import AdamWConfig
+    from hspmd_elastic.graph.reference import reference_train
+    from hspmd_elastic.runtime import global_batch_at, synthetic_sampler
+
+    config = ModelConfig(**ELASTIC_CONFIG)
+    sample = synthetic_sampler(config, ELASTIC_DATA_SEED)
+    batches = [global_batch_at(sample, s, ELASTIC_BATCH) for s in range(steps)]
+    return reference_train(config, ELASTIC_SEED, batches, AdamWConfig())[0]
+
+
+def run_elastic(args) -> int:
+    from hspmd_elastic.coord import PrefixWatch, read_events
+    from hspmd_elastic.graph.config import ModelConfig, param_specs
+    from hspmd_elastic.runtime import gather_full
+
+    work = Path(tempfile.mkdtemp(prefix="hspmd-demo-"))
+    config = ModelConfig(**ELASTIC_CONFIG)
+    model = work / "model.json"
+    model.write_text(config.to_json())
+    out = work / "final"
+    say("starting embedded etcd")
+    with EtcdCluster(size=1, base_dir=str(work / "etcd")) as etcd:
+        say(f"etcd healthy at {etcd.endpoint_str}")
+        client = EtcdClient(etcd.endpoint_str, timeout=2.0)
+        watch = PrefixWatch(client, schema.events_prefix(JOB),
+                            lambda ev: ev.record is not None and show_event(ev.record), decode=True,
+                            initial=True, name="demo events")
+        watch.start(10.0)
+        agents, echoes = {}, []
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        seen = {"snapshot_loads": 0}
+        try:
+            for node in NODES:
+                cmd = [sys.executable, "-m", "launcher.cli",
+                       "--nnodes", str(len(NODES)), "--nproc-per-node", str(args.nproc),
+                       "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint_str,
+                       "--rdzv-id", JOB, "--hspmd-node-id", node, "--hspmd-lease-ttl", "2",
+                       "--shutdown-timeout", "5", "--hspmd-elastic", "--hspmd-model", str(model),
+                       "--hspmd-global-batch", str(ELASTIC_BATCH),
+                       str(ROOT / "tests" / "scripts" / "elastic_train.py"),
+                       "--config", str(model), "--steps", str(args.steps),
+                       "--global-batch", str(ELASTIC_BATCH), "--seed", str(ELASTIC_SEED),
+                       "--data-seed", str(ELASTIC_DATA_SEED), "--out", str(out),
+                       "--step-time", "0.05", "--timeout", "60"]
+                say(f"launching {node}: hspmd-launch " + " ".join(cmd[3:]))
+                agents[node] = subprocess.Popen(cmd, cwd=str(ROOT), env=env,
+                                                start_new_session=True, stdout=subprocess.PIPE,
+                                                stderr=subprocess.STDOUT, text=True)
+                echo = threading.Thread(target=relay, args=(agents[node].stdout, seen),
+                                        daemon=True)
+                echo.start()
+                echoes.append(echo)
+            victim = f"{NODES[-1]}:{args.nproc - 1}"
+            devices = [f"{n}:{i}" for n in NODES for i in range(args.nproc)]
+
+            def all_at_kill_step():
+                recs = worker_records(client)
+                if all(d in recs for d in devices) and recs[victim].step >= args.kill_at:
+                    return recs
+                return None
+            before = wait_for(all_at_kill_step, args.timeout,
+                              f"{victim} to reach step {args.kill_at}")
+            show_etcd_state(client)
+            say(f"FAULT: SIGKILL worker {victim} (pid {before[victim].pid}) at step "
+                f"{before[victim].step}")
+            killed_at = time.time()
+            os.kill(before[victim].pid, signal.SIGKILL)
+            codes = {n: a.wait(timeout=args.timeout) for n, a in agents.items()}
+            for echo in echoes:
+                echo.join(timeout=10)
+            events = read_events(client, JOB)
+        finally:
+            for a in agents.values():
+                if a.poll() is None:
+                    os.killpg(a.pid, signal.SIGTERM)
+                    a.wait(timeout=30)
+            watch.stop(5.0)
+            client.close()
+    say(f"agents exited with codes {codes}")
+
+    results = {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
+               for p in sorted(out.glob("*.pt"))}
+    survivors = [d for d in devices if d != victim]
+    restarts = sum(1 for d in survivors
+                   if d not in results or results[d]["pid"] != before[d].pid)
+    switches = [s for r in results.values() for s in r["switches"]]
+    diff = None
+    if results:
+        shapes = {n: s.shape for n, s in param_specs(config).items()}
+        got = gather_full([r["final_state"] for r in results.values()], shapes)
+        ref = elastic_reference(args.steps)
+        diff = max(float((got[n] - ref[n].to(got[n].dtype)).abs().max()) for n in ref)
+        say(f"max |param - fault-free reference| = {diff:.3e} over {len(ref)} tensors")
+    failures = [e for e in events if e.type == "failure"]
+    recovered = sum(1 for f in failures if any(
+        e.type == "switch-done" and e.seq > f.seq
+        and e.detail.get("plan_version", 0) > (f.detail.get("plan_version") or 0)
+        for e in events)) if all(c == 0 for c in codes.values()) else 0
+    done_after = [e for e in events if e.type == "switch-done" and e.at > killed_at]
+    steps_done = min((r["steps_done"] for r in results.values()), default=0)
+    result = {
+        "faults": len(failures),
+        "recovered": recovered,
+        "restarts": restarts,
+        "checkpoint_loads": sum(s["source"] == "checkpoint" for s in switches)
+        + sum(e.type == "fallback" for e in events),
+        "samples_lost": (args.steps - steps_done) * ELASTIC_BATCH if results else None,
+        "max_param_diff": diff,
+        "switch_seconds": round(done_after[0].at - killed_at, 3) if done_after else None,
+        "exit_codes": codes,
+        "mode": "elastic",
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0 if result["recovered"] == result["faults"] and result["faults"] else 1
+
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("elastic", "restart"), default="elastic",
+                    help="elastic: survivors switch in memory; restart: torchrun's restart")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--kill-at", type=int, default=17, help="SIGKILL a worker after this step")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="workers per node (default: 2 elastic, on 2 nodes; 3 restart)")
+    ap.add_argument("--timeout", type=float, default=240.0)
+    args = ap.parse_args()
+    if args.mode == "restart":
+        args.nproc = args.nproc or 3
+        return run_restart(args)
+    args.nproc = args.nproc or 2
+    return run_elastic(args)
 
 
 if __name__ == "__main__":

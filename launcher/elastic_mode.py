@@ -1,0 +1,469 @@
+"""Elastic mode of the node agent (``hspmd-launch --hspmd-elastic``): follow the leader's plans,
+never restart a surviving worker, and end as one job.
+
+The agent hosts the workers' store, advertises its device slots, campaigns for leadership (the
+elected agent's ``launcher.leader.Leader`` plans with ``hspmd_elastic.planner.plan_for`` for the
+``--hspmd-model`` and ``--hspmd-global-batch``) and runs ``launcher.elastic_agent.ElasticNode``
+every monitor interval. Its lifecycle is ``ElasticState`` (WAITING_PLAN -> RUNNING -> FINISHING
+-> SUCCEEDED, or FAILED / INTERRUPTED) with a timestamped history. Promises:
+
+* a worker exit is an event, not a restart: the slot gets a failed verdict, the leader replans,
+  the survivors switch in memory; workers are started only for slots a plan adds (joins);
+  a node whose agent dies loses its lease, and the leader replans without it;
+* the job's end is one shared fact, ``rdzv/state`` (``RdzvStateRecord``, round = the plan
+  version it was decided under), written once by compare-and-set, so every agent ends the same
+  way. It succeeds when a worker reports (in its final progress) that it finished: the runtime
+  finishes a worker only after every rank of its plan finished the last step; or, for scripts
+  that report no progress, when every node of the current plan marked its slots done
+  (``rdzv/rounds/<version>/done/<node>``). It fails when a switch failed for good (a
+  ``switch-failed`` event: state with no live owner and no checkpoint) or no usable device is
+  left; the agents then stop their workers, print torchrun's failure summary of their own
+  failed workers, and exit 1;
+* after success the agents stop leading and wait (at most ``FINISH_WAIT_S``) until every worker
+  of the job has exited by itself, so the store a plan uses outlives every rank that needs it;
+* every wait is bounded: the first plan by ``join_timeout``, an etcd outage as in restart mode,
+  stopping workers by ``--shutdown-timeout``; signals stop the workers and exit 1.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp, RecordError
+from hspmd_elastic.coord.plans import read_plan
+
+from launcher.api import (
+    LaunchError,
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+    SignalReceived,
+)
+from launcher.elastic_agent import ElasticNode, ElasticWorkers, WorkerExit, device_table
+from launcher.leader import Leader, build_snapshot, parse_device_id
+from launcher.rendezvous import FAILED, SUCCEEDED, TERMINAL, RoundState
+from launcher.summary import WorkerFailure, format_summary
+
+log = logging.getLogger(__name__)
+
+MAX_REASON = 300  # characters of a root cause shown in the one-line error
+JUDGE_S = 0.25  # how often the job-wide state is re-read from etcd
+FINISH_WAIT_S = 30.0  # after success: how long workers get to exit by themselves
+DONE_STATES = ("done",)  # final progress states of a worker that finished the job
+
+
+class ElasticState(enum.Enum):
+    """WAITING_PLAN is bounded by ``join_timeout``; RUNNING lasts as long as the job (an etcd
+    outage as in restart mode ends it); FINISHING by ``FINISH_WAIT_S`` plus the shutdown grace."""
+
+    WAITING_PLAN = "waiting_plan"  # no plan uses the cluster yet
+    RUNNING = "running"  # following plans
+    FINISHING = "finishing"  # the job succeeded; waiting for the workers to exit
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+_E = ElasticState
+_ENDS = frozenset({_E.FAILED, _E.INTERRUPTED})
+TRANSITIONS: dict[ElasticState, frozenset] = {
+    _E.WAITING_PLAN: frozenset({_E.RUNNING, _E.FINISHING, *_ENDS}),
+    _E.RUNNING: frozenset({_E.FINISHING, *_ENDS}),
+    _E.FINISHING: frozenset({_E.SUCCEEDED, *_ENDS}),
+    _E.SUCCEEDED: frozenset(),
+    _E.FAILED: frozenset(),
+    _E.INTERRUPTED: frozenset(),
+}
+TERMINAL_STATES = frozenset({_E.SUCCEEDED, _E.FAILED, _E.INTERRUPTED})
+
+
+class IllegalElasticTransition(LaunchError):
+    """A state change ``TRANSITIONS`` does not allow (a bug, not a user error)."""
+
+
+# ----------------------------------------------------------------------------------- judging
+@dataclass(frozen=True)
+class JobView:
+    """What one agent knows about the job's end at one moment (see ``judge``)."""
+
+    ended: Optional[RoundState] = None  # rdzv/state, when terminal
+    finished_worker: str = ""  # a worker of this node reported it finished the job
+    nodes_done: bool = False  # every node of the current plan marked its slots done
+    switch_failed: str = ""  # the error of a switch-failed event
+    nodes: int = 0  # live node records
+    usable_devices: int = -1  # -1: not known
+
+
+def judge(view: JobView) -> tuple[str, str]:
+    """Pure: ``("running" | SUCCEEDED | FAILED, reason)``; a recorded end wins."""
+    if view.ended is not None:
+        return view.ended.state, view.ended.reason
+    if view.finished_worker:
+        return SUCCEEDED, f"all devices of the plan finished ({view.finished_worker})"
+    if view.nodes_done:
+        return SUCCEEDED, "every node of the plan finished its workers"
+    if view.switch_failed:
+        return FAILED, "switch failed: " + one_line(view.switch_failed)
+    if view.nodes and view.usable_devices == 0:
+        return FAILED, "no usable device left in the job"
+    return "running", ""
+
+
+def one_line(text: str, limit: int = MAX_REASON) -> str:
+    """The first line of ``text``, cut to ``limit`` characters."""
+    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------- workers
+class RecordingWorkers(ElasticWorkers):
+    """``ElasticWorkers`` that also remember, per exit, the worker (for the failure summary) and
+    the final state it reported in its progress file (``done``, ``excluded``, ...)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exits: list[tuple[WorkerExit, object, str]] = []  # (exit, Worker, final state)
+
+    def poll(self) -> list[WorkerExit]:
+        alive = dict(self._running)
+        out = super().poll()
+        for ex in out:
+            self.exits.append((ex, alive.get(ex.local_rank), self.final_state(ex.local_rank)))
+        return out
+
+    def final_state(self, local_rank: int) -> str:
+        try:
+            with open(self.progress_file(local_rank), encoding="utf-8") as f:
+                return str(json.load(f).get("state", ""))
+        except (OSError, ValueError, AttributeError):
+            return ""
+
+
+# ----------------------------------------------------------------------------------- the run
+class ElasticRun:
+    """One node agent in elastic mode; ``run()`` returns the terminal ``ElasticState``."""
+
+    def __init__(self, agent) -> None:  # agent: launcher.agent.NodeAgent
+        self.agent, self.cfg = agent, agent.config
+        self.settings = agent.config.elastic
+        self.client, self.session, self.job = agent.client, agent.session, agent.job
+        self.node_id, self.clock = agent.config.node_id, agent.clock
+        self.state = ElasticState.WAITING_PLAN
+        self.history: list[tuple[ElasticState, float, float, str]] = [
+            (self.state, self.clock(), time.time(), "start")]
+        self.failures: list[WorkerFailure] = []
+        self.reason = ""
+        self.node: Optional[ElasticNode] = None
+        self._seen_exits = 0
+        self._finished_worker = ""
+        self._event_seq = 0
+        self._switch_failed = ""
+        self._marked_done: set[int] = set()
+        self._next_judge = 0.0
+
+    # ------------------------------------------------------------------ state machine
+    def transition(self, new: ElasticState, reason: str) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise IllegalElasticTransition(
+                f"elastic state {self.state.value} -> {new.value} not allowed")
+        log.info("[%s] node %s: elastic %s -> %s (%s)", self.job, self.node_id,
+                 self.state.value, new.value, reason)
+        self.state = new
+        self.history.append((new, self.clock(), time.time(), reason))
+
+    def run(self) -> ElasticState:
+        from launcher.health.verdicts import HealthConfigError, select_health_source
+
+        try:
+            health = select_health_source(self.cfg.health_source, node=self.node_id,
+                                          devices=self.cfg.nproc_per_node, job=self.job,
+                                          etcd=self.client)
+        except HealthConfigError as exc:
+            raise LaunchError(str(exc)) from exc
+        health.start()
+        try:
+            self._check_job_open()
+            self.node = self._build_node(health)
+            self.node.start()
+            self._loop()
+        except SignalReceived:
+            self._interrupted()
+        except (LaunchError, CoordinationError) as exc:
+            if isinstance(exc, CoordinationError):
+                exc = RendezvousConnectionError(f"etcd: {exc}")
+            log.error("[%s] node %s: %s", self.job, self.node_id, exc)
+            self.reason = str(exc)
+            self._stop_workers()
+            if self.state not in TERMINAL_STATES:
+                self.transition(ElasticState.FAILED, str(exc))
+        finally:
+            self._stop_workers()
+            health.stop()
+        return self.state
+
+    def _build_node(self, health) -> ElasticNode:
+        from hspmd_elastic.planner import plan_for
+        from launcher.health.nvml import NvmlHealthSource
+
+        cfg, agent = self.cfg, self.agent
+        attempts = functools.lru_cache(maxsize=None)(  # attempt() recreates its directory
+            lambda version: agent.logdir.attempt(version, cfg.nproc_per_node))
+        progress_dir = os.path.join(agent.logdir.run_dir, "progress")
+        os.makedirs(progress_dir, exist_ok=True)
+        gpus = (health.devices()[:cfg.nproc_per_node] if isinstance(health, NvmlHealthSource)
+                else None)
+        base = dict(os.environ, HSPMD_HEALTH_SOURCE=cfg.health_source, **cfg.extra_env)
+        workers = RecordingWorkers(self.job, self.node_id, cfg.entrypoint, self.client.endpoints,
+                                   lambda version, lr: attempts(version)[lr], base_env=base,
+                                   role=cfg.role, progress_dir=progress_dir)
+        leader = Leader(self.client, self.session, self.job, self.node_id, plan_for,
+                        self.settings.model_profile, self.settings.global_batch,
+                        debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes)
+        store_host = cfg.local_addr or ("localhost" if cfg.rdzv.standalone else agent.host)
+        return ElasticNode(self.client, self.session, self.job, self.node_id, agent.host,
+                           device_table(self.node_id, cfg.nproc_per_node, accelerators=gpus),
+                           workers, leader=leader, health=health, store_host=store_host)
+
+    def _check_job_open(self) -> None:
+        st = self._read_end()
+        if st is not None:
+            raise RendezvousClosedError(f"job {self.job!r} already {st.state} ({st.reason}); "
+                                        "use another --rdzv-id")
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        cfg, node = self.cfg, self.node
+        plan_deadline = self.clock() + cfg.rdzv.join_timeout_s
+        log.info("[%s] node %s: elastic mode, %d slot(s), store %s, planning for %s with global "
+                 "batch %d", self.job, self.node_id, cfg.nproc_per_node, node.store.endpoint,
+                 self.settings.model_spec, self.settings.global_batch)
+        while True:
+            if self.agent.abort.is_set():
+                raise SignalReceived(self.agent.signum or 0, "abort")
+            self._tick()
+            if self.state is ElasticState.WAITING_PLAN:
+                if node.plan_version:
+                    self.transition(ElasticState.RUNNING, f"plan v{node.plan_version}")
+                elif self.clock() >= plan_deadline:
+                    raise RendezvousTimeoutError(
+                        f"no plan for job {self.job!r} within {cfg.rdzv.join_timeout_s:.0f}s "
+                        f"(--rdzv-conf join_timeout): the leader needs {cfg.rdzv.min_nodes} "
+                        "node(s) and a feasible plan")
+            if self.clock() >= self._next_judge:
+                self._next_judge = self.clock() + JUDGE_S
+                outcome, reason = self._judge()
+                if outcome == SUCCEEDED:
+                    self._finish(reason)
+                    return
+                if outcome == FAILED:
+                    self._fail(reason)
+                    return
+            self.agent.abort.wait(cfg.monitor_interval_s)
+
+    def _tick(self) -> None:
+        try:
+            self.node.tick()
+            self.agent._etcd_lost_since = None
+        except CoordinationError as exc:
+            self.agent._etcd_unreachable(RendezvousConnectionError(str(exc)))
+        self._collect_exits()
+
+    def _collect_exits(self) -> None:
+        exits = self.node.workers.exits
+        for ex, worker, final in exits[self._seen_exits:]:
+            if ex.ok:
+                if final in DONE_STATES and not self._finished_worker:
+                    self._finished_worker = f"{self.node_id}:{ex.local_rank} {final}"
+                log.info("[%s] node %s: slot %d (pid %d) exited 0 (%s)", self.job, self.node_id,
+                         ex.local_rank, ex.pid, final or "no progress report")
+                continue
+            code = ex.exitcode if ex.exitcode is not None else -(ex.signal or 0)
+            log.error("failed (exitcode: %d) local_rank: %d (pid: %d) of binary: %s", code,
+                      ex.local_rank, ex.pid, self.cfg.entrypoint[0])
+            self.failures.append(WorkerFailure(
+                local_rank=ex.local_rank, global_rank=getattr(worker, "global_rank", None) or 0,
+                pid=ex.pid, exitcode=code,
+                error_file=worker.logs.error_file if worker is not None else "",
+                observed_at=getattr(worker, "exited_at", None) or time.time()))
+        self._seen_exits = len(exits)
+
+    # ------------------------------------------------------------------ the job's end
+    def _judge(self) -> tuple[str, str]:
+        try:
+            view = self._view()
+            outcome, reason = judge(view)
+            if outcome != "running" and view.ended is None:
+                outcome, reason = self._declare(outcome, reason)
+        except CoordinationError as exc:
+            self.agent._etcd_unreachable(RendezvousConnectionError(str(exc)))
+            return "running", ""
+        return outcome, reason
+
+    def _view(self) -> JobView:
+        ended = self._read_end()
+        if ended is not None:
+            return JobView(ended=ended)
+        version, nodes_done = self.node.plan_version, False
+        if version and self.node.done:
+            self._mark_done(version)
+            plan, _ = read_plan(self.client, self.job)
+            if plan is not None and plan.version == version:
+                need = {parse_device_id(d)[0] for d in plan.devices}
+                prefix = schema.rdzv_round_prefix(self.job, version) + "done/"
+                done = {kv.key[len(prefix):] for kv in self.client.get_prefix(prefix)}
+                nodes_done = need <= done
+        self._read_switch_failures()
+        nodes = {key.rsplit("/", 1)[-1]: rec
+                 for key, rec in self._records(schema.nodes_prefix(self.job))}
+        verdicts = {}
+        for key, rec in self._records(schema.devices_prefix(self.job)):
+            node, index = key.rsplit("/", 2)[-2:]
+            verdicts[(node, int(index))] = rec
+        usable = len(build_snapshot(nodes, verdicts, self.node_id).usable())
+        return JobView(finished_worker=self._finished_worker, nodes_done=nodes_done,
+                       switch_failed=self._switch_failed, nodes=len(nodes),
+                       usable_devices=usable)
+
+    def _records(self, prefix: str) -> list[tuple[str, object]]:
+        """Decoded records under ``prefix``; one that cannot be decoded is logged and skipped."""
+        out = []
+        for kv in self.client.get_prefix(prefix):
+            try:
+                out.append((kv.key, schema.decode(kv.key, kv.value)))
+            except RecordError as exc:
+                log.warning("[%s] node %s: skipping %s", self.job, self.node_id, exc)
+        return out
+
+    def _mark_done(self, version: int) -> None:
+        """Record (once per plan version) that this node's slots of the plan all exited 0."""
+        if version in self._marked_done:
+            return
+        rec = schema.RdzvDoneRecord(node=self.node_id, at=time.time())
+        self.client.put(schema.rdzv_done_key(self.job, version, self.node_id),
+                        schema.encode(rec))
+        self._marked_done.add(version)
+        log.info("[%s] node %s: all slots of plan v%d finished", self.job, self.node_id,
+                 version)
+
+    def _read_switch_failures(self) -> None:
+        kv = self.client.get(schema.event_seq_key(self.job))
+        last = schema.decode(kv.key, kv.value).value if kv is not None else 0
+        for seq in range(self._event_seq + 1, last + 1):
+            ev_kv = self.client.get(schema.event_key(self.job, seq))
+            if ev_kv is None:
+                continue
+            ev = schema.decode(ev_kv.key, ev_kv.value)
+            if ev.type == "switch-failed" and not self._switch_failed:
+                self._switch_failed = str(ev.detail.get("error") or ev.detail)
+        self._event_seq = max(self._event_seq, last)
+
+    def _read_end(self) -> Optional[RoundState]:
+        """``rdzv/state`` when it records the job's end, else None."""
+        key = schema.rdzv_state_key(self.job)
+        try:
+            kv = self.client.get(key)
+        except CoordinationError as exc:
+            raise RendezvousConnectionError(f"read {key}: {exc}") from exc
+        if kv is None:
+            return None
+        try:
+            st = RoundState.decode(key, kv.value, kv.mod_revision)
+        except RecordError as exc:
+            raise RendezvousClosedError(f"unreadable job state {key}: {exc}") from exc
+        if st.state not in TERMINAL:
+            raise RendezvousClosedError(f"job {self.job!r} runs in restart mode (rendezvous "
+                                        f"round {st.round} {st.state}); elastic agents cannot "
+                                        "join it: use another --rdzv-id")
+        return st
+
+    def _declare(self, outcome: str, reason: str) -> tuple[str, str]:
+        """Write the job's end once (compare-and-set); the first writer's verdict wins."""
+        key = schema.rdzv_state_key(self.job)
+        new = RoundState(round=self.node.plan_version, state=outcome, restart_count=0,
+                         reason=reason, at=time.time())
+        res = self.client.txn([Compare(key, CompareTarget.MOD, "==", 0)],
+                              [PutOp(key, new.encode())])
+        if res.succeeded:
+            log.info("[%s] node %s: job %s under plan v%d: %s", self.job, self.node_id,
+                     outcome, new.round, reason)
+            return outcome, reason
+        ended = self._read_end()
+        return (ended.state, ended.reason) if ended is not None else ("running", "")
+
+    # ------------------------------------------------------------------ endings
+    def _finish(self, reason: str) -> None:
+        """Success: stop leading, let every worker of the job exit by itself (bounded)."""
+        node = self.node
+        self.transition(ElasticState.FINISHING, reason)
+        self._stop_leading()
+        deadline = self.clock() + FINISH_WAIT_S
+        while self.clock() < deadline and not self.agent.abort.is_set():
+            try:
+                for ex in node.workers.poll():
+                    self.session.delete(schema.worker_key(self.job, self.node_id, ex.local_rank))
+                self._collect_exits()
+                if not node.workers.running() and not self.client.get_prefix(
+                        schema.workers_prefix(self.job)):
+                    break
+            except CoordinationError as exc:
+                log.warning("[%s] node %s: finishing: %s", self.job, self.node_id, exc)
+                if not node.workers.running():
+                    break
+            self.agent.abort.wait(self.cfg.monitor_interval_s)
+        else:
+            if self.agent.abort.is_set():
+                raise SignalReceived(self.agent.signum or 0, "abort")
+            log.warning("[%s] node %s: workers still running %.0fs after the job finished; "
+                        "stopping them", self.job, self.node_id, FINISH_WAIT_S)
+        self._stop_workers()
+        if self.failures:
+            log.info("[%s] node %s: the job recovered from %d worker failure(s) on this node",
+                     self.job, self.node_id, len(self.failures))
+        self.reason = reason
+        self.transition(ElasticState.SUCCEEDED, reason)
+
+    def _fail(self, reason: str) -> None:
+        log.error("[%s] node %s: job failed: %s; stopping workers", self.job, self.node_id,
+                  reason)
+        self._stop_workers()
+        self._collect_exits()
+        if self.failures:
+            print(format_summary(self.cfg.entrypoint_name, self.failures, self.agent.host),
+                  file=sys.stderr, flush=True)
+        self.reason = f"job failed: {reason}"
+        self.transition(ElasticState.FAILED, reason)
+
+    def _interrupted(self) -> None:
+        import signal as _signal
+
+        signum = self.agent.signum or _signal.SIGTERM
+        name = _signal.Signals(signum).name
+        log.warning("[%s] node %s: received %s, shutting down workers", self.job, self.node_id,
+                    name)
+        self._stop_workers()
+        if self.state not in TERMINAL_STATES:
+            self.transition(ElasticState.INTERRUPTED, name)
+        self.reason = f"process {os.getpid()} got signal: {signum} ({name})"
+
+    def _stop_leading(self) -> None:
+        """The job ended: nothing is left to plan (and leaving nodes must not cause replans)."""
+        if self.node is not None and self.node.leader is not None:
+            self.node.leader.stop()
+            self.node.leader = None
+
+    def _stop_workers(self) -> None:
+        """Stop the leader, the workers and the store (idempotent); the agent revokes the
+        lease afterwards, which is how the other nodes learn that this one left."""
+        if self.node is None:
+            return
+        self._stop_leading()
+        self.node.stop(grace_s=self.cfg.shutdown_timeout_s)

@@ -1,0 +1,82 @@
+"""An hspmd-aware training script for the elastic end-to-end tests and the demo.
+
+Trains the project's decoder with ``hspmd_elastic.runtime.run`` on the model config in
+``--config`` (the same JSON file the agents get as ``--hspmd-model``), and on success writes
+``<out>/<node>_<local_rank>.pt``: pid, final state, steps, plan version, switch timings and this
+rank's final parameter shards. ``--pause-at K`` makes every worker wait, once its state reaches
+step K, until ``--release`` exists (bounded), so a test acts on a known state. ``--step-time S``
+paces the steps (a demo that should be watchable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+
+def main() -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_main)()
+
+
+def _main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--global-batch", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--pause-at", type=int, default=None)
+    parser.add_argument("--release", default=None)
+    parser.add_argument("--step-time", type=float, default=0.0)
+    parser.add_argument("--timeout", type=float, default=40.0, help="each runtime wait")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(process)d %(name)s %(message)s")
+
+    import torch
+
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
+
+    with open(args.config, encoding="utf-8") as f:
+        config = ModelConfig.from_json(f.read())
+
+    def on_step(info):
+        if args.step_time:
+            time.sleep(args.step_time)  # pacing only
+        if args.pause_at is not None and info.step + 1 == args.pause_at and args.release:
+            deadline = time.monotonic() + 60.0
+            while not os.path.exists(args.release):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"release file {args.release} did not appear in 60s")
+                time.sleep(0.02)
+
+    t = args.timeout
+    result = run(config, sample=synthetic_sampler(config, args.data_seed),
+                 global_batch=args.global_batch, steps=args.steps, seed=args.seed,
+                 timeouts=RuntimeTimeouts(plan_wait_s=t, comm_s=t, regroup_s=t, finish_s=t),
+                 on_step=on_step)
+    device = f"{os.environ['HSPMD_NODE_ID']}_{os.environ['LOCAL_RANK']}"
+    if result.final_state:
+        os.makedirs(args.out, exist_ok=True)
+        out = {"pid": os.getpid(), "state": result.state.value, "steps_done": result.steps_done,
+               "plan_version": result.plan_version, "rank": result.rank,
+               "final_state": result.final_state,
+               "switches": [s.as_dict() for s in result.switches]}
+        tmp = os.path.join(args.out, f".{device}.pt")
+        torch.save(out, tmp)
+        os.replace(tmp, os.path.join(args.out, f"{device}.pt"))
+    logging.info("worker %s: %s after %d steps (plan v%d, %d switches)", device,
+                 result.state.value, result.steps_done, result.plan_version,
+                 len(result.switches))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,329 @@
+"""Elastic mode end to end: real etcd, ``hspmd-launch --hspmd-elastic`` agents as separate nodes
+on this host (``--hspmd-node-id``), two workers each running ``hspmd_elastic.runtime`` over
+gloo, real SIGKILLs.
+
+Scenarios: a worker SIGKILLed, an agent SIGKILLed (node loss by lease expiry), an agent
+SIGTERMed (it leaves), a node joining mid-run. Each checks that the job finishes all steps
+without restarting a survivor (same pids before and after, read from the worker records) and
+without reading a checkpoint, and that the final parameters equal the dense reference trained on
+the same global batches (float64, 1e-9). A lost shard with no checkpoint ends the job: exit 1 on
+every node, torchrun's failure summary, the root cause in one line. Workers pause at step
+``PAUSE`` until the test creates the release file, so every fault hits a known state. The
+agent's pure decision (``judge``) and the elastic flags are checked at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+
+from launch_harness import (  # noqa: E402
+    SCRIPTS,
+    Launcher,
+    assert_no_leftovers,
+    base_env,
+    new_marker,
+    wait_for,
+)
+
+from hspmd_elastic.coord import read_events, schema  # noqa: E402
+from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
+from hspmd_elastic.graph.config import ModelConfig  # noqa: E402
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
+
+CONFIG = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
+                     seq_len=8, dtype="float64")
+STEPS, BATCH, SEED, DATA_SEED, PAUSE = 6, 4, 3, 7, 3
+
+
+@pytest.fixture
+def marker():
+    m = new_marker()
+    yield m
+    assert_no_leftovers(m)
+
+
+class Job:
+    """Agents of one elastic job, its files and an etcd client to watch it."""
+
+    def __init__(self, etcd, tmp: Path, marker: str):
+        self.etcd, self.tmp, self.name = etcd, tmp, f"el-{uuid.uuid4().hex[:8]}"
+        self.config = tmp / "model.json"
+        self.config.write_text(CONFIG.to_json())
+        self.out, self.release = tmp / "out", tmp / "release"
+        self.env = base_env(marker)
+        self.agents: dict[str, Launcher] = {}
+        self.client = EtcdClient(etcd.endpoints, timeout=5.0)
+
+    def start(self, node: str, nnodes: str = "2", batch: int = BATCH) -> Launcher:
+        args = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "etcd",
+                "--rdzv-endpoint", self.etcd.endpoint_str, "--rdzv-id", self.name,
+                "--hspmd-node-id", node, "--hspmd-lease-ttl", "2", "--shutdown-timeout", "5",
+                "--rdzv-conf", "join_timeout=60", "--hspmd-elastic",
+                "--hspmd-model", str(self.config), "--hspmd-global-batch", str(batch),
+                str(SCRIPTS / "elastic_train.py"), "--config", str(self.config),
+                "--steps", str(STEPS), "--global-batch", str(batch), "--seed", str(SEED),
+                "--data-seed", str(DATA_SEED), "--out", str(self.out),
+                "--pause-at", str(PAUSE), "--release", str(self.release), "--timeout", "30"]
+        self.agents[node] = Launcher(args, self.env, self.tmp, node)
+        return self.agents[node]
+
+    def workers(self) -> dict[str, schema.WorkerRecord]:
+        prefix = schema.workers_prefix(self.name)
+        out = {}
+        for kv in self.client.get_prefix(prefix):
+            node, lr = kv.key[len(prefix):].split("/")
+            out[f"{node}:{lr}"] = schema.decode(kv.key, kv.value)
+        return out
+
+    def wait_paused(self, devices: list[str], timeout: float = 60.0) -> dict[str, int]:
+        """Wait until ``devices`` report step PAUSE (where they wait); their pids."""
+        def paused():
+            self.check_agents()
+            recs = self.workers()
+            if all(d in recs and recs[d].step >= PAUSE for d in devices):
+                return {d: recs[d].pid for d in devices}
+            return None
+
+        return wait_for(paused, timeout, f"{devices} at step {PAUSE}")
+
+    def check_agents(self) -> None:
+        for node, agent in self.agents.items():
+            if agent.proc.poll() is not None:
+                raise AssertionError(f"agent {node} exited {agent.proc.returncode} early:\n"
+                                     + agent.stderr()[-4000:])
+
+    def results(self) -> dict[str, dict]:
+        import torch
+
+        return {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
+                for p in sorted(self.out.glob("*.pt"))}
+
+    def events(self):
+        return read_events(self.client, self.name)
+
+    def close(self) -> None:
+        for a in self.agents.values():
+            if a.proc.poll() is None:
+                a.proc.kill()
+                a.proc.wait(timeout=10)
+        self.client.close()
+
+
+@pytest.fixture
+def job(etcd_server, tmp_path, marker):
+    j = Job(etcd_server, tmp_path, marker)
+    yield j
+    j.close()
+
+
+def reference():
+    from hspmd_elastic.graph.optim import AdamWConfig
+    from hspmd_elastic.graph.reference import reference_train
+    from hspmd_elastic.runtime import global_batch_at, synthetic_sampler
+
+    sample = synthetic_sampler(CONFIG, DATA_SEED)
+    batches = [global_batch_at(sample, s, BATCH) for s in range(STEPS)]
+    params, _ = reference_train(CONFIG, SEED, batches, AdamWConfig())
+    return params
+
+
+def max_param_diff(results: dict[str, dict]) -> float:
+    from hspmd_elastic.graph.config import param_specs
+    from hspmd_elastic.runtime import gather_full
+
+    shapes = {n: s.shape for n, s in param_specs(CONFIG).items()}
+    got = gather_full([r["final_state"] for r in results.values()], shapes)
+    return max((got[n] - ref.to(got[n].dtype)).abs().max().item()
+               for n, ref in reference().items())
+
+
+def finish(job: Job, timeout: float = 60.0) -> None:
+    for node, agent in job.agents.items():
+        code = agent.wait(timeout)
+        assert code == 0, f"{node} exited {code}:\n{agent.stderr()[-6000:]}"
+
+
+def check_recovered(job: Job, survivors: dict[str, int]) -> dict[str, dict]:
+    """Survivors finished every step in the same processes, without a checkpoint."""
+    results = job.results()
+    assert set(survivors) <= set(results), sorted(results)
+    for dev, res in results.items():
+        assert res["state"] == "done" and res["steps_done"] == STEPS, (dev, res["state"])
+        assert all(s["source"] in ("init", "bsr") for s in res["switches"]), res["switches"]
+    for dev, pid in survivors.items():
+        assert results[dev]["pid"] == pid, f"{dev} was restarted"
+        assert results[dev]["plan_version"] >= 2 and len(results[dev]["switches"]) >= 2
+    types = [e.type for e in job.events()]
+    assert "fallback" not in types and "restart" not in types and "switch-failed" not in types
+    diff = max_param_diff(results)
+    assert diff <= 1e-9, f"max |elastic - reference| = {diff:g}"
+    return results
+
+
+def switch_seconds(job: Job, since: float) -> float:
+    """From ``since`` (the kill, wall clock) to the first switch-done event after it."""
+    done = [e for e in job.events() if e.type == "switch-done" and e.at > since]
+    assert done, [e.type for e in job.events()]
+    return done[0].at - since
+
+
+def test_worker_sigkill_survivors_switch_in_memory(job):
+    a, b = job.start("node-a"), job.start("node-b")
+    devices = ["node-a:0", "node-a:1", "node-b:0", "node-b:1"]
+    pids = job.wait_paused(devices)
+    killed_at = time.time()
+    os.kill(pids["node-b:1"], signal.SIGKILL)
+    job.release.touch()
+    finish(job)
+    survivors = {d: p for d, p in pids.items() if d != "node-b:1"}
+    results = check_recovered(job, survivors)
+    assert "node-b:1" not in results
+    failure = next(e for e in job.events() if e.type == "failure")
+    assert failure.detail["device"] == "node-b:1" and failure.detail["signal"] == 9
+    print(f"worker SIGKILL -> switch-done {switch_seconds(job, killed_at):.3f}s")
+    assert "job recovered from 1 worker failure" in b.stderr()
+    assert a.stderr().count("started pid") == 1 and b.stderr().count("started pid") == 1
+
+
+def test_node_loss_of_the_leader_job_continues_on_the_other_node(job):
+    """The leader's agent (it also hosts the plan's store) dies with its workers: the other node
+    is elected once the lease expires, plans on its own store, and its workers switch."""
+    job.start("node-a")
+    job.start("node-b")
+    devices = ["node-a:0", "node-a:1", "node-b:0", "node-b:1"]
+    pids = job.wait_paused(devices)
+    kv = job.client.get(schema.leader_key(job.name))
+    lost = schema.decode(kv.key, kv.value).node
+    plan = next(e for e in job.events() if e.type == "replan")
+    assert plan.detail["store_endpoint"] and plan.node == lost
+    other = "node-b" if lost == "node-a" else "node-a"
+    victim = job.agents.pop(lost)
+    killed_at = time.time()
+    victim.proc.send_signal(signal.SIGKILL)  # the agent and, with it, its workers
+    assert victim.wait(10) == -signal.SIGKILL
+    job.release.touch()
+    finish(job)
+    check_recovered(job, {d: p for d, p in pids.items() if d.startswith(other)})
+    events = job.events()
+    assert any(e.type == "leave" and e.node == lost for e in events)
+    last = [e for e in events if e.type == "replan"][-1]
+    assert last.node == other and last.detail["store_endpoint"] != plan.detail["store_endpoint"]
+    print(f"leader SIGKILL (lease TTL 2s) -> switch-done {switch_seconds(job, killed_at):.3f}s")
+
+
+def test_agent_sigterm_leaves_and_the_job_continues(job):
+    job.start("node-a")
+    b = job.start("node-b")
+    pids = job.wait_paused(["node-a:0", "node-a:1", "node-b:0", "node-b:1"])
+    b.proc.send_signal(signal.SIGTERM)  # forwarded to its workers; the node leaves the job
+    del job.agents["node-b"]
+    assert b.wait(30) == 1
+    assert "hspmd-launch: error: process" in b.stderr() and "(SIGTERM)" in b.stderr()
+    job.release.touch()
+    finish(job)
+    check_recovered(job, {d: p for d, p in pids.items() if d.startswith("node-a")})
+    assert any(e.type == "leave" and e.node == "node-b" for e in job.events())
+
+
+def test_join_mid_run_receives_state(job):
+    job.start("node-a")
+    job.start("node-b")
+    first = ["node-a:0", "node-a:1", "node-b:0", "node-b:1"]
+    pids = job.wait_paused(first)
+    job.start("node-c", nnodes="2:3")
+    wait_for(lambda: job.check_agents() or all(d in job.workers()
+                                               for d in ("node-c:0", "node-c:1")),
+             60, "node-c's workers to start")
+    job.release.touch()
+    finish(job)
+    results = check_recovered(job, pids)
+    assert {"node-c:0", "node-c:1"} <= set(results)
+    joined = results["node-c:0"]["switches"]
+    assert len(joined) == 1 and joined[0]["source"] == "bsr"
+    assert any(e.type == "join" and e.node == "node-c" for e in job.events())
+
+
+def test_lost_shard_without_checkpoint_fails_the_job_with_summary(job):
+    """Global batch 1 leaves one pipeline (TP2 x PP2 on four devices): a dead TP rank's shard
+    has no other owner, the switch fails on every rank and the job ends with exit 1."""
+    a, b = job.start("node-a", batch=1), job.start("node-b", batch=1)
+    devices = ["node-a:0", "node-a:1", "node-b:0", "node-b:1"]
+    pids = job.wait_paused(devices)
+    plan = [e for e in job.events() if e.type == "replan"][0]
+    assert plan.detail["devices"] == 4
+    os.kill(pids["node-b:1"], signal.SIGKILL)
+    job.release.touch()
+    codes = {n: ag.wait(60) for n, ag in job.agents.items()}
+    assert codes == {"node-a": 1, "node-b": 1}, {n: ag.stderr()[-3000:] for n, ag in
+                                                 job.agents.items()}
+    err_b = b.stderr()
+    assert "elastic_train.py FAILED" in err_b and "Root Cause (first observed failure):" in err_b
+    root = err_b.split("Root Cause (first observed failure):", 1)[1]
+    assert f"(pid: {pids['node-b:1']})" in root and "SIGKILL" in root
+    for err in (a.stderr(), err_b):
+        line = [ln for ln in err.splitlines() if ln.startswith("hspmd-launch: error:")]
+        assert line and "job failed: switch failed" in line[-1] and "no live owner" in line[-1]
+    assert "switch-failed" in [e.type for e in job.events()]
+    assert not list(job.out.glob("*.pt"))
+
+
+# ------------------------------------------------------------------------- pure decisions, CLI
+def test_judge_a_recorded_end_wins_then_success_then_failure():
+    from launcher.elastic_mode import JobView, judge
+    from launcher.rendezvous import RoundState
+
+    ended = RoundState(round=3, state="failed", restart_count=0, reason="switch failed: x")
+    assert judge(JobView(ended=ended, finished_worker="n:0 done")) == ("failed", "switch failed: x")
+    assert judge(JobView(finished_worker="n:0 done", switch_failed="boom"))[0] == "succeeded"
+    assert judge(JobView(nodes_done=True, nodes=2, usable_devices=0))[0] == "succeeded"
+    assert judge(JobView(switch_failed="plan v2: no live owner\nmore"))[1] == (
+        "switch failed: plan v2: no live owner")
+    assert judge(JobView(nodes=2, usable_devices=0)) == ("failed",
+                                                         "no usable device left in the job")
+    assert judge(JobView(nodes=0, usable_devices=0))[0] == "running"  # nobody registered yet
+    assert judge(JobView(nodes=2, usable_devices=3))[0] == "running"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hspmd-elastic"], "--hspmd-elastic needs --hspmd-model and --hspmd-global-batch"),
+    (["--hspmd-elastic", "--hspmd-model", "llama-7b"], "needs --hspmd-global-batch"),
+    (["--hspmd-elastic", "--hspmd-model", "llama-8b", "--hspmd-global-batch", "4"],
+     "invalid --hspmd-model value 'llama-8b': no such file; use a JSON file, an inline JSON "
+     "object or a preset (llama-7b, llama-13b, llama-32b)"),
+    (["--hspmd-elastic", "--hspmd-model", '{"schema": 1, "num_layers": 0}',
+      "--hspmd-global-batch", "4"], "num_layers=0 must be >= 1"),
+    (["--hspmd-elastic", "--hspmd-model", "{oops", "--hspmd-global-batch", "4"],
+     "not readable JSON"),
+    (["--hspmd-elastic", "--hspmd-model", "llama-7b", "--hspmd-global-batch", "0"],
+     "invalid --hspmd-global-batch value 0: must be >= 1"),
+    (["--hspmd-global-batch", "8"], "--hspmd-global-batch 8 is only used with --hspmd-elastic"),
+])
+def test_elastic_flags_bad_values_get_one_line(args, message, capsys):
+    from launcher.cli import main
+
+    assert main([*args, str(SCRIPTS / "sleeper.py")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hspmd-launch: error: ") and message in err[0]
+
+
+def test_elastic_flags_build_the_planner_input(tmp_path, monkeypatch):
+    from launcher.cli import build_config, launch_command
+
+    model = tmp_path / "m.json"
+    model.write_text(CONFIG.to_json())
+    monkeypatch.setenv("PET_HSPMD_ELASTIC", "1")
+    ctx = launch_command.make_context("hspmd-launch", [
+        "--hspmd-model", str(model), "--hspmd-global-batch", "4", str(SCRIPTS / "sleeper.py")])
+    elastic = build_config(ctx.params).elastic
+    assert elastic.global_batch == 4 and elastic.model_profile.config == CONFIG
+    assert elastic.model_profile.num_layers == CONFIG.num_layers
