@@ -155,6 +155,10 @@ def _opt(*names: str, **kw):
                  "or a preset (llama-7b, llama-13b, llama-32b).")
 @_opt("--hspmd-global-batch", type=int, default=None,
             help="Elastic mode: rows per training step, the same under every plan.")
+@_opt("--hspmd-debounce", type=float, default=None,
+            help="Elastic mode: seconds the leader waits for the cluster to settle before it "
+                 "replans (default 0.25): longer folds a burst of failures into one switch, "
+                 "shorter recovers sooner.")
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def launch_command(**params) -> int:
@@ -411,7 +415,8 @@ def parse_model(value: str):
 def _elastic(params: dict) -> Optional[ElasticSettings]:
     model, batch = params["hspmd_model"], params["hspmd_global_batch"]
     if not params["hspmd_elastic"]:
-        for flag, given in (("--hspmd-model", model), ("--hspmd-global-batch", batch)):
+        for flag, given in (("--hspmd-model", model), ("--hspmd-global-batch", batch),
+                            ("--hspmd-debounce", params["hspmd_debounce"])):
             if given is not None:
                 raise ConfigError(f"{flag} {given} is only used with --hspmd-elastic")
         return None
@@ -422,11 +427,15 @@ def _elastic(params: dict) -> Optional[ElasticSettings]:
                           "plans for)")
     if batch < 1:
         raise ConfigError(f"invalid --hspmd-global-batch value {batch}: must be >= 1")
+    debounce = params["hspmd_debounce"]
+    if debounce is not None and not 0 <= debounce <= 60:
+        raise ConfigError(f"invalid --hspmd-debounce value {debounce}: must be 0..60 seconds")
     if params["max_restarts"]:
         log.info("--max-restarts %d is not used with --hspmd-elastic: surviving workers are "
                  "never restarted", params["max_restarts"])
+    extra = {} if debounce is None else {"debounce_s": debounce}
     return ElasticSettings(model_profile=parse_model(model), global_batch=batch,
-                           model_spec=str(model))
+                           model_spec=str(model), **extra)
 
 
 def _signals(value: str) -> tuple[str, ...]:
