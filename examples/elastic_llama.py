@@ -6,9 +6,16 @@ trains, and when a worker dies or a node joins it switches to the new plan in th
 parameters and AdamW state move by fused BSR, the interrupted step runs again. Step ``s`` always
 trains on global samples ``[s*B, (s+1)*B)``, so the result does not depend on the failures.
 
-    hspmd-launch --nnodes 1:4 --nproc-per-node 2 --rdzv-endpoint etcd-host:2379 \
-        examples/elastic_llama.py --steps 200 --global-batch 8 \
+    hspmd-launch --nnodes 1:4 --nproc-per-node 2 --rdzv-backend etcd \
+        --rdzv-endpoint etcd-host:2379 --rdzv-id job42 \
+        --hspmd-elastic --hspmd-model model.json --hspmd-global-batch 8 \
+        examples/elastic_llama.py --config model.json --steps 200 --global-batch 8 \
         --checkpoint-dir /shared/ckpt --checkpoint-every 50 --out /shared/final
+
+``--config model.json`` is a ``ModelConfig`` JSON file (``ModelConfig.to_json()``), the same file
+the agents get as ``--hspmd-model``, so the leader plans for exactly the model the workers train;
+without it the model comes from ``--layers``/``--hidden``/``--heads``/``--seq-len``/``--vocab``.
+``--global-batch`` must equal ``--hspmd-global-batch``.
 
 With ``--checkpoint-dir`` the workers also write sharded checkpoints asynchronously; they are read
 only when a switch finds state that no surviving worker holds (e.g. the only copy of a pipeline
@@ -30,6 +37,8 @@ from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="ModelConfig JSON file (the one given to --hspmd-model); "
+                        "overrides --layers/--hidden/--heads/--seq-len/--vocab")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
@@ -45,9 +54,13 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
-    config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads,
-                         num_layers=args.layers, ffn_size=4 * args.hidden, seq_len=args.seq_len,
-                         dtype="float32")
+    if args.config:
+        with open(args.config, encoding="utf-8") as f:
+            config = ModelConfig.from_json(f.read())
+    else:
+        config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                             num_heads=args.heads, num_layers=args.layers,
+                             ffn_size=4 * args.hidden, seq_len=args.seq_len, dtype="float32")
     sample = synthetic_sampler(config, seed=args.seed)  # row i depends on (seed, i) only
 
     def on_step(info):

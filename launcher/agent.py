@@ -18,6 +18,9 @@ leader replans and the survivors switch in memory). Promises:
 * torchrun's c10d and static backends on several nodes are served the way torchrun serves
   them: the node at the endpoint (c10d) or node rank 0 (static) runs the rendezvous store, an
   etcd member on that port, and keeps it until the other nodes left;
+* while it waits in a rendezvous (and, in elastic mode, for the first plan or a switch), an
+  agent whose stderr is a terminal shows one progress bar there (``launcher.console``); without
+  a terminal it writes only its log lines, as before;
 * on every exit path the workers are stopped and reaped, the lease is revoked, and an etcd this
   agent runs (``--standalone``, or the c10d/static store) is stopped; every process the agent
   starts dies with it, even on SIGKILL.
@@ -51,6 +54,7 @@ from launcher.api import (
     RendezvousConnectionError,
     SignalReceived,
 )
+from launcher.console import WaitBar
 from launcher.logs import RunLogDir, WorkerLogPaths
 from launcher.rendezvous import (
     CLOSED,
@@ -129,8 +133,10 @@ class NodeAgent:
             (AgentState.INIT, clock(), time.time(), "created")]
         self.session = LeasedSession(client, ttl=config.rdzv.lease_ttl_s,
                                      name=f"agent-{config.node_id}")
+        self.bar = WaitBar()  # draws only when stderr is a terminal
         self.rdzv = EtcdRendezvous(client, self.session, config.rdzv, config.node_id, self.host,
-                                   config.nproc_per_node, abort=self.abort, clock=clock)
+                                   config.nproc_per_node, abort=self.abort, clock=clock,
+                                   on_wait=self.bar.update if self.bar.enabled else None)
         self.logdir = RunLogDir(config.logs, config.rdzv.run_id)
         self.group: Optional[WorkerGroup] = None
         self.round: Optional[RoundInfo] = None
@@ -215,7 +221,10 @@ class NodeAgent:
 
     def _step_rendezvous(self) -> None:
         self._put_node("joining")
-        info = self.rdzv.next_round(fresh=self._fresh)
+        try:
+            info = self.rdzv.next_round(fresh=self._fresh)
+        finally:
+            self.bar.clear()
         self._fresh = False
         self.round = info
         a = info.assignment
@@ -430,6 +439,7 @@ class NodeAgent:
         self._put(schema.node_key(self.job, self.config.node_id), schema.encode(rec))
 
     def _shutdown(self) -> None:
+        self.bar.clear()
         self._stop_workers()
         log.debug("[%s] node %s: state history %s", self.job, self.config.node_id,
                   [(s.value, round(t, 3), why) for s, t, _, why in self.history])

@@ -22,7 +22,11 @@ Promises:
   the restarts are used up; a join (with room) or a leave moves to the next round without counting;
   when several nodes react to the same event only the first compare-and-set wins, so one event is
   one restart;
-* every wait has a deadline and also ends when ``abort`` is set (a signal).
+* every wait has a deadline and also ends when ``abort`` is set (a signal);
+* ``on_wait`` (optional) is called on every tick of ``next_round`` with the wait's state
+  (``launcher.console.RendezvousWait``: nodes joined, min..max, last-call countdown, time left
+  until the join timeout); the agent sets it only when it draws a progress bar, so without a
+  terminal the rendezvous makes no extra etcd reads.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord import journal, schema
 
+from launcher.console import RendezvousWait
 from launcher.standalone import EtcdMember, EtcdStartError, free_ports
 from launcher.workers import die_with_parent
 from launcher.api import (
@@ -173,6 +178,7 @@ class EtcdRendezvous:
     local_world_size: int
     abort: threading.Event = field(default_factory=threading.Event)
     clock: Callable[[], float] = time.monotonic
+    on_wait: Optional[Callable[[RendezvousWait], None]] = None
 
     @property
     def job(self) -> str:
@@ -266,7 +272,8 @@ class EtcdRendezvous:
     def next_round(self, timeout_s: Optional[float] = None, fresh: bool = False) -> RoundInfo:
         """Join the current (or next) round and return it once closed with us in it."""
         timeout = self.settings.join_timeout_s if timeout_s is None else timeout_s
-        deadline = self.clock() + timeout
+        started = self.clock()
+        deadline = started + timeout
         last_call_since: Optional[float] = None
         watched_round = -1
         while True:
@@ -291,12 +298,26 @@ class EtcdRendezvous:
                                 last_call_since, now, self.settings.last_call_timeout_s):
                     self._close(st, joined)
                     continue
+            if self.on_wait is not None:
+                n = len(joined) if st.state == JOINING else len(self.joined(target))
+                self.on_wait(self._wait_state(st, n, started, deadline,
+                                              last_call_since if st.state == JOINING else None))
             if self.clock() >= deadline:
                 raise RendezvousTimeoutError(
                     f"rendezvous {self.job!r} timed out after {timeout:.0f}s waiting for "
                     f"{self.settings.min_nodes} node(s) (round {st.round}, state {st.state})"
                 )
             self.abort.wait(POLL_S)
+
+    def _wait_state(self, st: RoundState, joined: int, started: float,
+                    deadline: float, last_call_since: Optional[float]) -> RendezvousWait:
+        now, cfg = self.clock(), self.settings
+        left = None if last_call_since is None else (
+            last_call_since + cfg.last_call_timeout_s - now)
+        return RendezvousWait(round=st.round, state=st.state, joined=joined,
+                              min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
+                              waited_s=now - started, timeout_left_s=deadline - now,
+                              last_call_left_s=left)
 
     def _close(self, seen: RoundState, joined: list[Participant]) -> None:
         participants = order_participants(joined, self.settings.max_nodes)

@@ -6,8 +6,9 @@ waits that ended are removed. ``sync(view)`` is the only state change and does n
 drawing; ``follow(cache, stop, deadline)`` redraws on every change of a ``JobStateCache`` (an
 etcd watch, no polling) and returns whether the job settled (no wait left) before the deadline.
 Bars go to stderr and only to a terminal unless ``console`` says otherwise, so piped output
-stays clean. Used by ``status --wait``; a launcher can show the same bars with
-``WaitProgress().follow(cache, stop)`` in a thread while its agent waits.
+stays clean. Used by ``status --wait`` (any machine that reaches etcd). The node agent draws its
+own waits (rendezvous, first plan, switch) from what it already knows, with
+``launcher.console``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,359 @@
+"""The node agent's progress bar on a terminal, for its long waits: a rendezvous collecting
+nodes, the first plan of an elastic job, a switch in progress.
+
+Promises:
+
+* pure: ``bar_fields(wait)`` turns a wait's state (``RendezvousWait``, ``PlanWait``,
+  ``SwitchWait``: plain values, times already relative) into the bar's fields (``BarFields``);
+  ``SwitchTracker`` follows the event journal to the switch in progress; neither does I/O or
+  reads a clock;
+* ``WaitBar`` draws at most one bar, on stderr, and only when stderr is a terminal
+  (``enabled``); otherwise every call is a no-op, so output that is piped to a file or read by
+  a program (tests, CI, log collectors) stays exactly the log lines it was;
+* workers' output never passes through the bar: workers write to the agent's stdout/stderr
+  file descriptors directly or to their ``--redirects``/``--tee`` files; while a bar is shown,
+  the launcher's own log lines are printed above it, and the bar is removed (transient) when
+  the wait ends;
+* ``WaitBar`` never blocks: drawing is done by the caller's thread, on each update; a terminal
+  that fails (closed, gone) turns the bar off, never the agent;
+* ``ElasticWaits`` is the only part that reads etcd (an elastic agent's first-plan and switch
+  waits), throttled, and only built when a bar is drawn.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import IO, Any, Optional, Union
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------ wait states
+@dataclass(frozen=True)
+class RendezvousWait:
+    """A restart-mode rendezvous as one node waits in it."""
+
+    round: int
+    state: str  # rdzv/state's: joining, or closed (without this node: it waits for the next)
+    joined: int
+    min_nodes: int
+    max_nodes: int
+    waited_s: float
+    timeout_left_s: float  # until the join timeout
+    last_call_left_s: Optional[float] = None  # min_nodes joined: until the round closes
+
+
+@dataclass(frozen=True)
+class PlanWait:
+    """An elastic agent waiting for the leader's first plan."""
+
+    nodes: int  # live node records
+    min_nodes: int
+    waited_s: float
+    timeout_left_s: float
+
+
+@dataclass(frozen=True)
+class SwitchWait:
+    """A switch to plan ``to_version`` in progress (started by a ``replan``/``switch-start``
+    event, not yet ended by ``switch-done``/``switch-failed``)."""
+
+    to_version: int
+    from_version: Optional[int]
+    phase: str  # the event that started it: replan | switch-start
+    acks_done: int  # switch/<version>/<node> records in state done (0 when none are written)
+    acks_expected: Optional[int]  # nodes of the plan, when known
+    waited_s: float
+
+
+Wait = Union[RendezvousWait, PlanWait, SwitchWait]
+
+
+@dataclass(frozen=True)
+class BarFields:
+    kind: str  # rendezvous | plan | switch
+    description: str
+    completed: int
+    total: Optional[int]  # None: a pulsing bar
+    status: str
+
+
+def _secs(s: float) -> str:
+    return f"{max(0.0, s):.0f}s"
+
+
+def bar_fields(wait: Wait) -> BarFields:
+    """The bar for ``wait`` (pure)."""
+    if isinstance(wait, RendezvousWait):
+        span = (f"{wait.min_nodes}" if wait.min_nodes == wait.max_nodes
+                else f"{wait.min_nodes}..{wait.max_nodes}")
+        if wait.state != "joining":
+            status = f"round {wait.state} without this node, next round"
+        elif wait.last_call_left_s is not None:
+            status = f"last call {max(0.0, wait.last_call_left_s):.1f}s"
+        else:
+            status = f"need {span}"
+        return BarFields("rendezvous", f"rendezvous round {wait.round}: nodes joined",
+                         wait.joined, wait.max_nodes,
+                         f"{status}; timeout {_secs(wait.timeout_left_s)}")
+    if isinstance(wait, PlanWait):
+        return BarFields("plan", "first plan: nodes up", wait.nodes,
+                         max(wait.min_nodes, wait.nodes),
+                         f"need {wait.min_nodes}; timeout {_secs(wait.timeout_left_s)}")
+    if isinstance(wait, SwitchWait):
+        origin = f"v{wait.from_version}" if wait.from_version else "?"
+        acked = "" if wait.acks_expected is None else ": nodes acked"
+        return BarFields("switch", f"switch {origin} -> plan v{wait.to_version}{acked}",
+                         wait.acks_done, wait.acks_expected,
+                         f"{wait.phase}, waiting for switch-done")
+    raise TypeError(f"not a wait: {wait!r}")
+
+
+# ------------------------------------------------------------------------ switch tracking
+def _int(value: Any) -> Optional[int]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value) if float(value).is_integer() else None
+
+
+class SwitchTracker:
+    """The switch in progress, from events fed in journal order (pure, no I/O).
+
+    A switch starts with ``switch-start``, or a ``replan`` that replaces a plan
+    (``previous_version`` > 0); it ends with ``switch-done``/``switch-failed`` of its target
+    version (``detail.to_version``/``version``/``plan_version`` or ``timings.to_version``), or
+    when a newer switch starts."""
+
+    def __init__(self) -> None:
+        self.current: Optional[tuple[int, Optional[int], str, float]] = None  # to, from, phase, at
+
+    @staticmethod
+    def version(ev) -> Optional[int]:
+        for name in ("to_version", "version", "plan_version"):
+            value = _int(ev.detail.get(name))
+            if value is not None:
+                return value
+        return _int(ev.timings.get("to_version"))
+
+    def observe(self, ev) -> None:
+        version = self.version(ev)
+        if version is None:
+            return
+        previous = _int(ev.detail.get("previous_version", ev.detail.get("from_version")))
+        if ev.type == "switch-start" or (ev.type == "replan" and (previous or 0) > 0):
+            if self.current is None or self.current[0] != version:
+                self.current = (version, previous, ev.type, ev.at)
+        elif ev.type in ("switch-done", "switch-failed"):
+            if self.current is not None and self.current[0] <= version:
+                self.current = None
+
+    def wait(self, now: float, acks_done: int = 0,
+             acks_expected: Optional[int] = None) -> Optional[SwitchWait]:
+        if self.current is None:
+            return None
+        to, frm, phase, at = self.current
+        return SwitchWait(to, frm, phase, acks_done, acks_expected, max(0.0, now - at))
+
+
+# ------------------------------------------------------------------------------- drawing
+def stderr_is_terminal(stream: Optional[IO[str]] = None) -> bool:
+    stream = stream if stream is not None else sys.stderr
+    try:
+        return os.isatty(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+class WaitBar:
+    """One transient rich progress bar on a terminal (a no-op when ``enabled`` is False)."""
+
+    def __init__(self, stream: Optional[IO[str]] = None, enabled: Optional[bool] = None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = stderr_is_terminal(self.stream) if enabled is None else enabled
+        self._lock = threading.Lock()
+        self._progress: Any = None
+        self._task: Any = None
+        self._kind = ""
+        self._handlers: list[tuple[logging.StreamHandler, IO[str]]] = []
+
+    @property
+    def shown(self) -> Optional[str]:
+        """The kind of the bar on screen, or None."""
+        return self._kind or None
+
+    def update(self, wait: Optional[Wait]) -> None:
+        """Show ``wait`` (None: the wait ended, remove the bar)."""
+        if not self.enabled:
+            return
+        if wait is None:
+            self.clear()
+            return
+        fields = bar_fields(wait)
+        with self._lock:
+            try:
+                if self._progress is not None and self._kind != fields.kind:
+                    self._stop()
+                if self._progress is None:
+                    self._start(fields)
+                self._progress.update(self._task, description=fields.description,
+                                      completed=fields.completed, total=fields.total,
+                                      status=fields.status)
+                self._progress.refresh()
+            except Exception as exc:  # noqa: BLE001 - a bar is never a reason to fail
+                self._give_up(exc)
+
+    def clear(self) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            try:
+                self._stop()
+            except Exception as exc:  # noqa: BLE001
+                self._give_up(exc)
+
+    def _give_up(self, exc: BaseException) -> None:
+        """The terminal went away (or cannot be drawn on): log lines only from now on."""
+        log.debug("progress bar disabled: %s", exc)
+        self.enabled = False
+        for handler, old in self._handlers:
+            handler.setStream(old)
+        self._handlers = []
+        self._progress, self._task, self._kind = None, None, ""
+
+    # ------------------------------------------------------------------------ rich
+    def _start(self, fields: BarFields) -> None:
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
+                                   TextColumn, TimeElapsedColumn)
+
+        console = Console(file=self.stream, force_terminal=True)
+        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                                  BarColumn(bar_width=12), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
+                                  console=console, transient=True, auto_refresh=False,
+                                  redirect_stdout=False, redirect_stderr=False)
+        self._task = self._progress.add_task(fields.description, total=fields.total,
+                                             completed=fields.completed, status=fields.status)
+        self._kind = fields.kind
+        self._progress.start()
+        # the launcher's log lines go above the bar instead of through it
+        proxy = _LogStream(console)
+        for logger in (logging.getLogger("launcher"), logging.getLogger()):
+            for h in logger.handlers:
+                if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is \
+                        self.stream:
+                    self._handlers.append((h, h.setStream(proxy)))
+
+    def _stop(self) -> None:
+        if self._progress is None:
+            return
+        for handler, old in self._handlers:
+            partial = handler.setStream(old)
+            if isinstance(partial, _LogStream) and partial.pending:
+                old.write(partial.pending)
+        self._handlers = []
+        try:
+            self._progress.stop()
+        finally:
+            self._progress, self._task, self._kind = None, None, ""
+
+
+# ------------------------------------------------------------------ elastic waits (reads)
+class ElasticWaits:
+    """What an elastic agent's bar shows, read from etcd (effects; the agent builds one only
+    when its bar is drawn, so without a terminal nothing here runs).
+
+    ``poll(waiting_plan, waited_s, timeout_left_s, now)`` returns the ``PlanWait`` while no plan
+    exists, else the ``SwitchWait`` of the switch in progress or None. Reads are throttled to
+    one round every ``every_s`` (monotonic ``clock``); an etcd error keeps the last answer (a
+    bar is never a reason to fail)."""
+
+    def __init__(self, client, job: str, min_nodes: int, every_s: float = 0.25,
+                 clock=None) -> None:
+        import time
+
+        self.client, self.job, self.min_nodes, self.every_s = client, job, min_nodes, every_s
+        self.clock = clock or time.monotonic
+        self.tracker = SwitchTracker()
+        self._seq = 0
+        self._next = 0.0
+        self._last: Optional[Wait] = None
+
+    def poll(self, waiting_plan: bool, waited_s: float, timeout_left_s: float,
+             now: float) -> Optional[Wait]:
+        from hspmd_elastic.coord import schema
+        from hspmd_elastic.coord.api import CoordinationError, RecordError
+
+        if self.clock() < self._next:
+            return self._last
+        self._next = self.clock() + self.every_s
+        try:
+            if waiting_plan:
+                nodes = len(self.client.get_prefix(schema.nodes_prefix(self.job)))
+                self._last = PlanWait(nodes, self.min_nodes, waited_s, timeout_left_s)
+                return self._last
+            self._read_events()
+            if self.tracker.current is None:
+                self._last = None
+                return None
+            version = self.tracker.current[0]
+            self._last = self.tracker.wait(now, *self._acks(version))
+        except (CoordinationError, RecordError) as exc:
+            log.debug("[%s] progress bar: %s", self.job, exc)
+        return self._last
+
+    def _read_events(self) -> None:
+        from hspmd_elastic.coord import schema
+
+        kv = self.client.get(schema.event_seq_key(self.job))
+        last = schema.decode(kv.key, kv.value).value if kv is not None else 0
+        if last <= self._seq:
+            return
+        events = [schema.decode(e.key, e.value)
+                  for e in self.client.get_prefix(schema.events_prefix(self.job))]
+        for ev in sorted(events, key=lambda e: e.seq):
+            if ev.seq > self._seq:
+                self.tracker.observe(ev)
+        self._seq = max([last] + [e.seq for e in events])
+
+    def _acks(self, version: int) -> tuple[int, Optional[int]]:
+        from hspmd_elastic.coord import schema
+        from hspmd_elastic.coord.plans import read_plan
+
+        acks = [schema.decode(kv.key, kv.value)
+                for kv in self.client.get_prefix(schema.switch_prefix(self.job, version))]
+        plan, _ = read_plan(self.client, self.job)
+        expected = None
+        if plan is not None and plan.version == version:
+            expected = len({d.rpartition(":")[0] for d in plan.devices}) or None
+        if not acks:  # nodes that write no acks: a pulsing bar, not a count stuck at 0
+            return 0, None
+        return sum(1 for a in acks if a.state == "done"), expected
+
+
+class _LogStream:
+    """A log handler's stream while a bar is shown: whole lines are printed above the bar, as
+    they are (no wrapping, no markup, no highlighting)."""
+
+    def __init__(self, console) -> None:
+        self.console = console
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        from rich.text import Text
+
+        lines, sep, self._partial = (self._partial + text).rpartition("\n")
+        if sep:
+            self.console.print(Text(lines), soft_wrap=True)
+        return len(text)
+
+    @property
+    def pending(self) -> str:
+        return self._partial
+
+    def flush(self) -> None:
+        pass
