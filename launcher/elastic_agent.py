@@ -11,8 +11,10 @@ number). The pieces here are small and independent; ``ElasticNode`` bundles them
 * a worker exit is reported once: an ``EventRecord`` (``failure``: pid, exit code, signal) and a
   failed verdict for its slot whose reason starts with ``leader.EXIT_PREFIX``; a worker whose
   progress heartbeat (``WorkerRecord.step`` / ``last_progress_at``) stalls is declared hung by a
-  ``HangDetector`` (``ProgressMonitor``): a ``stall`` event and a failed verdict with
-  ``leader.STALL_PREFIX``; such slot verdicts override the health source's (worst wins) and go
+  ``HangDetector`` (``ProgressMonitor``; a report with a new time but the same step, i.e. a
+  state change, restarts the start-up grace): a ``stall`` event and a failed verdict with
+  ``leader.STALL_PREFIX``, and the hung worker is SIGKILLed (its exit is not journaled
+  again); such slot verdicts override the health source's (worst wins) and go
   to ``devices/<node>/<index>`` through the ``VerdictPublisher``;
 * the agent owns ``workers/<node>/<local_rank>``: written when it starts a worker, updated from
   the report the worker runtime writes to ``HSPMD_PROGRESS_FILE`` (``read_progress``), deleted
@@ -215,6 +217,13 @@ class ProgressMonitor:
             self._seen[lr] = (rec.pid, rec.step, rec.last_progress_at)
             # The record's wall time, moved onto our monotonic clock.
             t = now - max(wall - rec.last_progress_at, 0.0)
+            if seen is not None and seen[0] == rec.pid and seen[1] == rec.step \
+                    and rec.last_progress_at > seen[2]:
+                # A new report without a new step: the worker changed state (its collective
+                # timed out, it waits for a plan, it regroups). It is alive, and its own
+                # watchdog bounds that wait: start-up grace again, like after a switch.
+                self.detector.reset(lr, t)
+                continue
             self.detector.heartbeat(lr, rec.step, t)
 
     def new_hangs(self) -> list:
@@ -368,6 +377,7 @@ class ElasticNode:
         self._clock, self._wall = clock, wall_clock
         self._started_at = wall_clock()
         self._state = "joining"
+        self._killed_hung: set[int] = set()  # pids of workers killed because they hung
         self.publisher = VerdictPublisher(client, job, node, lease=lambda: session.lease_id or 0,
                                           clock=clock, wall_clock=wall_clock)
 
@@ -405,7 +415,7 @@ class ElasticNode:
             else:  # sticky before any etcd call: a failed call must not lose the verdict
                 self.slots.fail(ex.local_rank, ex.verdict(self._clock()))
             self.session.delete(schema.worker_key(self.job, self.node, ex.local_rank))
-            if not ex.ok:
+            if not ex.ok and ex.pid not in self._killed_hung:  # a hang is journaled already
                 report_worker_exit(self.client, self.job, self.node, ex, self.plan_version,
                                    self._wall)
         self._relay_progress()
@@ -414,11 +424,26 @@ class ElasticNode:
             log.warning("[%s] node %s: %s", self.job, self.node, hang.reason())
             self.slots.fail(hang.worker, Verdict.failed(STALL_PREFIX + hang.reason(),
                                                         at=hang.since))
+            pid = self.workers.running().get(hang.worker)
             append_event(self.client, self.job, "stall", node=self.node, detail={
                 "device": device_id(self.node, hang.worker), "local_rank": hang.worker,
-                "step": hang.step, "stalled_s": round(hang.stalled_s, 3),
+                "pid": pid, "step": hang.step, "stalled_s": round(hang.stalled_s, 3),
                 "plan_version": self.plan_version}, wall_clock=self._wall)
+            self._kill_hung(hang.worker, pid)
         self.publish_verdicts()
+
+    def _kill_hung(self, local_rank: int, pid: Optional[int]) -> None:
+        """A hung worker never exits by itself (frozen, stopped, deadlocked): SIGKILL it, so
+        its slot is freed and nothing is left behind; its exit is not journaled again."""
+        if pid is None:
+            return
+        self._killed_hung.add(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            log.warning("[%s] node %s: killed hung worker pid %d (slot %d)", self.job,
+                        self.node, pid, local_rank)
+        except ProcessLookupError:
+            pass
 
     @property
     def done(self) -> bool:

@@ -21,6 +21,9 @@ every monitor interval. Its lifecycle is ``ElasticState`` (WAITING_PLAN -> RUNNI
   failed workers, and exit 1;
 * after success the agents stop leading and wait (at most ``FINISH_WAIT_S``) until every worker
   of the job has exited by itself, so the store a plan uses outlives every rank that needs it;
+* on a terminal (stderr), a progress bar shows the wait for the first plan (nodes up of
+  ``min_nodes``, time left) and a switch in progress (plan version, ``replan``/``switch-start``
+  seen, nodes acked when acks are written); without a terminal nothing is read for it;
 * every wait is bounded: the first plan by ``join_timeout``, an etcd outage as in restart mode,
   stopping workers by ``--shutdown-timeout``; signals stop the workers and exit 1.
 """
@@ -48,6 +51,7 @@ from launcher.api import (
     RendezvousTimeoutError,
     SignalReceived,
 )
+from launcher.console import ElasticWaits
 from launcher.elastic_agent import ElasticNode, ElasticWorkers, WorkerExit, device_table
 from launcher.leader import Leader, build_snapshot, parse_device_id
 from launcher.rendezvous import FAILED, SUCCEEDED, TERMINAL, RoundState
@@ -212,7 +216,10 @@ class ElasticRun:
 
     def _build_node(self, health) -> ElasticNode:
         from hspmd_elastic.planner import plan_for
+        from launcher.elastic_agent import ProgressMonitor
+        from launcher.health.api import HealthConfigError
         from launcher.health.nvml import NvmlHealthSource
+        from launcher.health.progress import hang_detector_from_env
 
         cfg, agent = self.cfg, self.agent
         attempts = functools.lru_cache(maxsize=None)(  # attempt() recreates its directory
@@ -229,9 +236,14 @@ class ElasticRun:
                         self.settings.model_profile, self.settings.global_batch,
                         debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes)
         store_host = cfg.local_addr or ("localhost" if cfg.rdzv.standalone else agent.host)
+        try:
+            monitor = ProgressMonitor(hang_detector_from_env(os.environ))
+        except HealthConfigError as exc:
+            raise LaunchError(str(exc)) from exc
         return ElasticNode(self.client, self.session, self.job, self.node_id, agent.host,
                            device_table(self.node_id, cfg.nproc_per_node, accelerators=gpus),
-                           workers, leader=leader, health=health, store_host=store_host)
+                           workers, leader=leader, health=health, store_host=store_host,
+                           monitor=monitor)
 
     def _check_job_open(self) -> None:
         st = self._read_end()
@@ -242,7 +254,10 @@ class ElasticRun:
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         cfg, node = self.cfg, self.node
-        plan_deadline = self.clock() + cfg.rdzv.join_timeout_s
+        started = self.clock()
+        plan_deadline = started + cfg.rdzv.join_timeout_s
+        waits = (ElasticWaits(self.client, self.job, cfg.rdzv.min_nodes)
+                 if self.agent.bar.enabled else None)  # a progress bar only on a terminal
         log.info("[%s] node %s: elastic mode, %d slot(s), store %s, planning for %s with global "
                  "batch %d", self.job, self.node_id, cfg.nproc_per_node, node.store.endpoint,
                  self.settings.model_spec, self.settings.global_batch)
@@ -267,6 +282,10 @@ class ElasticRun:
                 if outcome == FAILED:
                     self._fail(reason)
                     return
+            if waits is not None:
+                now = self.clock()
+                self.agent.bar.update(waits.poll(self.state is ElasticState.WAITING_PLAN,
+                                                 now - started, plan_deadline - now, time.time()))
             self.agent.abort.wait(cfg.monitor_interval_s)
 
     def _tick(self) -> None:
@@ -403,6 +422,7 @@ class ElasticRun:
     def _finish(self, reason: str) -> None:
         """Success: stop leading, let every worker of the job exit by itself (bounded)."""
         node = self.node
+        self.agent.bar.clear()
         self.transition(ElasticState.FINISHING, reason)
         self._stop_leading()
         deadline = self.clock() + FINISH_WAIT_S
@@ -432,6 +452,7 @@ class ElasticRun:
         self.transition(ElasticState.SUCCEEDED, reason)
 
     def _fail(self, reason: str) -> None:
+        self.agent.bar.clear()
         log.error("[%s] node %s: job failed: %s; stopping workers", self.job, self.node_id,
                   reason)
         self._stop_workers()

@@ -11,7 +11,10 @@ injected) and promises:
   exists, the limit is ``startup_grace_s``; the first interval after a start is not used for the
   estimate (it holds the warm-up);
 * a step that goes backwards (a restart resumed from an earlier step) counts as a new start;
-* a hung worker's device is treated as failed: ``Hang.verdict()``.
+* a hung worker's device is treated as failed: ``Hang.verdict()``;
+* ``hang_detector_from_env`` reads the limits from ``HSPMD_HANG_MULTIPLE``,
+  ``HSPMD_HANG_TIMEOUT_S`` (``min_timeout_s``) and ``HSPMD_HANG_STARTUP_S``
+  (``startup_grace_s``); a bad value raises ``HealthConfigError`` naming it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable, Optional
+from typing import Hashable, Mapping, Optional
 
 from launcher.health.api import Clock, HealthConfigError, Verdict
 
@@ -122,3 +125,24 @@ class HangDetector:
             if stalled > limit:
                 out.append(Hang(worker, state.step, state.last_advance, stalled, limit, starting))
         return out
+
+
+HANG_ENV = {"HSPMD_HANG_MULTIPLE": "multiple", "HSPMD_HANG_TIMEOUT_S": "min_timeout_s",
+            "HSPMD_HANG_STARTUP_S": "startup_grace_s"}
+
+
+def hang_detector_from_env(env: Mapping[str, str], clock: Clock = time.monotonic) -> HangDetector:
+    """A ``HangDetector`` with the limits the environment sets (the defaults otherwise)."""
+    limits = {}
+    for name, param in HANG_ENV.items():
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            limits[param] = float(raw)
+        except ValueError:
+            raise HealthConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    try:
+        return HangDetector(clock=clock, **limits)
+    except HealthConfigError as exc:
+        raise HealthConfigError(f"{exc} (from {', '.join(sorted(HANG_ENV))})") from None

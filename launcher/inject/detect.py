@@ -12,7 +12,8 @@ observations, so they are unit-tested without a job:
   failed/degraded verdict under ``devices/<node>/<device>`` (or a ``failure``/``degrade``
   event) for a device fault; a ``join`` event for a join; an etcd restart and an
   informational Xid expect no reaction;
-* ``match_recovery``: a ``switch-done`` event after the detection (elastic jobs), else the first
+* ``match_recovery``: the ``switch-done`` event of the plan that handled the fault (elastic jobs:
+  the first ``replan`` whose ``reason`` names the target, ``replan_changes``), else the first
   progress in a newer round or plan than the one the fault hit (restart-mode jobs); for faults
   the job should ride through: the first progress past the step the fault hit, once the fault
   ended;
@@ -187,16 +188,80 @@ def match_detection(inj: Injected, base: Baseline, events: Sequence[schema.Event
     return None
 
 
+def replan_changes(reason: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Pure: the changes a ``replan`` event's ``reason`` names, as ``(kind, targets)``:
+    ``"failure node-a:1,node-a:2: why; join node-c"`` -> ``[("failure", ("node-a:1",
+    "node-a:2")), ("join", ("node-c",))]`` (targets: device ids, or the node of a join/leave)."""
+    out = []
+    for piece in str(reason).split("; "):
+        kind, _, rest = piece.strip().partition(" ")
+        if not kind or not rest:
+            continue
+        if kind in ("join", "leave"):
+            out.append((kind, (rest.strip(),)))
+            continue
+        targets = rest.split(": ", 1)[0]
+        out.append((kind, tuple(t.strip() for t in targets.split(",") if t.strip())))
+    return out
+
+
+def _names_fault(inj: Injected, kind: str, targets: tuple[str, ...]) -> bool:
+    """Does one change of a replan's reason handle the injected fault?"""
+    t = inj.target
+    node = t.get("node")
+    if inj.fault in WORKER_FAULTS:
+        slot = t.get("local_rank")
+        return kind in ("failure", "stall", "leave") and any(
+            d == node or (slot is not None and d == f"{node}:{slot}") or
+            (slot is None and d.rsplit(":", 1)[0] == node) for d in targets)
+    if inj.fault in AGENT_FAULTS:
+        return kind in ("leave", "failure", "stall") and any(
+            d == node or d.rsplit(":", 1)[0] == node for d in targets)
+    if inj.fault in DEVICE_FAULTS:
+        want = ("degrade",) if inj.fault == "thermal" else ("failure",)
+        return kind in want and f"{node}:{t.get('device')}" in targets
+    if inj.fault == "join":
+        return kind == "join" and node in targets
+    return False
+
+
+def handling_plan(inj: Injected, events: Sequence[schema.EventRecord],
+                  after_seq: int) -> Optional[int]:
+    """The version of the first plan published after ``after_seq`` whose ``replan`` event's
+    reason names the fault's target (elastic jobs); None when there is none (yet)."""
+    for ev in events:
+        if ev.seq > after_seq and ev.type == "replan" and any(
+                _names_fault(inj, kind, targets)
+                for kind, targets in replan_changes(ev.detail.get("reason", ""))):
+            version = ev.detail.get("version")
+            return version if isinstance(version, int) else None
+    return None
+
+
+def _switch_version(ev: schema.EventRecord) -> Optional[int]:
+    """The plan version a ``switch-done`` event switched to."""
+    for value in (ev.timings.get("to_version"), ev.detail.get("plan_version"),
+                  ev.detail.get("version")):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value)
+    return None
+
+
 def match_recovery(inj: Injected, base: Baseline, detection: Optional[Detection],
                    events: Sequence[schema.EventRecord],
                    points: Sequence[ProgressPoint]) -> Optional[Recovery]:
-    """When training went on after the fault, or None."""
+    """When training went on after the fault, or None. Elastic jobs: the ``switch-done`` of
+    the plan that handled the fault (the first ``replan`` naming its target) or of a later
+    plan; when no replan names it, the first ``switch-done`` after the detection."""
     if detection is not None:
         after_seq = detection.seq if detection.seq is not None else base.last_seq
+        version = handling_plan(inj, events, base.last_seq)
         for ev in events:
             if ev.seq > after_seq and ev.type == "switch-done":
-                return Recovery(ev.at, f"switch-done event #{ev.seq}",
-                                ev.detail.get("version", ev.detail.get("plan_version")))
+                got = _switch_version(ev)
+                if version is not None and (got is None or got < version):
+                    continue
+                return Recovery(ev.at, f"switch-done event #{ev.seq}", got)
         since = max(detection.at, inj.ended_at or 0.0)
         newer = [p for p in points if p.round > base.round and p.t >= since]
         if newer:
@@ -228,7 +293,11 @@ def steps_lost(points: Sequence[ProgressPoint], recovered_round: Optional[int],
         return None
     if recovered_round <= base.round:
         return 0
-    mine = [p.step for p in points if p.round == recovered_round]
+    newer = sorted({p.round for p in points if p.round >= recovered_round})
+    if not newer:
+        return None
+    first = newer[0]  # the plan that handled it, or the next one when it trained no step
+    mine = [p.step for p in points if p.round == first]
     before = [p.step for p in points if p.round < recovered_round]
     if not mine or not before:
         return None
