@@ -229,7 +229,8 @@ class GraphSwitch:
     def _exchange(self, mine: agree.Holding, world: int) -> list[agree.Holding]:
         values = torch.tensor(mine.encode(), dtype=torch.int64)
         out = [torch.empty_like(values) for _ in range(world)]
-        self.watchdog(dist.all_gather(out, values, async_op=True), "switch exchange all_gather")
+        what = "switch exchange all_gather"
+        self.watchdog(Comm.post(lambda: dist.all_gather(out, values, async_op=True), what), what)
         return [agree.Holding.decode(v.tolist()) for v in out]
 
     # ------------------------------------------------------------------------ state

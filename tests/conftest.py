@@ -41,18 +41,28 @@ def etcd_cluster3(tmp_path):
         cluster.stop()
 
 
+def _drop_dead_handlers(logger: logging.Logger) -> None:
+    for h in logger.handlers[:]:
+        stream = getattr(h, "stream", None)
+        if stream is not None and getattr(stream, "closed", False):
+            logger.removeHandler(h)
+
+
 @pytest.fixture(autouse=True)
 def _restore_root_logging():
     """Commands run in-process (click's main) may install a stderr handler on the root logger.
-    That handler would hold this test's captured stream after it is closed, so later threads'
-    log lines would fail to print; put the root logger back as it was."""
+    That handler would hold a test's captured stream after it is closed, so later log lines
+    (other tests, background threads) would fail to print: put the root logger back as it was
+    and drop any handler whose stream is closed."""
     root = logging.getLogger()
+    _drop_dead_handlers(root)
     handlers, level = list(root.handlers), root.level
     yield
     for h in root.handlers[:]:
         if h not in handlers:
             root.removeHandler(h)
     root.setLevel(level)
+    _drop_dead_handlers(root)
 
 
 @pytest.fixture

@@ -1,24 +1,29 @@
 """Elastic mode end to end: real etcd, ``hspmd-launch --hspmd-elastic`` agents as separate nodes
-on this host (``--hspmd-node-id``), two workers each running ``hspmd_elastic.runtime`` over
-gloo, real SIGKILLs.
+on this host (``--hspmd-node-id``), two workers each (three in the worker-kill scenario)
+running ``hspmd_elastic.runtime`` over gloo, real SIGKILLs.
 
 Scenarios: a worker SIGKILLed, an agent SIGKILLed (node loss by lease expiry), an agent
 SIGTERMed (it leaves), a node joining mid-run. Each checks that the job finishes all steps
 without restarting a survivor (same pids before and after, read from the worker records) and
 without reading a checkpoint, and that the final parameters equal the dense reference trained on
-the same global batches (float64, 1e-9). A lost shard with no checkpoint ends the job: exit 1 on
-every node, torchrun's failure summary, the root cause in one line. Workers pause at step
-``PAUSE`` until the test creates the release file, so every fault hits a known state. The
-agent's pure decision (``judge``) and the elastic flags are checked at the end.
+the same global batches (float64, 1e-9). The worker-kill scenario also logs, per completed step,
+the global sample ids each pipeline trained, and checks that the committed trajectory (per step,
+the last plan version that completed it) consumed every sample exactly once. A lost shard with
+no checkpoint ends the job: exit 1 on every node, torchrun's failure summary, the root cause in
+one line. Workers pause at step ``PAUSE`` until the test creates the release file, so every
+fault hits a known state. The agent's pure decision (``judge``) and the elastic flags are checked
+at the end.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -59,13 +64,14 @@ class Job:
         self.etcd, self.tmp, self.name = etcd, tmp, f"el-{uuid.uuid4().hex[:8]}"
         self.config = tmp / "model.json"
         self.config.write_text(CONFIG.to_json())
-        self.out, self.release = tmp / "out", tmp / "release"
+        self.out, self.release, self.samples = tmp / "out", tmp / "release", tmp / "samples"
         self.env = base_env(marker)
         self.agents: dict[str, Launcher] = {}
         self.client = EtcdClient(etcd.endpoints, timeout=5.0)
 
-    def start(self, node: str, nnodes: str = "2", batch: int = BATCH) -> Launcher:
-        args = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "etcd",
+    def start(self, node: str, nnodes: str = "2", batch: int = BATCH, nproc: int = 2,
+              log_samples: bool = False) -> Launcher:
+        args = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "etcd",
                 "--rdzv-endpoint", self.etcd.endpoint_str, "--rdzv-id", self.name,
                 "--hspmd-node-id", node, "--hspmd-lease-ttl", "2", "--shutdown-timeout", "5",
                 "--rdzv-conf", "join_timeout=60", "--hspmd-elastic",
@@ -74,6 +80,8 @@ class Job:
                 "--steps", str(STEPS), "--global-batch", str(batch), "--seed", str(SEED),
                 "--data-seed", str(DATA_SEED), "--out", str(self.out),
                 "--pause-at", str(PAUSE), "--release", str(self.release), "--timeout", "30"]
+        if log_samples:
+            args += ["--sample-log", str(self.samples)]
         self.agents[node] = Launcher(args, self.env, self.tmp, node)
         return self.agents[node]
 
@@ -110,6 +118,16 @@ class Job:
 
     def events(self):
         return read_events(self.client, self.name)
+
+    def sample_log(self) -> list[dict]:
+        """Every worker's per-step lines (``--sample-log``); a line cut short by a kill is
+        dropped (a line is written whole before the worker can be paused, so none should be)."""
+        rows = []
+        for path in sorted(self.samples.glob("*.jsonl")):
+            lines = path.read_text().split("\n")
+            rows += [dict(json.loads(ln), device=path.stem.replace("_", ":"))
+                     for ln in lines[:-1] if ln]
+        return rows
 
     def close(self) -> None:
         for a in self.agents.values():
@@ -170,6 +188,43 @@ def check_recovered(job: Job, survivors: dict[str, int]) -> dict[str, dict]:
     return results
 
 
+def committed_samples(rows: list[dict]) -> dict[int, list[int]]:
+    """Per step, the sample ids the final trajectory trained: the step under the last plan version
+    that completed it (a step redone after a rollback counts once, as its committed run), one
+    entry per pipeline of that plan (all ranks of a pipeline must report the same rows)."""
+    out = {}
+    for step in range(STEPS):
+        runs = [r for r in rows if r["step"] == step]
+        assert runs, f"step {step}: no rank logged it"
+        version = max(r["plan_version"] for r in runs)
+        by_pipeline: dict[int, list[int]] = {}
+        for r in runs:
+            if r["plan_version"] == version:
+                assert r["state_step"] == step + 1, r
+                got = by_pipeline.setdefault(r["pipeline"], r["samples"])
+                assert got == r["samples"], (step, version, r["pipeline"], got, r["samples"])
+        pipelines = {r["pipelines"] for r in runs if r["plan_version"] == version}
+        assert len(pipelines) == 1 and set(by_pipeline) == set(range(pipelines.pop())), (
+            step, version, sorted(by_pipeline))
+        out[step] = [i for p in sorted(by_pipeline) for i in by_pipeline[p]]
+    return out
+
+
+def check_samples_once(job: Job) -> dict[int, list[int]]:
+    """Every sample id 0..STEPS*BATCH-1 consumed exactly once by the committed trajectory, each in
+    its own step's global batch ``[s*B, (s+1)*B)``."""
+    final = committed_samples(job.sample_log())
+    counts = Counter(i for ids in final.values() for i in ids)
+    twice = sorted(i for i, n in counts.items() if n > 1)
+    skipped = sorted(set(range(STEPS * BATCH)) - set(counts))
+    assert not twice and not skipped and set(counts) == set(range(STEPS * BATCH)), (
+        f"consumed twice: {twice}, skipped: {skipped}, unknown: "
+        f"{sorted(set(counts) - set(range(STEPS * BATCH)))}")
+    for step, ids in final.items():
+        assert sorted(ids) == list(range(step * BATCH, (step + 1) * BATCH)), (step, ids)
+    return final
+
+
 def switch_seconds(job: Job, since: float) -> float:
     """From ``since`` (the kill, wall clock) to the first switch-done event after it."""
     done = [e for e in job.events() if e.type == "switch-done" and e.at > since]
@@ -178,9 +233,14 @@ def switch_seconds(job: Job, since: float) -> float:
 
 
 def test_worker_sigkill_survivors_switch_in_memory(job):
-    a, b = job.start("node-a"), job.start("node-b")
-    devices = ["node-a:0", "node-a:1", "node-b:0", "node-b:1"]
+    """2 nodes x 3 workers; one worker SIGKILLed at step PAUSE. Besides the recovery checks, the
+    sample-id log shows the committed trajectory consumed each training sample exactly once."""
+    a = job.start("node-a", nproc=3, log_samples=True)
+    b = job.start("node-b", nproc=3, log_samples=True)
+    devices = [f"{n}:{lr}" for n in ("node-a", "node-b") for lr in range(3)]
     pids = job.wait_paused(devices)
+    first = [e for e in job.events() if e.type == "replan"][0]
+    assert first.detail["devices"] == 6, first.detail
     killed_at = time.time()
     os.kill(pids["node-b:1"], signal.SIGKILL)
     job.release.touch()
@@ -193,6 +253,13 @@ def test_worker_sigkill_survivors_switch_in_memory(job):
     print(f"worker SIGKILL -> switch-done {switch_seconds(job, killed_at):.3f}s")
     assert "job recovered from 1 worker failure" in b.stderr()
     assert a.stderr().count("started pid") == 1 and b.stderr().count("started pid") == 1
+    final = check_samples_once(job)
+    rows = job.sample_log()
+    last = results["node-a:0"]["plan_version"]
+    assert {r["plan_version"] for r in rows if r["step"] == STEPS - 1} == {last}
+    versions = {s: sorted({r["plan_version"] for r in rows if r["step"] == s}) for s in final}
+    print(f"sample ids: {sum(map(len, final.values()))} over {len(final)} steps, each once; "
+          f"plan versions per step: {versions}")
 
 
 def test_node_loss_of_the_leader_job_continues_on_the_other_node(job):

@@ -267,3 +267,16 @@ def test_switch_plans_through_annotations_continues_the_same_training():
                          "plan_a": a.to_json(), "plan_b": b.to_json()})
     assert [r.get("step") for r in results] == [5, 5, None, 5]
     assert_matches_reference(b, results, steps=5)
+
+
+def test_an_error_when_posting_is_a_comm_failure():
+    """gloo can refuse to post an operation to a peer it already knows is gone; that must read
+    as the same failure a wait reports (the runtime then waits for the next plan)."""
+    from hspmd_elastic.graph.comm import Comm, CommTimeoutError
+
+    def refuse():
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234\nmore detail")
+
+    with pytest.raises(CommTimeoutError, match="recv from rank 1 tag 7 failed: Connection closed"):
+        Comm.post(refuse, "recv from rank 1 tag 7")
+    assert Comm.post(lambda: "work", "send") == "work"

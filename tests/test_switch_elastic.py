@@ -182,6 +182,7 @@ def test_rank_one_step_ahead_rolls_back(job_factory):
     job.publish(simple_plan(dp=3, num_layers=2, global_batch=6), devices, reason="start")
     wait_until(lambda: (job.progress("n0:1") or {}).get("state") == "waiting_plan", 60,
                "n0:1 to abandon step 3")
+    job.wait_step(["n0:0"], 4)  # n0:0 committed step 3 before the failure: it is one step ahead
     job.kill("n1:0")
     survivors = ["n0:0", "n0:1"]
     job.publish(simple_plan(dp=2, num_layers=2, global_batch=6), survivors, reason="failure")

@@ -138,12 +138,24 @@ class Comm:
     def wait(self, work, what: str) -> None:
         self.waiter(work, what)
 
+    @staticmethod
+    def post(start: Callable[[], object], what: str):
+        """Issue an async operation. gloo may already know a peer is gone when the operation is
+        posted (``Connection closed by peer``) and raise right there, before any wait: that is
+        the same failure a wait would report, so it gets the same type."""
+        try:
+            return start()
+        except RuntimeError as exc:
+            raise CommTimeoutError(f"{what} failed: {str(exc).splitlines()[0][:200]}") from exc
+
     # ---- collectives (synchronous from the caller's view, waited through the waiter) -------
     def all_reduce(self, tensor: torch.Tensor, devices: Sequence[int]) -> torch.Tensor:
         """Sum ``tensor`` in place over ``devices`` (a no-op on one device)."""
         if len(devices) > 1:
-            work = dist.all_reduce(tensor, group=self.group(devices), async_op=True)
-            self.wait(work, f"all_reduce over {tuple(sorted(devices))}")
+            what = f"all_reduce over {tuple(sorted(devices))}"
+            work = self.post(lambda: dist.all_reduce(tensor, group=self.group(devices),
+                                                     async_op=True), what)
+            self.wait(work, what)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, devices: Sequence[int]) -> list[torch.Tensor]:
@@ -151,8 +163,10 @@ class Comm:
         if len(devices) == 1:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in devices]  # group ranks follow sorted devices
-        work = dist.all_gather(out, tensor.contiguous(), group=self.group(devices), async_op=True)
-        self.wait(work, f"all_gather over {tuple(sorted(devices))}")
+        what = f"all_gather over {tuple(sorted(devices))}"
+        work = self.post(lambda: dist.all_gather(out, tensor.contiguous(),
+                                                 group=self.group(devices), async_op=True), what)
+        self.wait(work, what)
         by_device = dict(zip(sorted(devices), out))
         return [by_device[d] for d in devices]
 
@@ -160,10 +174,12 @@ class Comm:
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         """Start sending; the send completes by ``flush_sends``."""
         tensor = tensor.contiguous()
-        self._pending.append((dist.isend(tensor, dst, tag=tag), tensor, dst, tag))
+        work = self.post(lambda: dist.isend(tensor, dst, tag=tag), f"send to rank {dst} tag {tag}")
+        self._pending.append((work, tensor, dst, tag))
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
-        self.wait(dist.irecv(tensor, src, tag=tag), f"recv from rank {src} tag {tag}")
+        what = f"recv from rank {src} tag {tag}"
+        self.wait(self.post(lambda: dist.irecv(tensor, src, tag=tag), what), what)
         return tensor
 
     def flush_sends(self) -> None:

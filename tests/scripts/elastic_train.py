@@ -5,12 +5,18 @@ Trains the project's decoder with ``hspmd_elastic.runtime.run`` on the model con
 ``<out>/<node>_<local_rank>.pt``: pid, final state, steps, plan version, switch timings and this
 rank's final parameter shards. ``--pause-at K`` makes every worker wait, once its state reaches
 step K, until ``--release`` exists (bounded), so a test acts on a known state. ``--step-time S``
-paces the steps (a demo that should be watchable).
+paces the steps (a demo that should be watchable). ``--sample-log DIR`` appends, for every step
+this rank completes, one JSON line to ``DIR/<node>_<local_rank>.jsonl``: the step, the plan
+version it ran under, this rank's pipeline (index and count), the global sample ids that pipeline
+trained (its micro-batch rows of the step's global batch, as ``SpecializedModel.step`` slices
+them), the resulting state's step and the loss. The line is written before any pause, so a kill
+during the pause finds it on disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -35,6 +41,8 @@ def _main() -> int:
     parser.add_argument("--release", default=None)
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=40.0, help="each runtime wait")
+    parser.add_argument("--sample-log", default=None,
+                        help="directory for one JSON line per completed step (sample ids)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(message)s")
@@ -47,7 +55,28 @@ def _main() -> int:
     with open(args.config, encoding="utf-8") as f:
         config = ModelConfig.from_json(f.read())
 
+    device = f"{os.environ['HSPMD_NODE_ID']}_{os.environ['LOCAL_RANK']}"
+    sample_log = None
+    if args.sample_log:
+        os.makedirs(args.sample_log, exist_ok=True)
+        sample_log = open(os.path.join(args.sample_log, f"{device}.jsonl"), "a",
+                          encoding="utf-8")
+
+    def log_samples(info):
+        plan, pipeline = info.held.plan, info.held.model.placement.pipeline
+        base = info.step * args.global_batch
+        rows = [r for m in range(plan.pipelines[pipeline].num_microbatches)
+                for r in range(*plan.microbatch_rows(pipeline, m))]
+        line = {"step": info.step, "plan_version": info.plan_version, "rank": info.rank,
+                "pipeline": pipeline, "pipelines": len(plan.pipelines),
+                "samples": [base + r for r in rows], "state_step": info.held.step,
+                "loss": info.loss}
+        sample_log.write(json.dumps(line) + "\n")
+        sample_log.flush()
+
     def on_step(info):
+        if sample_log is not None:
+            log_samples(info)
         if args.step_time:
             time.sleep(args.step_time)  # pacing only
         if args.pause_at is not None and info.step + 1 == args.pause_at and args.release:
@@ -58,11 +87,14 @@ def _main() -> int:
                 time.sleep(0.02)
 
     t = args.timeout
-    result = run(config, sample=synthetic_sampler(config, args.data_seed),
-                 global_batch=args.global_batch, steps=args.steps, seed=args.seed,
-                 timeouts=RuntimeTimeouts(plan_wait_s=t, comm_s=t, regroup_s=t, finish_s=t),
-                 on_step=on_step)
-    device = f"{os.environ['HSPMD_NODE_ID']}_{os.environ['LOCAL_RANK']}"
+    try:
+        result = run(config, sample=synthetic_sampler(config, args.data_seed),
+                     global_batch=args.global_batch, steps=args.steps, seed=args.seed,
+                     timeouts=RuntimeTimeouts(plan_wait_s=t, comm_s=t, regroup_s=t, finish_s=t),
+                     on_step=on_step)
+    finally:
+        if sample_log is not None:
+            sample_log.close()
     if result.final_state:
         os.makedirs(args.out, exist_ok=True)
         out = {"pid": os.getpid(), "state": result.state.value, "steps_done": result.steps_done,
