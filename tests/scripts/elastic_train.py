@@ -47,8 +47,6 @@ def _main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(message)s")
 
-    import torch
-
     from hspmd_elastic.graph.config import ModelConfig
     from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
 
@@ -95,19 +93,27 @@ def _main() -> int:
     finally:
         if sample_log is not None:
             sample_log.close()
+    write_result(args.out, device, result)
+    return 0
+
+
+def write_result(out_dir: str, device: str, result) -> None:
+    """``<out_dir>/<device>.pt`` (written atomically) with what the tests compare: pid, final
+    state and this rank's final parameter shards, steps, plan version, switch timings."""
+    import torch
+
     if result.final_state:
-        os.makedirs(args.out, exist_ok=True)
+        os.makedirs(out_dir, exist_ok=True)
         out = {"pid": os.getpid(), "state": result.state.value, "steps_done": result.steps_done,
                "plan_version": result.plan_version, "rank": result.rank,
                "final_state": result.final_state,
                "switches": [s.as_dict() for s in result.switches]}
-        tmp = os.path.join(args.out, f".{device}.pt")
+        tmp = os.path.join(out_dir, f".{device}.pt")
         torch.save(out, tmp)
-        os.replace(tmp, os.path.join(args.out, f"{device}.pt"))
+        os.replace(tmp, os.path.join(out_dir, f"{device}.pt"))
     logging.info("worker %s: %s after %d steps (plan v%d, %d switches)", device,
                  result.state.value, result.steps_done, result.plan_version,
                  len(result.switches))
-    return 0
 
 
 if __name__ == "__main__":

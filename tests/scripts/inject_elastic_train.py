@@ -44,8 +44,6 @@ def _main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(message)s")
 
-    import torch
-
     from hspmd_elastic.graph.config import ModelConfig
     from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
 
@@ -72,18 +70,9 @@ def _main() -> int:
                      on_step=on_step)
     finally:
         progress.close()
-    if result.final_state:
-        os.makedirs(args.out, exist_ok=True)
-        out = {"pid": os.getpid(), "state": result.state.value, "steps_done": result.steps_done,
-               "plan_version": result.plan_version, "rank": result.rank,
-               "final_state": result.final_state,
-               "switches": [s.as_dict() for s in result.switches]}
-        tmp = os.path.join(args.out, f".{device}.pt")
-        torch.save(out, tmp)
-        os.replace(tmp, os.path.join(args.out, f"{device}.pt"))
-    logging.info("worker %s: %s after %d steps (plan v%d, %d switches)", device,
-                 result.state.value, result.steps_done, result.plan_version,
-                 len(result.switches))
+    from elastic_train import write_result  # beside this script
+
+    write_result(args.out, device, result)
     return 0
 
 
