@@ -191,6 +191,13 @@ def assemble(results: list[dict], payload: dict):
     return gather_full([r["final_state"] for r in results], shapes)
 
 
+def max_param_diff(results, payload: dict) -> float:
+    """Largest |final parameter - fault-free reference| over every parameter element."""
+    got = assemble(list(results), payload)
+    return max((got[n] - ref.to(got[n].dtype)).abs().max().item()
+               for n, ref in reference_params(payload).items())
+
+
 # ---------------------------------------------------------------------- worker side
 def main(payload_path: str) -> int:
     import logging

@@ -17,6 +17,7 @@ at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -27,6 +28,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
+import _elastic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
@@ -144,25 +147,10 @@ def job(etcd_server, tmp_path, marker):
     j.close()
 
 
-def reference():
-    from hspmd_elastic.graph.optim import AdamWConfig
-    from hspmd_elastic.graph.reference import reference_train
-    from hspmd_elastic.runtime import global_batch_at, synthetic_sampler
-
-    sample = synthetic_sampler(CONFIG, DATA_SEED)
-    batches = [global_batch_at(sample, s, BATCH) for s in range(STEPS)]
-    params, _ = reference_train(CONFIG, SEED, batches, AdamWConfig())
-    return params
-
-
 def max_param_diff(results: dict[str, dict]) -> float:
-    from hspmd_elastic.graph.config import param_specs
-    from hspmd_elastic.runtime import gather_full
-
-    shapes = {n: s.shape for n, s in param_specs(CONFIG).items()}
-    got = gather_full([r["final_state"] for r in results.values()], shapes)
-    return max((got[n] - ref.to(got[n].dtype)).abs().max().item()
-               for n, ref in reference().items())
+    payload = {"config": dataclasses.asdict(CONFIG), "data_seed": DATA_SEED,
+               "global_batch": BATCH, "steps": STEPS, "seed": SEED}
+    return _elastic.max_param_diff(results.values(), payload)
 
 
 def finish(job: Job, timeout: float = 60.0) -> None:

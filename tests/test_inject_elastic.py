@@ -23,6 +23,7 @@ parameters exactly once is what the equality with the dense reference shows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -30,6 +31,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+import _elastic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
@@ -57,25 +60,10 @@ STEPS, BATCH, SEED, DATA_SEED, STEP_TIME = 60, 4, 3, 7, 0.5
 COMM_S, HANG_S = 5.0, 10.0
 
 
-def reference():
-    from hspmd_elastic.graph.optim import AdamWConfig
-    from hspmd_elastic.graph.reference import reference_train
-    from hspmd_elastic.runtime import global_batch_at, synthetic_sampler
-
-    sample = synthetic_sampler(CONFIG, DATA_SEED)
-    batches = [global_batch_at(sample, s, BATCH) for s in range(STEPS)]
-    params, _ = reference_train(CONFIG, SEED, batches, AdamWConfig())
-    return params
-
-
 def max_param_diff(results: dict[str, dict]) -> float:
-    from hspmd_elastic.graph.config import param_specs
-    from hspmd_elastic.runtime import gather_full
-
-    shapes = {n: s.shape for n, s in param_specs(CONFIG).items()}
-    got = gather_full([r["final_state"] for r in results.values()], shapes)
-    return max((got[n] - ref.to(got[n].dtype)).abs().max().item()
-               for n, ref in reference().items())
+    payload = {"config": dataclasses.asdict(CONFIG), "data_seed": DATA_SEED,
+               "global_batch": BATCH, "steps": STEPS, "seed": SEED}
+    return _elastic.max_param_diff(results.values(), payload)
 
 
 def load_results(out: Path) -> dict[str, dict]:
