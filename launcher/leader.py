@@ -21,7 +21,8 @@ acts. While leading it watches ``nodes/``, ``devices/``, ``workers/`` and ``plan
   until the cluster changes again (the current plan stays);
 * the store of a new plan is the TCPStore a live agent advertises in its node record: the
   leader's own when it has one, else the lowest node id's (deterministic); CPU-only jobs ask the
-  planner to give every worker slot a role (``default_planner_options``);
+  planner to give every worker slot a role, and a cluster of two nodes or more asks for every
+  parameter slice on two nodes (``default_planner_options``);
 * after a publication the journal gets one event per change (``leave``, ``join``, ``failure``,
   ``stall``, ``degrade``, ``recover``; failures and stalls an agent already journaled, marked by
   the verdict reasons ``EXIT_PREFIX``/``STALL_PREFIX``, are not repeated) and one ``replan``
@@ -338,10 +339,16 @@ def remap_plan(plan: Plan, mapping: Mapping[int, int]) -> Plan:
 
 
 def default_planner_options(devices: Sequence[DeviceView]):
-    """CPU jobs expect a role for every worker slot: ask the planner to use every device."""
+    """The planner's options for this cluster.
+
+    CPU jobs expect a role for every worker slot: ask the planner to use every device. When the
+    devices span two nodes or more, rank plans that keep every parameter slice on two nodes
+    first, so that losing one node is a reshard from the survivors, not a checkpoint reload
+    (a preference: a cluster where no such plan fits still gets the fastest plan)."""
     from hspmd_elastic.planner import PlannerOptions
 
-    return PlannerOptions(use_all_devices=all(d.type.upper() == "CPU" for d in devices))
+    return PlannerOptions(use_all_devices=all(d.type.upper() == "CPU" for d in devices),
+                          cross_node_replicas=len({d.node for d in devices}) >= 2)
 
 
 def make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],

@@ -236,6 +236,8 @@ def test_layout_with_the_planner_gets_slowdowns_and_the_current_plan():
     l1 = make_layout(d1, None, planner, PROFILE, 8)
     assert l1.planner == "plan_for" and set(l1.devices) == {"a:0", "a:1", "b:0", "b:1"}
     assert seen[0][2].use_all_devices  # CPU slots: every worker gets a role
+    assert seen[0][2].cross_node_replicas  # two nodes: every slice on both, a node loss reshards
+    assert l1.plan.devices == (0, 1, 2, 3)
     v1 = plan_record(d1, l1, 0.0)
     d2 = decide(build_snapshot(nodes, {("a", 0): verdict("failed", "x"),
                                        ("b", 1): verdict("degraded", "hot", 0.5)}, "a"), v1)
@@ -248,6 +250,18 @@ def test_layout_with_the_planner_gets_slowdowns_and_the_current_plan():
     assert set(l2.devices) == {"a:1", "b:0", "b:1"}
     assert l2.plan.devices == (0, 1, 2)
     assert sum(p.rows for p in l2.plan.pipelines) == 8
+
+
+def test_one_node_does_not_ask_for_cross_node_replicas():
+    seen = []
+
+    def planner(inventory, profile, global_batch, current_plan=None, options=None):
+        seen.append(options)
+        return plan_for(inventory, profile, global_batch, current_plan, options)
+
+    d = decide(build_snapshot({"a": node("a", 3)}, {}, "a"), None)
+    assert make_layout(d, None, planner, PROFILE, 6).planner == "plan_for"
+    assert seen[0].use_all_devices and not seen[0].cross_node_replicas
 
 
 def test_layout_falls_back_on_planner_errors_but_not_on_infeasibility():
