@@ -239,6 +239,18 @@ def test_two_joiners_spread_over_three_owners():
     assert _max_sent([_spec("w", old, new)], {0, 1, 2}) <= 1.1 * 2 * FULL / 3
 
 
+def test_two_joiners_spread_over_every_link():
+    # 4 tensors, each replicated on 0-3 with 0-2 alive, to two joiners: each
+    # joiner needs 4 x FULL, best per link 4 x FULL / 3; whole-box dealing would give 5/3.
+    old = TensorAnnotation.single_group([0, 1, 2, 3], {-1: 4})
+    new = TensorAnnotation.single_group([0, 4, 5], {-1: 3})
+    specs = [_spec(f"w{i}", old, new) for i in range(4)]
+    stats = fused_bsr_schedule(specs, {0, 1, 2}, {}).link_stats()
+    assert set(stats.bytes_per_link) == {(s, d) for s in (0, 1, 2) for d in (4, 5)}
+    assert max(stats.bytes_per_link.values()) <= 1.1 * 4 * FULL / 3
+    assert stats.max_bytes_sent <= 1.1 * 8 * FULL / 3
+
+
 def test_restricted_owners_are_balanced_optimally_not_greedily():
     # y has owners {0, 1}, z only {0}: the best schedule sends y from 1 and z from 0 (max = FULL);
     # splitting y evenly first would load rank 0 with 1.5 x FULL.

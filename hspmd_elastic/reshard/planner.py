@@ -14,8 +14,10 @@ Steps for each tensor:
    Adjacent cells with the same choice are merged back into larger boxes.
 4. **Load balance** (all tensors of the fused schedule together): demands that share an allowed
    sender set form a class; a parametric max-flow finds the per-sender quotas that minimise the
-   largest number of bytes any rank sends; each class's boxes are then dealt to its senders to
-   meet the quotas, cutting a box along its outermost dimension when a quota ends inside it.
+   largest number of bytes any rank sends; each receiver of a class takes from every sender of
+   the class in proportion to that sender's quota (so one receiver's bytes spread over all its
+   links, not over the first sender's), and its boxes are dealt to meet those shares, cutting a
+   box along its outermost dimension when a share ends inside it.
 
 Unknown nodes (a device missing from ``node_of``) share no node with anyone.
 """
@@ -166,7 +168,8 @@ def _cut(box: Ranges, nbytes: int, itemsize: int) -> tuple[Ranges, Ranges] | Non
 
 
 def _assign_senders(specs: tuple[TensorSpec, ...], demands: list[_Demand]) -> list[Transfer]:
-    """Choose a sender for every demanded box so the busiest sender sends as little as possible."""
+    """Choose a sender for every demanded box so the busiest sender sends as little as possible
+    and each receiver's bytes spread over its senders' links in proportion to their quotas."""
     by_class: dict[tuple[int, ...], list[_Demand]] = defaultdict(list)
     for dem in demands:
         by_class[dem.senders].append(dem)
@@ -178,21 +181,29 @@ def _assign_senders(specs: tuple[TensorSpec, ...], demands: list[_Demand]) -> li
     quotas = balanced_quotas(loads)
     out: list[Transfer] = []
     for senders in sorted(by_class):
-        remaining = dict(quotas[senders])
-        ordered = sorted(
-            by_class[senders], key=lambda d: (-nbytes(d.spec_index, d.box), d.spec_index, d.dst, d.box)
-        )
-        for dem in ordered:
-            spec = specs[dem.spec_index]
-            box: Ranges | None = dem.box
-            while box is not None:
-                src = max(senders, key=lambda s: (remaining[s], -s))
-                size = nbytes(dem.spec_index, box)
-                cut = _cut(box, remaining[src], spec.itemsize) if 0 < remaining[src] < size else None
-                head, box = (cut[0], cut[1]) if cut else (box, None)
-                head_bytes = nbytes(dem.spec_index, head)
-                out.append(Transfer(spec.name, src, dem.dst, head, head_bytes))
-                remaining[src] -= head_bytes
+        load = loads[senders]
+        per_dst: dict[int, list[_Demand]] = defaultdict(list)
+        for dem in by_class[senders]:
+            per_dst[dem.dst].append(dem)
+        for dst in sorted(per_dst):
+            # This receiver's share of every sender's quota: its links carry proportional bytes.
+            need = sum(nbytes(d.spec_index, d.box) for d in per_dst[dst])
+            remaining = {s: need * quotas[senders][s] // load for s in senders}
+            short = need - sum(remaining.values())  # < len(senders): floor rounding
+            for s in sorted(senders, key=lambda s: (-quotas[senders][s], s))[:short]:
+                remaining[s] += 1
+            ordered = sorted(per_dst[dst], key=lambda d: (-nbytes(d.spec_index, d.box), d.spec_index, d.box))
+            for dem in ordered:
+                spec = specs[dem.spec_index]
+                box: Ranges | None = dem.box
+                while box is not None:
+                    src = max(senders, key=lambda s: (remaining[s], -s))
+                    size = nbytes(dem.spec_index, box)
+                    cut = _cut(box, remaining[src], spec.itemsize) if 0 < remaining[src] < size else None
+                    head, box = (cut[0], cut[1]) if cut else (box, None)
+                    head_bytes = nbytes(dem.spec_index, head)
+                    out.append(Transfer(spec.name, src, dem.dst, head, head_bytes))
+                    remaining[src] -= head_bytes
     return out
 
 
