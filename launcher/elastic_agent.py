@@ -25,6 +25,13 @@ number). The pieces here are small and independent; ``ElasticNode`` bundles them
   ``HSPMD_NODE_ID``, ``LOCAL_RANK``, ``HSPMD_PLAN_VERSION`` (the plan that started them),
   ``HSPMD_PROGRESS_FILE`` and ``TORCHELASTIC_ERROR_FILE`` (for the failure summary); a slot whose worker exited (with any code) is not started again
   (a failed one is failed for the leader too);
+* the agent acks every plan that uses its node in ``switch/<version>/<node>`` (under its lease):
+  ``joined`` when it sees the plan, ``ready`` when every one of its slots in the plan has a live
+  worker reporting that plan version, ``done`` when they all report a state at or past
+  ``training`` for it, ``failed`` when one of those slots' workers exits non-zero or is killed as
+  hung before ``done`` (``ack_state``, pure). An ack only moves forward and is written once per
+  state reached (several states reached between two ticks: only the last); writing version
+  ``v`` deletes this node's acks of versions below ``v - ACK_KEEP``;
 * every etcd call has the client's deadline; nothing here blocks without a timeout.
 """
 
@@ -237,21 +244,83 @@ _RECORD_FIELDS = ("pid", "global_rank", "plan_version", "step", "last_progress_a
                   "steps_per_s")
 
 
-def read_progress(path: str, local_rank: int) -> Optional[schema.WorkerRecord]:
+@dataclass(frozen=True)
+class ProgressReport:
+    """One progress report of a worker: its ``WorkerRecord`` and its lifecycle ``state`` (a
+    ``hspmd_elastic.elastic.api.WorkerState`` value, "" when the report has none). The state is
+    kept beside the record, not in it: ``workers/<node>/<slot>`` stays the documented heartbeat,
+    and only this agent's switch acks need the state."""
+
+    record: schema.WorkerRecord
+    state: str
+
+
+def read_report(path: str, local_rank: int) -> Optional[ProgressReport]:
     """The worker's latest progress report (``HSPMD_PROGRESS_FILE``, one JSON object written
-    atomically by the worker runtime) as its ``WorkerRecord``; None while absent or unreadable."""
+    atomically by the worker runtime); None while absent or unreadable."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         fields = {k: data[k] for k in _RECORD_FIELDS}
         rec = schema.WorkerRecord(local_rank=local_rank, **fields)
         schema.encode(rec)  # validates the field types
-        return rec
+        state = data.get("state", "")
+        if not isinstance(state, str):
+            raise TypeError(f"state {state!r} is not a string")
+        return ProgressReport(rec, state)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, CoordinationError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, CoordinationError) as exc:
         log.debug("progress file %s not readable yet: %s", path, exc)
         return None
+
+
+def read_progress(path: str, local_rank: int) -> Optional[schema.WorkerRecord]:
+    """The worker's latest progress report as its ``WorkerRecord`` (see ``read_report``)."""
+    report = read_report(path, local_rank)
+    return None if report is None else report.record
+
+
+# ----------------------------------------------------------------------------------- switch acks
+# Worker lifecycle states (``WorkerState`` values, spelled out so the agent needs no torch) at or
+# past training: a worker in one of them has switched into the plan its report names.
+TRAINED_STATES = ("training", "finishing", "done")
+ACK_ORDER = ("joined", "ready", "done")  # the forward path; ``failed`` ends it from any of them
+ACK_KEEP = 4  # writing the ack of version v deletes this node's acks of versions below v - 4
+
+
+def ack_state(version: int, slots: Iterable[int], running: Mapping[int, int],
+              reports: Mapping[int, ProgressReport], succeeded: Iterable[int],
+              failed: Iterable[int]) -> str:
+    """Pure: how far this node got into plan ``version`` (a ``schema.SWITCH_STATES`` value).
+
+    ``slots``: the node's slots in the plan; ``running``: slot -> pid of its live worker;
+    ``reports``: slot -> its worker's latest report (an exited worker's final one); ``succeeded``
+    / ``failed``: slots whose worker exited 0 / exited non-zero or was declared hung. A failed
+    slot fails the node (it cannot take part). Otherwise the node is as far as its least
+    advanced slot: ``done`` when the slot's worker reports this version in a state at or past
+    training (or exited 0 after such a report, or exited 0 reporting nothing at all: a script
+    without a progress reporter has no other way to say it finished), ``ready`` when its live
+    worker reports this version in another state (it is switching or starting), else ``joined``.
+    """
+    failed, succeeded = set(failed), set(succeeded)
+    least = len(ACK_ORDER) - 1
+    for lr in slots:
+        if lr in failed:
+            return "failed"
+        rep = reports.get(lr)
+        ours = rep is not None and rep.record.plan_version == version
+        if lr in running:
+            if not ours or rep.record.pid != running[lr]:
+                level = 0
+            else:
+                level = 2 if rep.state in TRAINED_STATES else 1
+        elif lr in succeeded:
+            level = 2 if rep is None or (ours and rep.state in TRAINED_STATES) else 0
+        else:  # no worker (yet)
+            level = 0
+        least = min(least, level)
+    return ACK_ORDER[least]
 
 
 # ----------------------------------------------------------------------------------- workers
@@ -374,6 +443,8 @@ class ElasticNode:
         self.slot_plan: list[int] = []  # this node's slots in the current plan
         self.succeeded: set[int] = set()  # slots whose worker exited 0
         self.records: dict[int, schema.WorkerRecord] = {}  # what workers/<node>/<slot> holds
+        self.reports: dict[int, ProgressReport] = {}  # slot -> its worker's latest report
+        self.acks: dict[int, str] = {}  # plan version -> the ack this node wrote for it
         self._clock, self._wall = clock, wall_clock
         self._started_at = wall_clock()
         self._state = "joining"
@@ -396,8 +467,8 @@ class ElasticNode:
 
     def tick(self) -> None:
         """One level-triggered round: follow the plan, report exits and hangs, publish
-        verdicts. Raises CoordinationError when etcd cannot be reached (the agent decides how
-        long to tolerate that)."""
+        verdicts, move this node's switch ack forward. Raises CoordinationError when etcd
+        cannot be reached (the agent decides how long to tolerate that)."""
         plan, _ = read_plan(self.client, self.job)
         if plan is not None and plan.version > self.plan_version:
             for w in self.workers.apply_plan(plan):
@@ -406,14 +477,19 @@ class ElasticNode:
             self.slot_plan = new_local_ranks(plan, self.node, ())
             if self.workers.running() and self._state != "running":
                 self.put_node("running")
-        for ex in self.workers.poll():
+        exits = self.workers.poll()
+        # Every exit's verdict is sticky before any etcd call: a failed call must not lose one
+        # (poll reports each exit only once).
+        for ex in exits:
             log.warning("[%s] node %s: %s (slot %d)", self.job, self.node, ex.describe(),
                         ex.local_rank)
             self.records.pop(ex.local_rank, None)
+            self._final_report(ex)
             if ex.ok:
                 self.succeeded.add(ex.local_rank)
-            else:  # sticky before any etcd call: a failed call must not lose the verdict
+            else:
                 self.slots.fail(ex.local_rank, ex.verdict(self._clock()))
+        for ex in exits:
             self.session.delete(schema.worker_key(self.job, self.node, ex.local_rank))
             if not ex.ok and ex.pid not in self._killed_hung:  # a hang is journaled already
                 report_worker_exit(self.client, self.job, self.node, ex, self.plan_version,
@@ -431,6 +507,7 @@ class ElasticNode:
                 "plan_version": self.plan_version}, wall_clock=self._wall)
             self._kill_hung(hang.worker, pid)
         self.publish_verdicts()
+        self._ack()  # last: whatever happens to this write, the verdicts above are out
 
     def _kill_hung(self, local_rank: int, pid: Optional[int]) -> None:
         """A hung worker never exits by itself (frozen, stopped, deadlocked): SIGKILL it, so
@@ -466,9 +543,47 @@ class ElasticNode:
         """Copy each live worker's latest progress report into its etcd record when it changed
         (a report of another pid, e.g. a previous worker's, is ignored)."""
         for lr, pid in self.workers.running().items():
-            rec = read_progress(self.workers.progress_file(lr), lr)
-            if rec is not None and rec.pid == pid and rec != self.records.get(lr):
-                self._put_record(rec)
+            report = read_report(self.workers.progress_file(lr), lr)
+            if report is None or report.record.pid != pid:
+                continue
+            self.reports[lr] = report  # before the etcd write: the acks need it either way
+            if report.record != self.records.get(lr):
+                self._put_record(report.record)
+
+    def _final_report(self, ex: WorkerExit) -> None:
+        """Keep what an exited worker reported last (it may have written it after our last
+        read): its final state says whether it finished the plan (``ack_state``)."""
+        lr = ex.local_rank
+        report = read_report(self.workers.progress_file(lr), lr)
+        if report is not None and report.record.pid == ex.pid:
+            self.reports[lr] = report
+        elif lr in self.reports and self.reports[lr].record.pid != ex.pid:
+            del self.reports[lr]  # another worker's report says nothing about this one
+
+    def _ack(self) -> None:
+        """Move this node's ack of the current plan forward (``ack_state``), if the plan uses
+        the node. Level-triggered: a state is remembered only once etcd took it, so a failed
+        write is retried next tick, and a state already written is never written again. The
+        ack is an owned key of the session: it goes with the node, and comes back after a
+        lease loss. Then the node's acks of old versions are deleted (keys stay bounded; the
+        console and the ops views read the version of the switch in progress)."""
+        version = self.plan_version
+        written = self.acks.get(version)
+        if version and self.slot_plan and written not in ("done", "failed"):
+            state = ack_state(version, self.slot_plan, self.workers.running(), self.reports,
+                              self.succeeded, self.slots.failed())
+            if written is None or state == "failed" or \
+                    ACK_ORDER.index(state) > ACK_ORDER.index(written):
+                rec = schema.SwitchAckRecord(node=self.node, plan_version=version, state=state,
+                                             at=self._wall())
+                self.session.put(schema.switch_ack_key(self.job, version, self.node),
+                                 schema.encode(rec))
+                self.acks[version] = state
+                log.debug("[%s] node %s: switch ack of plan v%d: %s", self.job, self.node,
+                          version, state)
+        for old in sorted(v for v in self.acks if v < version - ACK_KEEP):
+            self.session.delete(schema.switch_ack_key(self.job, old, self.node))
+            del self.acks[old]
 
     def publish_verdicts(self) -> None:
         source = self.health.poll(self._clock()) if self.health is not None else {}

@@ -8,7 +8,8 @@ without restarting a survivor (same pids before and after, read from the worker 
 without reading a checkpoint, and that the final parameters equal the dense reference trained on
 the same global batches (float64, 1e-9). The worker-kill scenario also logs, per completed step,
 the global sample ids each pipeline trained, and checks that the committed trajectory (per step,
-the last plan version that completed it) consumed every sample exactly once. A lost shard with
+the last plan version that completed it) consumed every sample exactly once, and that both
+agents acked the first plan and the recovery plan ``done`` in ``switch/<version>/<node_id>``. A lost shard with
 no checkpoint ends the job: exit 1 on every node, torchrun's failure summary, the root cause in
 one line. Workers pause at step ``PAUSE`` until the test creates the release file, so every
 fault hits a known state. The agent's pure decision (``judge``) and the elastic flags are checked
@@ -42,8 +43,10 @@ from launch_harness import (  # noqa: E402
     wait_for,
 )
 
-from hspmd_elastic.coord import read_events, schema  # noqa: E402
+from hspmd_elastic.coord import PrefixWatch, read_events, schema  # noqa: E402
+from hspmd_elastic.coord.api import EventType  # noqa: E402
 from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
+from hspmd_elastic.coord.util import Recorder  # noqa: E402
 from hspmd_elastic.graph.config import ModelConfig  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
@@ -71,6 +74,20 @@ class Job:
         self.env = base_env(marker)
         self.agents: dict[str, Launcher] = {}
         self.client = EtcdClient(etcd.endpoints, timeout=5.0)
+        self.acks = Recorder()  # every switch-ack write seen by watch_acks()
+        self._ack_watch: PrefixWatch | None = None
+
+    def watch_acks(self) -> None:
+        """Record every switch ack the agents write. A watch, not a read: an agent's acks are
+        leased, so they vanish when it exits at the job's end, before the test could read them."""
+        self._ack_watch = PrefixWatch(self.client, schema.switch_prefix(self.name), self.acks,
+                                      decode=True, name="switch acks").start()
+
+    def ack_states(self, version: int, node: str) -> list[str]:
+        """The states ``node`` wrote for plan ``version``, in order."""
+        return [e.record.state for e in self.acks.items
+                if e.type is EventType.PUT and e.record is not None
+                and (e.record.plan_version, e.record.node) == (version, node)]
 
     def start(self, node: str, nnodes: str = "2", batch: int = BATCH, nproc: int = 2,
               log_samples: bool = False) -> Launcher:
@@ -137,6 +154,8 @@ class Job:
             if a.proc.poll() is None:
                 a.proc.kill()
                 a.proc.wait(timeout=10)
+        if self._ack_watch is not None:
+            self._ack_watch.stop()
         self.client.close()
 
 
@@ -222,13 +241,20 @@ def switch_seconds(job: Job, since: float) -> float:
 
 def test_worker_sigkill_survivors_switch_in_memory(job):
     """2 nodes x 3 workers; one worker SIGKILLed at step PAUSE. Besides the recovery checks, the
-    sample-id log shows the committed trajectory consumed each training sample exactly once."""
+    sample-id log shows the committed trajectory consumed each training sample exactly once, and
+    the agents' switch acks show both nodes done with the first plan and with the recovery plan."""
+    nodes = ("node-a", "node-b")
+    job.watch_acks()
     a = job.start("node-a", nproc=3, log_samples=True)
     b = job.start("node-b", nproc=3, log_samples=True)
-    devices = [f"{n}:{lr}" for n in ("node-a", "node-b") for lr in range(3)]
+    devices = [f"{n}:{lr}" for n in nodes for lr in range(3)]
     pids = job.wait_paused(devices)
     first = [e for e in job.events() if e.type == "replan"][0]
     assert first.detail["devices"] == 6, first.detail
+    # Paused workers train plan v1: each agent acks it done (before the kill, which would
+    # otherwise race the ack and make node-b's v1 ack failed).
+    wait_for(lambda: all(job.ack_states(1, n)[-1:] == ["done"] for n in nodes), 30,
+             "both nodes' v1 acks done")
     killed_at = time.time()
     os.kill(pids["node-b:1"], signal.SIGKILL)
     job.release.touch()
@@ -244,6 +270,13 @@ def test_worker_sigkill_survivors_switch_in_memory(job):
     final = check_samples_once(job)
     rows = job.sample_log()
     last = results["node-a:0"]["plan_version"]
+    assert last >= 2
+    for node in nodes:  # each state once and in order; the recovery plan's ack reads done
+        for version in (1, last):
+            states = job.ack_states(version, node)
+            order = ["joined", "ready", "done"]
+            assert states and states[-1] == "done", (version, node, states)
+            assert states == sorted(set(states), key=order.index), (version, node, states)
     assert {r["plan_version"] for r in rows if r["step"] == STEPS - 1} == {last}
     versions = {s: sorted({r["plan_version"] for r in rows if r["step"] == s}) for s in final}
     print(f"sample ids: {sum(map(len, final.values()))} over {len(final)} steps, each once; "
