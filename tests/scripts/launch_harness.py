@@ -31,7 +31,10 @@ def new_marker() -> str:
 
 def base_env(marker: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({MARKER: marker, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    # PYTHONFAULTHANDLER: a worker that dies in native code (SIGABRT, SIGSEGV) still prints the
+    # Python stacks of its threads, so a failed test says where it was.
+    env.update({MARKER: marker, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONFAULTHANDLER": "1"})
     env.pop("PYTEST_CURRENT_TEST", None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
