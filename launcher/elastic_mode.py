@@ -173,6 +173,7 @@ class ElasticRun:
         self._switch_failed = ""
         self._marked_done: set[int] = set()
         self._next_judge = 0.0
+        self._unused_since = 0  # the plan version since which plans give this node no device
 
     # ------------------------------------------------------------------ state machine
     def transition(self, new: ElasticState, reason: str) -> None:
@@ -234,7 +235,8 @@ class ElasticRun:
                                    role=cfg.role, progress_dir=progress_dir)
         leader = Leader(self.client, self.session, self.job, self.node_id, plan_for,
                         self.settings.model_profile, self.settings.global_batch,
-                        debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes)
+                        debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes,
+                        max_nodes=cfg.rdzv.max_nodes)
         store_host = cfg.local_addr or ("localhost" if cfg.rdzv.standalone else agent.host)
         try:
             monitor = ProgressMonitor(hang_detector_from_env(os.environ))
@@ -265,6 +267,7 @@ class ElasticRun:
             if self.agent.abort.is_set():
                 raise SignalReceived(self.agent.signum or 0, "abort")
             self._tick()
+            self._note_unused()
             if self.state is ElasticState.WAITING_PLAN:
                 if node.plan_version:
                     self.transition(ElasticState.RUNNING, f"plan v{node.plan_version}")
@@ -295,6 +298,19 @@ class ElasticRun:
         except CoordinationError as exc:
             self.agent._etcd_unreachable(RendezvousConnectionError(str(exc)))
         self._collect_exits()
+
+    def _note_unused(self) -> None:
+        """Say once when the plans start to give this node no device (a hot spare beyond the
+        maximum of ``--nnodes``, or a node whose devices all failed): its agent then waits, with
+        no worker, for a plan that needs it, and should not look hung."""
+        node = self.node
+        if not node.plan_version or node.slot_plan:
+            self._unused_since = 0
+        elif not self._unused_since:
+            self._unused_since = node.plan_version
+            log.info("[%s] node %s: plan v%d gives this node no device (a spare: --nnodes max %d "
+                     "reached, or its devices failed); waiting for a plan that needs it",
+                     self.job, self.node_id, node.plan_version, self.cfg.rdzv.max_nodes)
 
     def _collect_exits(self) -> None:
         exits = self.node.workers.exits

@@ -9,6 +9,10 @@ acts. While leading it watches ``nodes/``, ``devices/``, ``workers/`` and ``plan
   ``decide(snapshot, current_plan)`` returns a ``PlanDecision`` exactly when the usable devices,
   their speeds, or the store host differ from what the current plan assumed (its
   ``inventory``), or when no plan exists yet and ``min_nodes`` nodes are up;
+* at most ``max_nodes`` nodes are planned over (the maximum of ``--nnodes``; None: all):
+  ``select_nodes`` keeps the current plan's nodes, then takes the lowest node ids; the other
+  live nodes are hot spares (registered, leased, running no worker, logged once by the
+  leader) until a planned node is gone, when the next replan takes one in its place (a join);
 * changes are debounced: a replan waits until the decision has been stable for ``debounce_s``
   (at most ``max_debounce_s`` after the first change), on the injected ``clock``; a storm of
   failures yields one publication, or a few;
@@ -244,21 +248,48 @@ def assumed_inventory(plan: schema.PlanRecord) -> dict[str, float]:
     return dict(plan.inventory) if plan.inventory else {d: 1.0 for d in plan.devices}
 
 
+def select_nodes(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
+                 max_nodes: Optional[int] = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Pure: ``(planned, spares)``, the live nodes with a usable device split at ``max_nodes``
+    (the maximum of ``--nnodes``; None: no maximum, no spares), both in node id order.
+
+    The nodes ``current`` was made over come first, so a node joining a full plan waits as a
+    spare instead of displacing a planned node (a switch for nothing); the rest by node id,
+    which makes the choice deterministic: the same world always gives the same spares, so
+    decisions do not flip-flop between them. A planned node that is gone (left, lease
+    expired, every device failed) is no candidate, so the lowest spare takes its place."""
+    candidates = sorted({d.node for d in snapshot.usable().values()})
+    if max_nodes is None or len(candidates) <= max_nodes:
+        return tuple(candidates), ()
+    kept = {parse_device_id(d)[0] for d in assumed_inventory(current)} if current else set()
+    ranked = sorted(candidates, key=lambda n: (n not in kept, n))
+    return tuple(sorted(ranked[:max_nodes])), tuple(sorted(ranked[max_nodes:]))
+
+
 def decide(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
-           min_nodes: int = 1) -> Optional[PlanDecision]:
-    """Pure: a ``PlanDecision`` when the cluster differs from what ``current`` assumed."""
+           min_nodes: int = 1, max_nodes: Optional[int] = None) -> Optional[PlanDecision]:
+    """Pure: a ``PlanDecision`` when the cluster differs from what ``current`` assumed.
+
+    With ``max_nodes``, only the nodes ``select_nodes`` plans over count: spares are neither
+    in ``devices`` nor named as joins until a planned node is gone and one of them is needed
+    (then it is a ``join``)."""
+    if max_nodes is not None and max_nodes < min_nodes:
+        raise ValueError(f"need min_nodes ({min_nodes}) <= max_nodes ({max_nodes})")
     usable = snapshot.usable()
     if not usable:
         return None
+    planned, spares = select_nodes(snapshot, current, max_nodes)
+    if spares:
+        usable = {k: d for k, d in usable.items() if d.node in planned}
     store_node, store = snapshot.store_for(snapshot.self_node)
     ordered = tuple(usable[d] for d in sorted(usable, key=device_sort_key))
     if current is None:
         if len(snapshot.alive_nodes()) < min_nodes:
             return None
         changes = tuple(Change(ChangeKind.JOIN, n, tuple(d.id for d in ordered if d.node == n))
-                        for n in snapshot.alive_nodes())
+                        for n in snapshot.alive_nodes() if n not in spares)
         return PlanDecision(1, "start", changes, ordered, store_node, store)
-    changes = _changes(snapshot, assumed_inventory(current), usable)
+    changes = _changes(snapshot, assumed_inventory(current), usable, spares)
     store_lost = current.store_endpoint not in {
         v.store_endpoint for v in snapshot.nodes.values() if v.alive and v.store_endpoint}
     if not changes and not (store_lost and store):
@@ -271,9 +302,11 @@ def decide(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
 
 
 def _changes(snapshot: ClusterSnapshot, assumed: Mapping[str, float],
-             usable: Mapping[str, DeviceView]) -> tuple[Change, ...]:
+             usable: Mapping[str, DeviceView], spares: Sequence[str] = ()
+             ) -> tuple[Change, ...]:
     """The differences between ``assumed`` (device -> speed) and ``usable``, grouped by node and
-    kind, in a deterministic order."""
+    kind, in a deterministic order. A planned node that is now a spare (only when the plan
+    holds more nodes than the maximum, e.g. made by a leader given a larger one) leaves."""
     groups: dict[tuple[ChangeKind, str, str, bool], list[str]] = {}
     assumed_nodes = {parse_device_id(d)[0] for d in assumed}
 
@@ -285,6 +318,8 @@ def _changes(snapshot: ClusterSnapshot, assumed: Mapping[str, float],
         view, seen = snapshot.nodes.get(node), snapshot.device(dev)
         if view is None or not view.alive:
             add(ChangeKind.LEAVE, dev, "" if view is None else f"node {view.state}")
+        elif node in spares:
+            add(ChangeKind.LEAVE, dev, "node spare: --nnodes max reached")
         elif seen is None:
             add(ChangeKind.FAILURE, dev, "device no longer reported")
         elif seen.reason.startswith(STALL_PREFIX):
@@ -517,17 +552,20 @@ class Leader:
                  planner_fn: Optional[PlannerFn], model_profile: Any, global_batch: int,
                  debounce_s: float = DEFAULT_DEBOUNCE_S, clock: Clock = time.monotonic, *,
                  max_debounce_s: float = DEFAULT_MAX_DEBOUNCE_S, min_nodes: int = 1,
-                 planner_options: Any = None, wall_clock: Clock = time.time,
-                 election_recheck_s: float = 1.0):
+                 max_nodes: Optional[int] = None, planner_options: Any = None,
+                 wall_clock: Clock = time.time, election_recheck_s: float = 1.0):
         if debounce_s < 0 or max_debounce_s < debounce_s:
             raise ValueError(f"need 0 <= debounce_s ({debounce_s}) <= max_debounce_s "
                              f"({max_debounce_s})")
         if min_nodes < 1:
             raise ValueError(f"min_nodes={min_nodes} must be >= 1")
+        if max_nodes is not None and max_nodes < min_nodes:
+            raise ValueError(f"need min_nodes ({min_nodes}) <= max_nodes ({max_nodes})")
         self.client, self.job, self.node = client, job, node
         self.planner_fn, self.profile, self.global_batch = planner_fn, model_profile, global_batch
         self.planner_options = planner_options
         self.debounce_s, self.max_debounce_s, self.min_nodes = debounce_s, max_debounce_s, min_nodes
+        self.max_nodes = max_nodes
         self._clock, self._wall = clock, wall_clock
         self.election = Election(client, session, job, node, on_change=self._on_leadership,
                                  recheck_s=election_recheck_s, wall_clock=wall_clock)
@@ -542,6 +580,7 @@ class Leader:
         self._fingerprint: Optional[tuple] = None
         self._infeasible: Optional[tuple] = None
         self._no_devices = False
+        self._spares: set[str] = set()  # nodes said to be spares (logged once each)
         self._world: Optional[_World] = None
         self._watches: list[PrefixWatch] = []
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -622,7 +661,8 @@ class Leader:
         if self.state is LeaderState.FOLLOWER:
             self._take_office()
         snap, current = self._world.snapshot(self.node)
-        decision = decide(snap, current, self.min_nodes)
+        self._note_spares(snap, current)
+        decision = decide(snap, current, self.min_nodes, self.max_nodes)
         fp = decision.fingerprint() if decision else None
         if decision is None or fp == self._infeasible:
             self._note_no_devices(snap, current)
@@ -651,6 +691,19 @@ class Leader:
             log.error("[%s] leader %s: no usable device left; keeping plan v%d until one "
                       "returns", self.job, self.node, current.version)
         self._no_devices = empty
+
+    def _note_spares(self, snap: ClusterSnapshot, current: Optional[schema.PlanRecord]
+                     ) -> None:
+        """Say once per node (again only after it was planned in meanwhile) that it is a spare,
+        so an operator who started more nodes than ``--nnodes`` allows sees why one idles."""
+        if self.max_nodes is None:
+            return
+        _, spares = select_nodes(snap, current, self.max_nodes)
+        for node in spares:
+            if node not in self._spares:
+                log.info("[%s] leader %s: node %s is a spare: --nnodes max %d reached", self.job,
+                         self.node, node, self.max_nodes)
+        self._spares = set(spares)
 
     def _take_office(self) -> None:
         world = _World()
@@ -698,7 +751,7 @@ class Leader:
         with self._world.lock:
             self._world.set_plan_locked(current, rev)
         snap, _ = self._world.snapshot(self.node)
-        decision = decide(snap, current, self.min_nodes)
+        decision = decide(snap, current, self.min_nodes, self.max_nodes)
         if decision is None:
             return self._back(Outcome.NO_CHANGE, "nothing to do after a fresh read")
         try:

@@ -3,7 +3,8 @@ on this host (``--hspmd-node-id``), two workers each (three in the worker-kill s
 running ``hspmd_elastic.runtime`` over gloo, real SIGKILLs.
 
 Scenarios: a worker SIGKILLed, an agent SIGKILLed (node loss by lease expiry), an agent
-SIGTERMed (it leaves), a node joining mid-run. Each checks that the job finishes all steps
+SIGTERMed (it leaves), a node joining mid-run, a hot spare (beyond the maximum of ``--nnodes``)
+taking a lost node's place. Each checks that the job finishes all steps
 without restarting a survivor (same pids before and after, read from the worker records) and
 without reading a checkpoint, and that the final parameters equal the dense reference trained on
 the same global batches (float64, 1e-9). The worker-kill scenario also logs, per completed step,
@@ -46,6 +47,7 @@ from launch_harness import (  # noqa: E402
 from hspmd_elastic.coord import PrefixWatch, read_events, schema  # noqa: E402
 from hspmd_elastic.coord.api import EventType  # noqa: E402
 from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
+from hspmd_elastic.coord.plans import read_plan  # noqa: E402
 from hspmd_elastic.coord.util import Recorder  # noqa: E402
 from hspmd_elastic.graph.config import ModelConfig  # noqa: E402
 
@@ -324,8 +326,8 @@ def test_agent_sigterm_leaves_and_the_job_continues(job):
 
 
 def test_join_mid_run_receives_state(job):
-    job.start("node-a")
-    job.start("node-b")
+    job.start("node-a", nnodes="2:3")  # room for a third node: it joins, it is no spare
+    job.start("node-b", nnodes="2:3")
     first = ["node-a:0", "node-a:1", "node-b:0", "node-b:1"]
     pids = job.wait_paused(first)
     job.start("node-c", nnodes="2:3")
@@ -339,6 +341,46 @@ def test_join_mid_run_receives_state(job):
     joined = results["node-c:0"]["switches"]
     assert len(joined) == 1 and joined[0]["source"] == "bsr"
     assert any(e.type == "join" and e.node == "node-c" for e in job.events())
+
+
+def test_a_spare_beyond_nnodes_max_replaces_a_lost_node(job):
+    """``--nnodes 2:2``, three agents of one worker each: node-c is a hot spare (registered, no
+    worker) while the plan is full; SIGKILLing a planned agent (node loss by lease expiry) makes
+    the leader take the spare in, whose worker gets the state through BSR. Every agent left,
+    the spare included, exits 0 and the result equals the fault-free reference. (Which spare is
+    taken among several is in tests/test_leader_decide.py.)"""
+    job.start("node-a", nnodes="2:2", nproc=1)
+    job.start("node-b", nnodes="2:2", nproc=1)
+    pids = job.wait_paused(["node-a:0", "node-b:0"])
+    job.start("node-c", nnodes="2:2", nproc=1)
+    spare = job.agents["node-c"]
+    wait_for(lambda: job.check_agents() or "gives this node no device" in spare.stderr(), 60,
+             "node-c to follow a plan without it")
+    wait_for(lambda: any("node node-c is a spare: --nnodes max 2 reached" in
+                         job.agents[p].stderr() for p in ("node-a", "node-b")), 30,
+             "the leader to name the spare")
+    plan, _ = read_plan(job.client, job.name)
+    assert plan.version == 1 and sorted(plan.devices) == ["node-a:0", "node-b:0"]
+    assert "node-c:0" not in job.workers() and "started pid" not in spare.stderr()
+    kv = job.client.get(schema.leader_key(job.name))
+    leader = schema.decode(kv.key, kv.value).node
+    lost = "node-b" if leader == "node-a" else "node-a"
+    victim = job.agents.pop(lost)
+    victim.proc.send_signal(signal.SIGKILL)  # the agent and, with it, its worker
+    assert victim.wait(10) == -signal.SIGKILL
+    wait_for(lambda: job.check_agents() or "node-c:0" in job.workers(), 60,
+             "the spare's worker to start")
+    job.release.touch()
+    finish(job)
+    results = check_recovered(job, {f"{leader}:0": pids[f"{leader}:0"]})
+    assert set(results) == {f"{leader}:0", "node-c:0"}
+    joined = results["node-c:0"]["switches"]
+    assert len(joined) == 1 and joined[0]["source"] == "bsr"
+    events = job.events()
+    assert any(e.type == "leave" and e.node == lost for e in events)
+    assert [e.node for e in events if e.type == "join" and e.detail["plan_version"] > 1] == [
+        "node-c"]
+    assert spare.stderr().count("started pid") == 1
 
 
 def test_lost_shard_without_checkpoint_fails_the_job_with_summary(job):

@@ -24,6 +24,7 @@ from launcher.leader import (
     make_layout,
     parse_device_id,
     plan_record,
+    select_nodes,
 )
 
 PROFILE = ModelProfile("tiny", num_layers=2, hidden_size=32, ffn_size=64, num_heads=4,
@@ -142,6 +143,85 @@ def test_a_plan_without_inventory_is_read_as_its_devices_at_full_speed():
     assert decide(build_snapshot(nodes, {}, "a"), old) is None
     d = decide(build_snapshot(nodes, {("a", 1): verdict("failed", "x")}, "a"), old)
     assert d.version == 5 and [x.id for x in d.devices] == ["a:0"]
+
+
+# ---- the maximum of --nnodes: hot spares -------------------------------------------------------
+def test_beyond_max_nodes_the_lowest_ids_are_planned_and_the_rest_are_spares():
+    nodes = {"c": node("c"), "a": node("a"), "b": node("b")}
+    d = decide(build_snapshot(nodes, {}, "c"), None, min_nodes=1, max_nodes=2)
+    assert d.version == 1 and d.reason == "start"
+    assert [x.id for x in d.devices] == ["a:0", "a:1", "b:0", "b:1"]
+    assert [(c.kind, c.node) for c in d.changes] == [(ChangeKind.JOIN, "a"), (ChangeKind.JOIN, "b")]
+    assert select_nodes(build_snapshot(nodes, {}), None, 2) == (("a", "b"), ("c",))
+    # the spare may lead: the store stays the leader's own, as without a maximum
+    assert d.store_node == "c"
+
+
+def test_the_current_plan_keeps_its_nodes_and_a_node_joining_a_full_plan_waits():
+    v1 = published(decide(build_snapshot({"b": node("b"), "c": node("c")}, {}, "b"), None,
+                          max_nodes=2))
+    full = {"a": node("a"), "b": node("b"), "c": node("c")}
+    snap = build_snapshot(full, {}, "b")
+    assert decide(snap, v1, max_nodes=2) is None  # "a" has the lowest id but plans stay put
+    assert select_nodes(snap, v1, 2) == (("b", "c"), ("a",))
+    assert decide(snap, v1, max_nodes=3).reason == "join a"  # room left: an ordinary join
+
+
+def test_a_planned_node_lost_is_replaced_by_the_lowest_spare():
+    three = {"a": node("a"), "b": node("b"), "c": node("c"), "d": node("d")}
+    v1 = published(decide(build_snapshot(three, {}, "a"), None, min_nodes=2, max_nodes=2))
+    assert v1.inventory.keys() == {"a:0", "a:1", "b:0", "b:1"}
+    for gone in ({"a": node("a"), "c": node("c"), "d": node("d")},  # left / lease expired
+                 {**three, "b": node("b", state="leaving")},  # leaving
+                 three):  # every device of b failed (verdicts below)
+        verdicts = ({("b", 0): verdict("failed", "ecc"), ("b", 1): verdict("failed", "ecc")}
+                    if gone is three else {})
+        snap = build_snapshot(gone, verdicts, "a")
+        d = decide(snap, v1, min_nodes=2, max_nodes=2)
+        assert d.version == 2 and [x.id for x in d.devices] == ["a:0", "a:1", "c:0", "c:1"]
+        joins = [c for c in d.changes if c.kind is ChangeKind.JOIN]
+        assert [(c.node, c.devices) for c in joins] == [("c", ("c:0", "c:1"))]
+        assert "d" not in {c.node for c in d.changes}
+        assert d == decide(snap, v1, min_nodes=2, max_nodes=2)  # no flip-flop between spares
+        v2 = published(d)
+        # b coming back does not displace c: it is the spare now
+        assert decide(build_snapshot(three, {}, "a"), v2, min_nodes=2, max_nodes=2) is None
+
+
+def test_min_nodes_and_max_nodes_together():
+    one = build_snapshot({"a": node("a")}, {}, "a")
+    assert decide(one, None, min_nodes=2, max_nodes=2) is None  # the minimum still gates
+    d = decide(one, None, min_nodes=1, max_nodes=2)
+    assert [x.node for x in d.devices] == ["a", "a"]
+    with pytest.raises(ValueError, match="min_nodes"):
+        decide(one, None, min_nodes=3, max_nodes=2)
+    # a plan over more nodes than the maximum (made under a larger one) sheds the highest ids
+    v1 = published(decide(build_snapshot({"a": node("a"), "b": node("b"), "c": node("c")},
+                                         {}, "a"), None))
+    d = decide(build_snapshot({"a": node("a"), "b": node("b"), "c": node("c")}, {}, "a"), v1,
+               max_nodes=2)
+    assert {x.node for x in d.devices} == {"a", "b"}
+    assert [(c.kind, c.node) for c in d.changes] == [(ChangeKind.LEAVE, "c")]
+
+
+def test_max_nodes_none_or_not_exceeded_changes_nothing():
+    worlds = [{"a": node("a")}, {"a": node("a"), "b": node("b")},
+              {"a": node("a"), "b": node("b", 1), "c": node("c", state="leaving")},
+              {"a": node("a"), "b": node("b")}]
+    verdicts = [{}, {("b", 1): verdict("failed", "x")}, {("a", 0): verdict("degraded", "h", .5)},
+                {("b", 0): verdict("failed", "x"), ("b", 1): verdict("failed", "x")}]
+    for nodes in worlds:
+        for v in verdicts:
+            snap = build_snapshot(nodes, v, "a")
+            base = decide(snap, None)
+            assert decide(snap, None, max_nodes=None) == base == decide(snap, None, max_nodes=2)
+            if base is None:
+                continue
+            cur = published(base)
+            for other in worlds:
+                later = build_snapshot(other, {}, "a")
+                assert decide(later, cur, max_nodes=None) == decide(later, cur) == decide(
+                    later, cur, max_nodes=2)
 
 
 # ---- exhaustive: every pair of small worlds ---------------------------------------------------
