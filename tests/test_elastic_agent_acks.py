@@ -30,6 +30,7 @@ from launcher.elastic_agent import (
 )
 from launcher.leader import EXIT_PREFIX
 from launcher.logs import WorkerLogPaths
+from _clock import FakeClock
 
 JOB = "ackjob"
 WAIT = 10.0
@@ -39,14 +40,6 @@ WORKER = ("import os, sys, time\n"
           "while not os.path.exists(path):\n"
           "    time.sleep(0.02)\n"
           "sys.exit(int(open(path).read()))\n")
-
-
-class FakeClock:
-    def __init__(self, start: float) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _report(pid: int, version: int, state: str, lr: int = 0) -> ProgressReport:

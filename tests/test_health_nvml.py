@@ -18,21 +18,14 @@ from launcher.health.rules import (
     classify_xid,
 )
 from launcher.health.verdicts import probe_nvml, select_health_source
+from _clock import FakeClock
 
 XID = pynvml.nvmlEventTypeXidCriticalError
 
 
-class FakeClock:
-    def __init__(self, t: float = 100.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def make(gpus, **kwargs):
     fake = FakeNvml(gpus)
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     kwargs.setdefault("event_thread", False)
     kwargs.setdefault("event_timeout_ms", 20)
     source = NvmlHealthSource(fake, clock, **kwargs)
@@ -271,7 +264,7 @@ def test_degraded_verdict_refuses_a_speedup():
 # ----------------------------------------------------------------------------- no driver
 def test_missing_driver_with_scripted_module_logs_once(caplog):
     fake = FakeNvml(fake_gpus(1), driver_missing=True)
-    source = NvmlHealthSource(fake, FakeClock())
+    source = NvmlHealthSource(fake, FakeClock(100.0))
     with caplog.at_level(logging.INFO, logger="launcher.health"):
         source.start()
         assert source.devices() == [] and source.poll(0.0) == {}
@@ -287,7 +280,7 @@ def _skip_if_driver_present():
 
 def test_real_pynvml_without_driver_monitors_nothing_and_never_raises(caplog):
     _skip_if_driver_present()
-    source = NvmlHealthSource(pynvml, FakeClock())
+    source = NvmlHealthSource(pynvml, FakeClock(100.0))
     with caplog.at_level(logging.INFO, logger="launcher.health"):
         source.start()
         assert source.devices() == []
@@ -352,7 +345,7 @@ class StuckWaitNvml(FakeNvml):
 
 def test_stop_is_bounded_even_if_the_driver_wedges():
     fake = StuckWaitNvml(fake_gpus(1))
-    source = NvmlHealthSource(fake, FakeClock(), event_timeout_ms=20)
+    source = NvmlHealthSource(fake, FakeClock(100.0), event_timeout_ms=20)
     source.start()
     try:
         assert fake.entered.wait(10)

@@ -6,14 +6,7 @@ import pytest
 
 from launcher.health.api import HealthConfigError
 from launcher.health.progress import HangDetector
-
-
-class FakeClock:
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from _clock import FakeClock
 
 
 def detector(clock, **kw):

@@ -18,14 +18,7 @@ from launcher.health.scripted import (
     replay,
 )
 from launcher.health.verdicts import EtcdFaultFeed, fault_script_key
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from _clock import FakeClock
 
 
 # ----------------------------------------------------------------------------- format
@@ -82,7 +75,7 @@ def test_replay_rules():
 
 
 def test_source_replays_relative_to_start():
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     feed = StaticFaultFeed([Fault(1, "xid", at=10, xid=48),
                             Fault(0, "thermal", at=5, slowdown=0.5)])
     source = ScriptedHealthSource(feed, 2, clock, node="n1", refresh_s=3600)
@@ -98,14 +91,14 @@ def test_source_replays_relative_to_start():
 
 def test_fault_for_unknown_device_is_refused():
     with pytest.raises(FaultScriptError, match=r"device 3 does not exist \(devices: \[0, 1\]\)"):
-        ScriptedHealthSource(StaticFaultFeed([Fault(3, "lost")]), 2, FakeClock())
+        ScriptedHealthSource(StaticFaultFeed([Fault(3, "lost")]), 2, FakeClock(1000.0))
 
 
 # ----------------------------------------------------------------------------- file feed
 def test_file_feed_refresh_picks_up_new_faults_and_ignores_bad_edits(tmp_path):
     path = tmp_path / "faults.jsonl"
     path.write_text('{"at": 1, "device": 0, "kind": "ecc"}\n')
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     source = ScriptedHealthSource(FileFaultFeed(str(path)), 2, clock)
     assert source.poll(clock.t + 2)[0].is_failed
     path.write_text('{"at": 1, "device": 0, "kind": "ecc"}\n{"device": 1, "kind": "lost"}\n')
@@ -127,7 +120,7 @@ def test_etcd_feed_per_node(etcd_server):
     try:
         key = fault_script_key("job1", "node-a")
         assert key == "/hspmd/v1/jobs/job1/faults/node-a"
-        clock = FakeClock()
+        clock = FakeClock(1000.0)
         source = ScriptedHealthSource(EtcdFaultFeed(client, key), 2, clock, refresh_s=3600)
         assert source.faults == []
         client.put(key, encode_fault_script([Fault(1, "xid", xid=79)]))

@@ -17,14 +17,7 @@ from launcher.health.verdicts import (
     select_health_source,
     summarize_device_health,
 )
-
-
-class FakeClock:
-    def __init__(self, t: float):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from _clock import FakeClock
 
 
 @pytest.fixture

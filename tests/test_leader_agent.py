@@ -32,6 +32,7 @@ from launcher.health.api import DeviceInfo, DeviceState, Verdict
 from launcher.health.progress import HangDetector
 from launcher.leader import EXIT_PREFIX, STALL_PREFIX, Leader
 from launcher.logs import WorkerLogPaths
+from _clock import FakeClock
 
 JOB = "ajob"
 WAIT = 10.0
@@ -41,14 +42,6 @@ PROFILE = ModelProfile("tiny", num_layers=2, hidden_size=32, ffn_size=64, num_he
 WORKER = ("import os, sys, time\n"
           "lr = os.environ['LOCAL_RANK']\n"
           "sys.exit(3) if lr == '1' else sys.exit(0) if lr == '3' else time.sleep(60)\n")
-
-
-class FakeClock:
-    def __init__(self, start: float) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def plan(version: int, devices: list[str]) -> schema.PlanRecord:
