@@ -50,19 +50,24 @@ def _drop_dead_handlers(logger: logging.Logger) -> None:
 
 @pytest.fixture(autouse=True)
 def _restore_root_logging():
-    """Commands run in-process (click's main) may install a stderr handler on the root logger.
-    That handler would hold a test's captured stream after it is closed, so later log lines
-    (other tests, background threads) would fail to print: put the root logger back as it was
-    and drop any handler whose stream is closed."""
-    root = logging.getLogger()
-    _drop_dead_handlers(root)
-    handlers, level = list(root.handlers), root.level
+    """Commands run in-process (click's main) may install a stderr handler on the root logger,
+    or on the ``launcher`` logger (``hspmd-launch``'s own, which does not propagate). That
+    handler would hold a test's captured stream after it is closed, so later log lines (other
+    tests, background threads) would fail to print: put both loggers back as they were and drop
+    any handler whose stream is closed."""
+    loggers = [logging.getLogger(), logging.getLogger("launcher")]
+    saved = []
+    for logger in loggers:
+        _drop_dead_handlers(logger)
+        saved.append((list(logger.handlers), logger.level, logger.propagate))
     yield
-    for h in root.handlers[:]:
-        if h not in handlers:
-            root.removeHandler(h)
-    root.setLevel(level)
-    _drop_dead_handlers(root)
+    for logger, (handlers, level, propagate) in zip(loggers, saved):
+        for h in logger.handlers[:]:
+            if h not in handlers:
+                logger.removeHandler(h)
+        logger.setLevel(level)
+        logger.propagate = propagate
+        _drop_dead_handlers(logger)
 
 
 @pytest.fixture
