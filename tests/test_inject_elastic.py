@@ -90,7 +90,7 @@ def test_elastic_job_survives_seven_different_faults_in_memory(tmp_path, marker,
              "--shutdown-timeout", "5", "--rdzv-conf", "join_timeout=60",
              "--hspmd-health-source", "scripted:etcd", "--hspmd-elastic",
              "--hspmd-model", str(model), "--hspmd-global-batch", str(BATCH)]
-    script = [str(SCRIPTS / "inject_elastic_train.py"), "--config", str(model),
+    script = [str(SCRIPTS / "elastic_train.py"), "--config", str(model),
               "--steps", str(STEPS), "--global-batch", str(BATCH), "--seed", str(SEED),
               "--data-seed", str(DATA_SEED), "--out", str(out), "--progress-dir", str(progress),
               "--step-time", str(STEP_TIME), "--timeout", "30", "--comm-timeout", str(COMM_S)]

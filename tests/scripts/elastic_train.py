@@ -10,7 +10,12 @@ this rank completes, one JSON line to ``DIR/<node>_<local_rank>.jsonl``: the ste
 version it ran under, this rank's pipeline (index and count), the global sample ids that pipeline
 trained (its micro-batch rows of the step's global batch, as ``SpecializedModel.step`` slices
 them), the resulting state's step and the loss. The line is written before any pause, so a kill
-during the pause finds it on disk.
+during the pause finds it on disk. For the fault-injection harness, ``--progress-dir DIR``
+appends after every completed step one JSON line ``{"step", "round", "rank", "t", "batch"}`` to
+``DIR/<node>_<local_rank>.jsonl`` (``step`` = steps completed, ``round`` = the plan version that
+trained it, ``batch`` = the global batch), and ``--comm-timeout`` shortens the collectives'
+watchdog below the agent's hang limit, so the peers of a hung worker report that they wait for a
+plan (and are not taken for hung themselves).
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ def _main() -> int:
     parser.add_argument("--timeout", type=float, default=40.0, help="each runtime wait")
     parser.add_argument("--sample-log", default=None,
                         help="directory for one JSON line per completed step (sample ids)")
+    parser.add_argument("--progress-dir", default=None,
+                        help="directory for one JSON line per completed step (the harness's)")
+    parser.add_argument("--comm-timeout", type=float, default=None,
+                        help="the collectives' watchdog (default: --timeout)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(message)s")
@@ -59,6 +68,10 @@ def _main() -> int:
         os.makedirs(args.sample_log, exist_ok=True)
         sample_log = open(os.path.join(args.sample_log, f"{device}.jsonl"), "a",
                           encoding="utf-8")
+    progress = None
+    if args.progress_dir:
+        os.makedirs(args.progress_dir, exist_ok=True)
+        progress = open(os.path.join(args.progress_dir, f"{device}.jsonl"), "a", encoding="utf-8")
 
     def log_samples(info):
         plan, pipeline = info.held.plan, info.held.model.placement.pipeline
@@ -75,6 +88,11 @@ def _main() -> int:
     def on_step(info):
         if sample_log is not None:
             log_samples(info)
+        if progress is not None:
+            progress.write(json.dumps({"step": info.step + 1, "round": info.plan_version,
+                                       "rank": info.rank, "t": time.time(),
+                                       "batch": args.global_batch}) + "\n")
+            progress.flush()
         if args.step_time:
             time.sleep(args.step_time)  # pacing only
         if args.pause_at is not None and info.step + 1 == args.pause_at and args.release:
@@ -88,11 +106,13 @@ def _main() -> int:
     try:
         result = run(config, sample=synthetic_sampler(config, args.data_seed),
                      global_batch=args.global_batch, steps=args.steps, seed=args.seed,
-                     timeouts=RuntimeTimeouts(plan_wait_s=t, comm_s=t, regroup_s=t, finish_s=t),
+                     timeouts=RuntimeTimeouts(plan_wait_s=t, comm_s=args.comm_timeout or t,
+                                              regroup_s=t, finish_s=t),
                      on_step=on_step)
     finally:
-        if sample_log is not None:
-            sample_log.close()
+        for log_file in (sample_log, progress):
+            if log_file is not None:
+                log_file.close()
     write_result(args.out, device, result)
     return 0
 
