@@ -192,14 +192,16 @@ def _assign_senders(specs: tuple[TensorSpec, ...], demands: list[_Demand]) -> li
             short = need - sum(remaining.values())  # < len(senders): floor rounding
             for s in sorted(senders, key=lambda s: (-quotas[senders][s], s))[:short]:
                 remaining[s] += 1
-            ordered = sorted(per_dst[dst], key=lambda d: (-nbytes(d.spec_index, d.box), d.spec_index, d.box))
+            ordered = sorted(per_dst[dst],
+                             key=lambda d: (-nbytes(d.spec_index, d.box), d.spec_index, d.box))
             for dem in ordered:
                 spec = specs[dem.spec_index]
                 box: Ranges | None = dem.box
                 while box is not None:
                     src = max(senders, key=lambda s: (remaining[s], -s))
                     size = nbytes(dem.spec_index, box)
-                    cut = _cut(box, remaining[src], spec.itemsize) if 0 < remaining[src] < size else None
+                    cut = (_cut(box, remaining[src], spec.itemsize)
+                           if 0 < remaining[src] < size else None)
                     head, box = (cut[0], cut[1]) if cut else (box, None)
                     head_bytes = nbytes(dem.spec_index, head)
                     out.append(Transfer(spec.name, src, dem.dst, head, head_bytes))
