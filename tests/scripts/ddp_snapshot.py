@@ -1,18 +1,21 @@
 """DDP training with snapshots, in the style of the PyTorch DDP tutorial series (torchrun
 chapter): the Trainer saves a snapshot every ``save_every`` epochs and resumes from it when the
-job is restarted, so a killed worker costs at most ``save_every`` epochs.
+job is restarted, so a killed worker costs at most ``save_every`` epochs. Unlike the
+tutorial, it ends with a barrier and drops the DDP wrapper before destroying the group
+(see ``main``): a native abort at interpreter exit is torch's, not the launcher's.
 
 CPU/gloo and a tiny model so that it runs anywhere. Test hook: ``PAUSE_AT_EPOCH=<n>`` and
 ``PAUSE_RANK=<r>`` make that rank, on the first attempt only, write ``$PAUSE_FILE`` (its pid)
 and wait there, so a test can kill it at a known point.
 """
 
+import gc
 import os
 import time
 
 import torch
 import torch.nn.functional as F
-from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed import barrier, destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
@@ -115,6 +118,14 @@ def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str
     train_data = prepare_dataloader(dataset, batch_size)
     trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path)
     trainer.train(total_epochs)
+    # Tear down while the interpreter is whole: wait for the peer (rank 0 may still be saving),
+    # then drop the DDP wrapper (its reducer holds the process group and the last async works)
+    # before the group. Left to interpreter finalisation, gloo's threads can release tensors
+    # after Python is gone, and the process aborts ("terminate called without an active
+    # exception") although training finished.
+    barrier()
+    del trainer
+    gc.collect()
     destroy_process_group()
 
 
