@@ -127,8 +127,9 @@ class _Worker:
         self.client = EtcdClient(identity.etcd_endpoints, timeout=timeouts.etcd_s)
         self.plans = PlanWatcher(self.client, identity.job)
         inject = None if fault_injector is None else (lambda what: fault_injector(self.step, what))
-        self.watchdog = Watchdog(self.plans, lambda: self.version, timeouts.comm_s, inject)
         self.former = GroupFormer(timeouts.comm_s, connect_timeout_s=timeouts.regroup_s)
+        self.watchdog = Watchdog(self.plans, lambda: self.version, timeouts.comm_s, inject,
+                                 on_abandon=self.former.reaper.abandoned)
         writer = (CheckpointWriter(checkpoint_dir, checkpoint_every)
                   if checkpoint_dir and checkpoint_every else None)
         self.checkpoints = writer
@@ -190,6 +191,9 @@ class _Worker:
             self.stalled_since = self.stalled_since or time.monotonic()
             self._enter(WorkerState.WAITING_PLAN)
             return False
+        if self.held is not None:  # its groups may still run a collective abandoned earlier
+            self.former.reaper.retire(self.held.model.comm, what=f"plan v{self.held.version}'s "
+                                      "groups")
         self.held, self.rank, self.step = res.held, res.rank, res.resume_step
         self.stalled_since = None
         self.watchdog.reset()
@@ -273,6 +277,9 @@ class _Worker:
     def _close(self) -> None:
         if self.checkpoints is not None:
             self.checkpoints.flush(30.0)
+        if self.held is not None:
+            self.former.reaper.retire(self.held.model.comm,
+                                      what=f"plan v{self.held.version}'s groups")
         self.former.leave()
         self.plans.stop()
         self.client.close()

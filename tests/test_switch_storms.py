@@ -6,7 +6,7 @@ SIGKILL; this test process hosts the plans' TCPStore and publishes the plans as 
 after the second, possibly while the survivors are still switching to v2;
 (b) a worker dies in the middle of the switch to v2 (it kills itself with SIGKILL when it enters
 the "building" phase, after its part of the BSR, while the others wait to create v2's groups);
-v3 without it must reach the others at once, not after the communication timeout;
+v3 without it must free the others (their communication timeouts are longer than the test);
 (c) a worker hangs in the middle of the switch to v2 (SIGSTOP as it enters the BSR, before its
 sends: its connections stay open): one peer waits for its data, the others to create v2's
 groups; v3 without it must free both at once.
@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import pytest
 
@@ -34,6 +33,10 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
 CONFIG = dict(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32, seq_len=8,
               dtype="float64")
 TIMEOUTS = dict(plan_wait_s=40.0, comm_s=30.0, regroup_s=30.0, finish_s=40.0)
+# Communication timeouts far beyond the test's own deadline: a survivor that waits for one instead
+# of leaving on the newer plan (or any gloo group whose destructor waits for its abandoned
+# collective to time out) makes the survivors' join fail, with no wall-clock comparison.
+BEYOND_DEADLINE = dict(TIMEOUTS, comm_s=600.0, regroup_s=600.0)
 DEVICES = ["n0:0", "n0:1", "n1:0", "n1:1"]
 
 
@@ -116,7 +119,7 @@ def test_two_failures_in_quick_succession(job):
 
 
 def test_failure_during_a_switch(job):
-    pl = payload()
+    pl = payload(timeouts=BEYOND_DEADLINE)
     j = job(pl)
     procs = {d: spawn(j, d, die_in={"version": 2, "state": "building"} if d == "n1:0" else None)
              for d in DEVICES}
@@ -133,20 +136,16 @@ def test_failure_during_a_switch(job):
     survivors = DEVICES[:2]
     wait_until(lambda: all(state_of(j, d) == (2, "building") for d in survivors), 30,
                "the survivors to wait for n1:0 in v2's building phase")
-    t0 = time.monotonic()
     j.publish(simple_plan(dp=2, num_layers=2, global_batch=4), survivors,
               reason="failure of n1:0")
-    results = j.join(survivors, timeout=50)
-    recovered = time.monotonic() - t0
+    results = j.join(survivors, timeout=50)  # far below the 600 s communication timeouts
     check_survivors(j, results, procs, pl, 3)
-    # Abandoning v2 took the publication of v3, not the 30 s communication timeout.
-    assert recovered < TIMEOUTS["comm_s"] / 2, f"v3 took {recovered:.1f}s to finish"
     for d in survivors:
         assert [s["to_version"] for s in results[d]["switches"]] == [1, 3]
 
 
 def test_hung_peer_during_the_bsr(job):
-    pl = payload()
+    pl = payload(timeouts=BEYOND_DEADLINE)
     j = job(pl)
     hang = {"version": 2, "state": "resharding", "signal": "SIGSTOP"}
     procs = {d: spawn(j, d, die_in=hang if d == "n0:1" else None) for d in DEVICES}
@@ -160,14 +159,11 @@ def test_hung_peer_during_the_bsr(job):
     wait_until(lambda: all(state_of(j, d) == s for d, s in want.items()), 30,
                f"the v2 switch to stall on the stopped n0:1 as {want}")
     survivors = ["n0:0", "n1:0", "n1:1"]
-    t0 = time.monotonic()
     j.publish(dp_plan([2, 1, 1]), survivors, reason="n0:1 hangs")
-    results = j.join(survivors, timeout=50)
-    recovered = time.monotonic() - t0
+    results = j.join(survivors, timeout=50)  # far below the 600 s communication timeouts
     assert procs["n0:1"].poll() is None  # still stopped: nobody saw its connections close
     j.kill("n0:1")
     check_survivors(j, results, procs, pl, 3)
-    assert recovered < TIMEOUTS["comm_s"] / 2, f"v3 took {recovered:.1f}s to finish"
     for d in survivors:
         assert [s["to_version"] for s in results[d]["switches"]] == [1, 3]
 

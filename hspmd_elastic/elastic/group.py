@@ -6,12 +6,21 @@ group this process had (on gloo, destroy + a new init in the same process works 
 abandoned collective, in milliseconds), meet the plan's other ranks at a barrier on the store that
 this process polls (so a newer plan or a deadline interrupts it: no rank ever blocks inside
 ``init_process_group`` waiting for a peer that will not come), then ``init_process_group``.
+
+One gloo fact shapes leaving: the last reference to a process group with a collective still in
+flight (posted, then abandoned because a newer plan came or a peer never joined it) blocks in the
+group's destructor until gloo times that collective out, the whole communication timeout, on
+whichever thread drops it. ``GroupReaper`` keeps such groups (the default group at ``leave`` and
+the previous plan's sub-groups, through ``retire``) on a daemon thread until every abandoned
+collective has ended, then drops them there; groups still held when the process exits are never
+destroyed, so neither training nor exit waits for them.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from typing import Callable, Optional
 
@@ -48,12 +57,87 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class GroupReaper:
+    """Keeps process groups alive until the collectives abandoned on them have ended.
+
+    ``abandoned(done)`` records a collective left in flight (``done`` is set when it completes
+    or fails; gloo fails it at its group's timeout). ``retire(*objs)`` takes references to
+    process groups (or objects that own them, such as a ``Comm``) that the caller is about to
+    drop: while any recorded collective is still in flight, a daemon thread holds them until all
+    of those have ended and drops them there, where destruction is quick; otherwise it holds
+    nothing and the caller's drop destroys them at once. Point-to-point works are not recorded:
+    gloo runs them on the waiting thread, not on the group's workers, so they never hold up a
+    group's destructor.
+    """
+
+    def __init__(self, warn_after_s: float = 600.0):
+        self.warn_after_s = warn_after_s
+        self._lock = threading.Lock()
+        self._inflight: list[threading.Event] = []
+        self._holders: list[threading.Thread] = []
+        self.retired = 0  # how many retire() calls had to hold their groups
+
+    def abandoned(self, done: threading.Event) -> None:
+        with self._lock:
+            self._inflight.append(done)
+
+    def pending(self) -> int:
+        """Abandoned collectives still in flight."""
+        with self._lock:
+            self._inflight = [e for e in self._inflight if not e.is_set()]
+            return len(self._inflight)
+
+    def holding(self) -> int:
+        """Retired sets of groups still held (their collectives have not all ended)."""
+        with self._lock:
+            self._holders = [t for t in self._holders if t.is_alive()]
+            return len(self._holders)
+
+    def retire(self, *objs, what: str = "process groups") -> bool:
+        """Hold ``objs`` until every collective abandoned so far has ended; False if none is in
+        flight (nothing is held)."""
+        objs = tuple(o for o in objs if o is not None)
+        if not objs or not self.pending():
+            return False
+        with self._lock:
+            inflight = list(self._inflight)
+            holder = threading.Thread(target=self._hold, args=(list(objs), inflight, what),
+                                      name=f"retired {what}", daemon=True)
+            self._holders.append(holder)
+            self.retired += 1
+        holder.start()
+        log.info("%s: %d abandoned collective(s) still in flight; dropping them once those "
+                 "end", what, len(inflight))
+        return True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no retired group is held (True), at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            holders = list(self._holders)
+        for t in holders:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return self.holding() == 0
+
+    def _hold(self, objs: list, inflight: list[threading.Event], what: str) -> None:
+        for done in inflight:
+            # gloo ends every collective at its group's timeout, so this returns; a warning
+            # (never a release) if it takes far longer. At exit this daemon thread is frozen
+            # with ``objs`` still referenced: their destructors never run.
+            while not done.wait(self.warn_after_s):
+                log.warning("%s: an abandoned collective is still in flight after %.0fs; "
+                            "keeping its groups", what, self.warn_after_s)
+        objs.clear()  # every collective has ended: the destructors do not wait
+
+
 class GroupFormer:
     """Owns this process's connection to the plan's store and its default process group."""
 
-    def __init__(self, timeout_s: float, connect_timeout_s: float = 30.0):
+    def __init__(self, timeout_s: float, connect_timeout_s: float = 30.0,
+                 reaper: Optional[GroupReaper] = None):
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.reaper = reaper or GroupReaper()
         self._stores: dict[str, dist.Store] = {}
         self.store: Optional[dist.Store] = None  # the current version's PrefixStore
 
@@ -73,10 +157,13 @@ class GroupFormer:
         """Destroy the current process group (and its sub-groups); returns the seconds spent."""
         start = time.monotonic()
         if dist.is_initialized():
+            world = dist.group.WORLD
             try:
                 dist.destroy_process_group()
             except RuntimeError as exc:  # a group broken by a dead peer still goes away
                 log.warning("destroying the old process group raised (%s); continuing", exc)
+            self.reaper.retire(world, what="the previous default group")
+            del world
         self.store = None
         return time.monotonic() - start
 

@@ -104,9 +104,12 @@ class Watchdog:
     """
 
     def __init__(self, plans: PlanWatcher, current_version: Callable[[], int], timeout_s: float,
-                 inject: Optional[Callable[[str], None]] = None):
+                 inject: Optional[Callable[[str], None]] = None,
+                 on_abandon: Optional[Callable[[threading.Event], None]] = None):
         self.plans, self.current_version, self.timeout_s = plans, current_version, timeout_s
         self.inject = inject  # fault-injection seam: called before each wait, may raise
+        # told of every collective left in flight (its completion event): see GroupReaper
+        self.on_abandon = on_abandon
         self.failures = 0
         self.first_failure_at: Optional[float] = None  # monotonic time of the first failed wait
 
@@ -122,9 +125,14 @@ class Watchdog:
         deadline = time.monotonic() + self.timeout_s
         done, error, waited = _completion(work, self.timeout_s)
         while not done.is_set():
-            self.check(what)
+            try:
+                self.check(what)
+            except SwitchRequested:
+                self._abandon(done, waited)
+                raise
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self._abandon(done, waited)
                 self._failed()
                 raise CommTimeoutError(f"{what} did not complete within {self.timeout_s:g}s")
             done.wait(min(_POLL_S, remaining))  # the plan watch is checked between sleeps
@@ -136,6 +144,12 @@ class Watchdog:
         except RuntimeError as exc:
             self._failed()
             raise CommTimeoutError(f"{what} failed: {str(exc).splitlines()[0][:200]}") from exc
+
+    def _abandon(self, done: threading.Event, waited: bool) -> None:
+        """A collective left in flight keeps its group's worker busy until gloo times it out;
+        point-to-point works (``waited``: on a helper thread) do not."""
+        if not waited and not done.is_set() and self.on_abandon is not None:
+            self.on_abandon(done)
 
     def _failed(self) -> None:
         self.failures += 1
