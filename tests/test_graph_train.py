@@ -255,7 +255,7 @@ def test_a_silent_peer_times_out_through_the_waiter():
 def test_creating_groups_is_abandoned_when_a_peer_never_comes():
     results = run_world("test_graph_train:absent_peer", 2, {})
     assert results[0]["outcome"] == "aborted"
-    assert 0.3 <= results[0]["elapsed"] < 3.0, results[0]  # not the 30 s group timeout
+    assert 0.3 <= results[0]["elapsed"] < 15.0, results[0]  # not the 30 s group timeout
 
 
 def test_switch_plans_through_annotations_continues_the_same_training():
