@@ -31,6 +31,7 @@ from hspmd_elastic.elastic.api import ConfigurationError, ElasticError
 log = logging.getLogger(__name__)
 
 _POLL_FIRST_S = 0.001
+_SETTLE_S = 0.5  # after the last abandoned collective ends, before dropping its groups
 _POLL_MAX_S = 0.05
 
 
@@ -127,6 +128,11 @@ class GroupReaper:
             while not done.wait(self.warn_after_s):
                 log.warning("%s: an abandoned collective is still in flight after %.0fs; "
                             "keeping its groups", what, self.warn_after_s)
+        # ``done`` is set from the completion callback, on the group's worker thread, which
+        # then takes the GIL once more to free that callback. The destructor joins that thread
+        # while this thread holds the GIL, so give it time to get out first (torch offers no
+        # event for it); nothing waits on this thread.
+        time.sleep(_SETTLE_S)
         objs.clear()  # every collective has ended: the destructors do not wait
 
 
