@@ -3,7 +3,8 @@
 Modules:
   api.py         errors, the worker lifecycle (state machine), identity, progress, switch timings
   watchdog.py    the newest published plan (watch + re-read) and the abort-aware comm waiter
-  group.py       forming a plan version's process group on its store (destroy + barrier + init)
+  group.py       forming a plan version's process group on its store (destroy + barrier + init);
+                 GroupReaper: leaving groups whose abandoned collectives are still in flight
   agree.py       pure decisions: resume step, owners, old-id -> new-rank mapping, BSR tensor list
   checkpoint.py  asynchronous sharded checkpoints, read back under any plan (the fallback)
 """
