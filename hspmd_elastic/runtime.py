@@ -191,9 +191,7 @@ class _Worker:
             self.stalled_since = self.stalled_since or time.monotonic()
             self._enter(WorkerState.WAITING_PLAN)
             return False
-        if self.held is not None:  # its groups may still run a collective abandoned earlier
-            self.former.reaper.retire(self.held.model.comm, what=f"plan v{self.held.version}'s "
-                                      "groups")
+        self._retire_held()
         self.held, self.rank, self.step = res.held, res.rank, res.resume_step
         self.stalled_since = None
         self.watchdog.reset()
@@ -202,6 +200,13 @@ class _Worker:
             self.on_switch(res.timings)
         self._enter(WorkerState.TRAINING)
         return True
+
+    def _retire_held(self) -> None:
+        """The held plan's groups are about to be dropped: one may still run a collective this
+        rank abandoned, so they go through the reaper (see ``GroupReaper``)."""
+        if self.held is not None:
+            self.former.reaper.retire(self.held.model.comm,
+                                      what=f"plan v{self.held.version}'s groups")
 
     def _phase(self, phase: str) -> None:
         state = WorkerState(phase)
@@ -277,9 +282,7 @@ class _Worker:
     def _close(self) -> None:
         if self.checkpoints is not None:
             self.checkpoints.flush(30.0)
-        if self.held is not None:
-            self.former.reaper.retire(self.held.model.comm,
-                                      what=f"plan v{self.held.version}'s groups")
+        self._retire_held()
         self.former.leave()
         self.plans.stop()
         self.client.close()

@@ -31,8 +31,8 @@ from hspmd_elastic.elastic.api import ConfigurationError, ElasticError
 log = logging.getLogger(__name__)
 
 _POLL_FIRST_S = 0.001
-_SETTLE_S = 0.5  # after the last abandoned collective ends, before dropping its groups
 _POLL_MAX_S = 0.05
+_SETTLE_S = 0.5  # after the last abandoned collective ends, before dropping its groups
 
 
 class RegroupAborted(ElasticError):
