@@ -21,9 +21,10 @@ from hspmd_elastic.coord import (
     read_plan,
     schema,
 )
-from hspmd_elastic.coord.util import Recorder, wait_for
+from _clock import FakeClock
+from _wait import Recorder, wait_for
 from hspmd_elastic.planner import ModelProfile, plan_for
-from launcher.elastic_agent import device_table, node_record
+from launcher.node.devices import device_table, node_record
 from launcher.leader import Leader, LeaderState, Outcome
 
 JOB = "ljob"
@@ -31,20 +32,6 @@ WAIT = 10.0
 PROFILE = ModelProfile("tiny", num_layers=2, hidden_size=32, ffn_size=64, num_heads=4,
                        vocab_size=64, seq_len=16)
 BATCH = 8
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self._lock:
-            return self.now
-
-    def advance(self, dt: float) -> None:
-        with self._lock:
-            self.now += dt
 
 
 class Agent:
@@ -153,10 +140,10 @@ def test_initial_plan_once_all_expected_nodes_are_there(cluster):
     assert replan.detail["planner"] == "plan_for"
     assert replan.timings["detect_to_publish_s"] >= 0.0
     assert cluster.versions() == [1] and leader.outcomes == [Outcome.PUBLISHED]
-    states = [h[0] for h in leader.history()]
+    states = [t.state for t in leader.history()]
     assert states == [LeaderState.FOLLOWER, LeaderState.WATCHING, LeaderState.DEBOUNCING,
                       LeaderState.PLANNING, LeaderState.PUBLISHING, LeaderState.WATCHING]
-    assert all(a[1] <= b[1] for a, b in zip(leader.history(), leader.history()[1:]))
+    assert all(a.at <= b.at for a, b in zip(leader.history(), leader.history()[1:]))
 
 
 def test_lease_expiry_replans_without_the_node(cluster):
@@ -212,7 +199,7 @@ def test_a_join_gives_a_bigger_plan(cluster):
 
 
 def test_two_failures_in_quick_succession_make_one_publication(cluster):
-    clock = ManualClock()
+    clock = FakeClock(1000.0)
     a = cluster.agent("a", slots=3).up()
     b = cluster.agent("b", slots=3).up()
     leader = a.lead(debounce_s=1.0, clock=clock, min_nodes=2, max_debounce_s=5.0)
@@ -244,7 +231,7 @@ def test_two_failures_in_quick_succession_make_one_publication(cluster):
 
 
 def test_a_storm_stops_at_the_debounce_bound_and_versions_stay_consecutive(cluster):
-    clock = ManualClock()
+    clock = FakeClock(1000.0)
     a = cluster.agent("a", slots=4).up()
     leader = a.lead(debounce_s=1.0, clock=clock, max_debounce_s=2.0)
     assert wait_for(lambda: leader.state is LeaderState.DEBOUNCING, WAIT)
@@ -336,7 +323,7 @@ def test_the_leaders_agent_dies_mid_replan_and_another_takes_over(etcd_cluster3)
     try:
         a = cluster.agent("a").up()
         b = cluster.agent("b").up()
-        held = ManualClock()  # a's debounce clock: never advanced once v1 is out
+        held = FakeClock(1000.0)  # a's debounce clock: never advanced once v1 is out
         leader_a = a.lead(debounce_s=0.5, clock=held, min_nodes=2)
         assert wait_for(lambda: leader_a.state is LeaderState.DEBOUNCING, WAIT)
         held.advance(1.0)

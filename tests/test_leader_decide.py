@@ -1,4 +1,4 @@
-"""The leader's pure parts: snapshot, decision, planning adapter, fallback plan, state table."""
+"""The leader's pure parts: snapshot, decision, planning adapter, state table."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.contract import device_id, parse_device_id
 from hspmd_elastic.plan import Plan
 from hspmd_elastic.planner import ModelProfile, PlanInfeasibleError, plan_for
-from launcher.elastic_agent import device_table
 from launcher.leader import (
     EXIT_PREFIX,
     STALL_PREFIX,
@@ -19,13 +19,11 @@ from launcher.leader import (
     PlanningFailed,
     build_snapshot,
     decide,
-    device_id,
-    fallback_dp_plan,
     make_layout,
-    parse_device_id,
     plan_record,
     select_nodes,
 )
+from launcher.node.devices import device_table
 
 PROFILE = ModelProfile("tiny", num_layers=2, hidden_size=32, ffn_size=64, num_heads=4,
                        vocab_size=64, seq_len=16)
@@ -282,17 +280,6 @@ def test_decide_exhaustively_over_pairs_of_worlds():
 
 
 # ---- planning -----------------------------------------------------------------------------------
-def test_fallback_dp_plan_splits_rows_evenly():
-    p = fallback_dp_plan([4, 1, 2], num_layers=3, global_batch=8)
-    assert [pipe.stages[0].devices for pipe in p.pipelines] == [(1,), (2,), (4,)]
-    assert [pipe.rows for pipe in p.pipelines] == [3, 3, 2]
-    assert all(pipe.stages[0].layers == (0, 3) for pipe in p.pipelines)
-    small = fallback_dp_plan(range(5), num_layers=1, global_batch=2)
-    assert small.devices == (0, 1)
-    with pytest.raises(PlanningFailed):
-        fallback_dp_plan([], 2, 4)
-
-
 def test_layout_without_planner_is_the_fallback_over_compact_ids():
     nodes = {"a": node("a"), "b": node("b")}
     d = decide(build_snapshot(nodes, {("a", 0): verdict("failed", "x")}, "a"), None)

@@ -12,9 +12,9 @@ from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.plan import Plan, simple_plan
 from hspmd_elastic.planner import (Device, DeviceSpec, Health, Inventory, ModelProfile,
                                    PlanInfeasibleError, PlannerError, PlannerOptions,
-                                   cpu_inventory, estimate_plan, inventory_from_nodes,
-                                   lookup_spec, plan_for, preset, profile_from_config,
-                                   switch_bytes)
+                                   cpu_inventory, estimate_plan, fallback_dp_plan,
+                                   inventory_from_nodes, lookup_spec, plan_for, preset,
+                                   profile_from_config, switch_bytes)
 
 PAPER = "8xH800,8xH800,8xH20,8xH20,8xH20,8xH20"
 TINY = ModelConfig()  # 4 layers, 2 heads: TP 1 or 2
@@ -333,3 +333,14 @@ def test_any_small_cpu_job_gets_a_valid_plan(nodes, failed, slow, batch):
     assert not failed & set(result.plan.devices)
     again = plan_for(inv, ModelProfile.from_config(TINY), batch)
     assert again.plan == result.plan
+
+
+def test_fallback_dp_plan_splits_rows_evenly():
+    p = fallback_dp_plan([4, 1, 2], num_layers=3, global_batch=8)
+    assert [pipe.stages[0].devices for pipe in p.pipelines] == [(1,), (2,), (4,)]
+    assert [pipe.rows for pipe in p.pipelines] == [3, 3, 2]
+    assert all(pipe.stages[0].layers == (0, 3) for pipe in p.pipelines)
+    small = fallback_dp_plan(range(5), num_layers=1, global_batch=2)
+    assert small.devices == (0, 1)
+    with pytest.raises(PlanInfeasibleError, match="no usable device"):
+        fallback_dp_plan([], 2, 4)

@@ -2,7 +2,8 @@
 
 ``plan_for(inventory, profile, global_batch, current_plan=None, options=PlannerOptions())``
 returns a ``PlanResult`` (chosen plan, estimate, ranked alternatives); ``estimate_plan`` scores
-any ``Plan``. Both are pure: no I/O, and the same inputs give the same answer.
+any ``Plan``; ``fallback_dp_plan`` is a plain data-parallel plan for callers that must have one
+when the search fails. All are pure: no I/O, and the same inputs give the same answer.
 """
 
 from hspmd_elastic.planner.api import (Candidate, Device, DeviceSpec, Estimate, Health, Inventory,
@@ -12,13 +13,14 @@ from hspmd_elastic.planner.cost import estimate_plan, switch_bytes
 from hspmd_elastic.planner.devices import (BUILTIN_SPECS, cpu_inventory, inventory_from_dict,
                                            inventory_from_nodes, lookup_spec,
                                            register_device_type, spec_for_device)
+from hspmd_elastic.planner.fallback import fallback_dp_plan
 from hspmd_elastic.planner.profiles import PRESETS, preset, profile_from_config, profile_from_dict
 from hspmd_elastic.planner.search import plan_for
 
 __all__ = [
     "BUILTIN_SPECS", "Candidate", "Device", "DeviceSpec", "Estimate", "Health", "Inventory",
     "ModelProfile", "PRESETS", "PlanInfeasibleError", "PlanResult", "PlannerError",
-    "PlannerOptions", "cpu_inventory", "estimate_plan", "inventory_from_dict",
+    "PlannerOptions", "cpu_inventory", "estimate_plan", "fallback_dp_plan", "inventory_from_dict",
     "inventory_from_nodes", "lookup_spec", "plan_for", "preset", "profile_from_config",
     "profile_from_dict", "register_device_type", "spec_for_device", "switch_bytes",
 ]

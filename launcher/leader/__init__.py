@@ -1,0 +1,55 @@
+"""The leader: the elected node agent that turns failure, join and slow-down into a new plan.
+
+Package map (pure parts first; only ``loop`` does I/O):
+
+* ``snapshot``: records -> ``ClusterSnapshot`` (``build_snapshot``); the verdict-reason
+  prefixes ``EXIT_PREFIX`` / ``STALL_PREFIX`` of failures an agent journaled itself;
+* ``decide``: the pure decision: ``decide(snapshot, current_plan)`` -> ``PlanDecision`` or
+  None, with ``select_nodes`` (planned nodes and hot spares under ``--nnodes`` max);
+* ``planning``: the typed planner adapter: ``make_layout`` calls a ``PlannerFn`` (normally
+  ``hspmd_elastic.planner.plan_for``) or falls back to ``fallback_dp_plan``; ``plan_record``;
+* ``journal``: the change and ``replan`` events written after a publication;
+* ``loop``: the effect loop: ``Leader`` (election, watches, debounce, fenced publication) and
+  its state machine ``LeaderState`` / ``TRANSITIONS``.
+
+Device ids, ``plan_of`` and the state-machine helper are the shared contract in
+``hspmd_elastic.coord.contract`` and ``hspmd_elastic.coord.lifecycle``.
+"""
+
+# device_id / parse_device_id live in the contract; re-exported for callers that import them here
+from hspmd_elastic.coord.contract import device_id, parse_device_id
+from launcher.leader.decide import (
+    Change,
+    ChangeKind,
+    PlanDecision,
+    assumed_inventory,
+    decide,
+    select_nodes,
+)
+from launcher.leader.loop import TRANSITIONS, Leader, LeaderState, Outcome, Publication
+from launcher.leader.planning import (
+    LeaderError,
+    PlannedLayout,
+    PlannerFn,
+    PlanningFailed,
+    default_planner_options,
+    make_layout,
+    plan_record,
+)
+from launcher.leader.snapshot import (
+    EXIT_PREFIX,
+    GONE_NODE_STATES,
+    STALL_PREFIX,
+    ClusterSnapshot,
+    DeviceView,
+    NodeView,
+    build_snapshot,
+)
+
+__all__ = [
+    "EXIT_PREFIX", "GONE_NODE_STATES", "STALL_PREFIX", "TRANSITIONS", "Change", "ChangeKind",
+    "ClusterSnapshot", "DeviceView", "Leader", "LeaderError", "LeaderState", "NodeView",
+    "Outcome", "PlanDecision", "PlannedLayout", "PlannerFn", "PlanningFailed", "Publication",
+    "assumed_inventory", "build_snapshot", "decide", "default_planner_options", "device_id",
+    "make_layout", "parse_device_id", "plan_record", "select_nodes",
+]

@@ -1,0 +1,175 @@
+"""The leader's decision: does the cluster still match the current plan? Pure, no I/O.
+
+Promises:
+
+* ``decide(snapshot, current_plan)`` returns a ``PlanDecision`` exactly when the usable devices,
+  their speeds, or the store host differ from what the current plan assumed (its
+  ``inventory``; ``assumed_inventory``), or when no plan exists yet and ``min_nodes`` nodes are
+  up; otherwise None. The decision names every change (``ChangeKind``: leave, join, failure,
+  stall, degrade, recover), grouped by node and kind in a deterministic order;
+* at most ``max_nodes`` nodes are planned over (the maximum of ``--nnodes``; None: all):
+  ``select_nodes`` keeps the current plan's nodes, then takes the lowest node ids; the other
+  live nodes are hot spares (registered, leased, running no worker) until a planned node is
+  gone, when the next decision takes one in its place (a join);
+* failures and stalls an agent already journaled (the verdict reasons ``EXIT_PREFIX`` /
+  ``STALL_PREFIX``) are marked ``journaled``;
+* ``PlanDecision.fingerprint`` is equal for decisions that would give the same plan (the
+  leader's debounce compares these).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.contract import device_sort_key, node_of
+from launcher.leader.snapshot import EXIT_PREFIX, STALL_PREFIX, ClusterSnapshot, DeviceView
+
+
+class ChangeKind(str, enum.Enum):
+    """The kind of one change; also the type of its journal event."""
+
+    JOIN = "join"
+    LEAVE = "leave"
+    FAILURE = "failure"
+    STALL = "stall"
+    DEGRADE = "degrade"
+    RECOVER = "recover"
+
+
+@dataclass(frozen=True)
+class Change:
+    """What changed since the current plan, for one node (``devices``: the ids concerned)."""
+
+    kind: ChangeKind
+    node: str
+    devices: tuple[str, ...]
+    detail: str = ""
+    journaled: bool = False  # already in the journal (an agent reported it)
+
+    def describe(self) -> str:
+        if self.kind in (ChangeKind.JOIN, ChangeKind.LEAVE):
+            return f"{self.kind.value} {self.node}"
+        what = f"{self.kind.value} {','.join(self.devices)}"
+        return f"{what}: {self.detail}" if self.detail else what
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    """A new plan is needed: over ``devices`` (usable, in id order), for these reasons."""
+
+    version: int
+    reason: str
+    changes: tuple[Change, ...]
+    devices: tuple[DeviceView, ...]
+    store_node: str
+    store_endpoint: str
+
+    @property
+    def inventory(self) -> dict[str, float]:
+        return {d.id: d.speed for d in self.devices}
+
+    def fingerprint(self) -> tuple:
+        """Equal for decisions that would give the same plan (the debounce compares these)."""
+        return (self.version, tuple(sorted(self.inventory.items())), self.store_endpoint)
+
+
+def assumed_inventory(plan: schema.PlanRecord) -> dict[str, float]:
+    """What ``plan`` was made over (device -> speed); its devices at speed 1 for plans that do
+    not say."""
+    return dict(plan.inventory) if plan.inventory else {d: 1.0 for d in plan.devices}
+
+
+def select_nodes(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
+                 max_nodes: Optional[int] = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Pure: ``(planned, spares)``, the live nodes with a usable device split at ``max_nodes``
+    (the maximum of ``--nnodes``; None: no maximum, no spares), both in node id order.
+
+    The nodes ``current`` was made over come first, so a node joining a full plan waits as a
+    spare instead of displacing a planned node (a switch for nothing); the rest by node id,
+    which makes the choice deterministic: the same world always gives the same spares, so
+    decisions do not flip-flop between them. A planned node that is gone (left, lease
+    expired, every device failed) is no candidate, so the lowest spare takes its place."""
+    candidates = sorted({d.node for d in snapshot.usable().values()})
+    if max_nodes is None or len(candidates) <= max_nodes:
+        return tuple(candidates), ()
+    kept = {node_of(d) for d in assumed_inventory(current)} if current else set()
+    ranked = sorted(candidates, key=lambda n: (n not in kept, n))
+    return tuple(sorted(ranked[:max_nodes])), tuple(sorted(ranked[max_nodes:]))
+
+
+def decide(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
+           min_nodes: int = 1, max_nodes: Optional[int] = None) -> Optional[PlanDecision]:
+    """Pure: a ``PlanDecision`` when the cluster differs from what ``current`` assumed.
+
+    With ``max_nodes``, only the nodes ``select_nodes`` plans over count: spares are neither
+    in ``devices`` nor named as joins until a planned node is gone and one of them is needed
+    (then it is a ``join``)."""
+    if max_nodes is not None and max_nodes < min_nodes:
+        raise ValueError(f"need min_nodes ({min_nodes}) <= max_nodes ({max_nodes})")
+    usable = snapshot.usable()
+    if not usable:
+        return None
+    planned, spares = select_nodes(snapshot, current, max_nodes)
+    if spares:
+        usable = {k: d for k, d in usable.items() if d.node in planned}
+    store_node, store = snapshot.store_for(snapshot.self_node)
+    ordered = tuple(usable[d] for d in sorted(usable, key=device_sort_key))
+    if current is None:
+        if len(snapshot.alive_nodes()) < min_nodes:
+            return None
+        changes = tuple(Change(ChangeKind.JOIN, n, tuple(d.id for d in ordered if d.node == n))
+                        for n in snapshot.alive_nodes() if n not in spares)
+        return PlanDecision(1, "start", changes, ordered, store_node, store)
+    changes = _changes(snapshot, assumed_inventory(current), usable, spares)
+    store_lost = current.store_endpoint not in {
+        v.store_endpoint for v in snapshot.nodes.values() if v.alive and v.store_endpoint}
+    if not changes and not (store_lost and store):
+        return None
+    reasons = [c.describe() for c in changes]
+    if store_lost and store:
+        reasons.append(f"store {current.store_endpoint or '(none)'} -> {store}")
+    return PlanDecision(current.version + 1, "; ".join(reasons), changes, ordered, store_node,
+                        store)
+
+
+def _changes(snapshot: ClusterSnapshot, assumed: Mapping[str, float],
+             usable: Mapping[str, DeviceView], spares: Sequence[str] = ()
+             ) -> tuple[Change, ...]:
+    """The differences between ``assumed`` (device -> speed) and ``usable``, grouped by node and
+    kind, in a deterministic order. A planned node that is now a spare (only when the plan
+    holds more nodes than the maximum, e.g. made by a leader given a larger one) leaves."""
+    groups: dict[tuple[ChangeKind, str, str, bool], list[str]] = {}
+    assumed_nodes = {node_of(d) for d in assumed}
+
+    def add(kind: ChangeKind, dev: str, detail: str = "", journaled: bool = False) -> None:
+        groups.setdefault((kind, node_of(dev), detail, journaled), []).append(dev)
+
+    for dev in sorted(set(assumed) - set(usable), key=device_sort_key):
+        node = node_of(dev)
+        view, seen = snapshot.nodes.get(node), snapshot.device(dev)
+        if view is None or not view.alive:
+            add(ChangeKind.LEAVE, dev, "" if view is None else f"node {view.state}")
+        elif node in spares:
+            add(ChangeKind.LEAVE, dev, "node spare: --nnodes max reached")
+        elif seen is None:
+            add(ChangeKind.FAILURE, dev, "device no longer reported")
+        elif seen.reason.startswith(STALL_PREFIX):
+            add(ChangeKind.STALL, dev, seen.reason[len(STALL_PREFIX):], journaled=True)
+        elif seen.reason.startswith(EXIT_PREFIX):
+            add(ChangeKind.FAILURE, dev, seen.reason[len(EXIT_PREFIX):], journaled=True)
+        else:
+            add(ChangeKind.FAILURE, dev, seen.reason)
+    for dev in sorted(set(usable) - set(assumed), key=device_sort_key):
+        node = usable[dev].node
+        add(ChangeKind.RECOVER if node in assumed_nodes else ChangeKind.JOIN, dev)
+    for dev in sorted(set(usable) & set(assumed), key=device_sort_key):
+        old, new = assumed[dev], usable[dev].speed
+        if abs(old - new) > 1e-9:
+            kind = ChangeKind.DEGRADE if new < old else ChangeKind.RECOVER
+            add(kind, dev, f"speed {old:.0%} -> {new:.0%}")
+    order = {k: i for i, k in enumerate(ChangeKind)}
+    keys = sorted(groups, key=lambda k: (order[k[0]], k[1], k[2]))
+    return tuple(Change(k[0], k[1], tuple(groups[k]), k[2], k[3]) for k in keys)

@@ -1,0 +1,155 @@
+"""The planner adapter: a ``PlanDecision`` in, the plan to publish out. Pure given the planner.
+
+The seam to the data plane's planner is typed: ``PlannerFn`` is the signature of
+``hspmd_elastic.planner.plan_for`` (an ``Inventory``, a ``ModelProfile``, the global batch, the
+current ``Plan`` and ``PlannerOptions`` in; a ``PlanResult`` out). Promises:
+
+* ``make_layout`` hands the planner an inventory of the usable devices plus the current plan's
+  lost ones (as failed), with ints in device-id order, degraded devices as slowdowns, and the
+  current plan relabelled to those ints (``coord.contract.plan_of`` then ``Plan.relabel``; None
+  when the record holds no plan the planner reads), so the planner can prefer a cheap switch;
+* the published layout uses compact ids: ``PlannedLayout.devices[i]`` is the device of int
+  ``i`` in ``plan``, which is the worker's rank in that plan's process group;
+* a plan the planner finds infeasible raises ``PlanningFailed`` (the caller keeps the current
+  plan); any other planner failure, or no planner, gives ``fallback_dp_plan`` (from the
+  planner's API) over the usable devices, and the layout says so (``planner``);
+* the planner's options come from ``default_planner_options`` unless the caller gives some: CPU
+  jobs ask for every worker slot to get a role, and a cluster of two nodes or more asks for
+  every parameter slice on two nodes;
+* importing this module does not import the planner (its search loads scipy): the planner
+  package is imported when a plan is first made.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.contract import device_sort_key, node_of, plan_of
+from hspmd_elastic.plan import Plan, PlanError
+from launcher.leader.decide import PlanDecision
+from launcher.leader.snapshot import DeviceView
+
+if TYPE_CHECKING:
+    from hspmd_elastic.planner import Inventory, ModelProfile, PlannerOptions, PlanResult
+
+log = logging.getLogger(__name__)
+
+PLANNER_SEARCH = "plan_for"  # PlannedLayout.planner: the planner's search made the plan
+PLANNER_FALLBACK = "fallback-dp"  # PlannedLayout.planner: the fallback DP plan
+
+
+class LeaderError(Exception):
+    """Root of the leader's errors; ``str(err)`` is one line."""
+
+
+class PlanningFailed(LeaderError):
+    """No plan could be made for a decision (the planner found it infeasible)."""
+
+
+class PlannerFn(Protocol):
+    """The planner the leader calls: ``hspmd_elastic.planner.plan_for`` or a stand-in."""
+
+    def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
+                 current_plan: Optional[Plan] = None,
+                 options: PlannerOptions = ...) -> PlanResult: ...
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    """A plan over compact ids (``devices[i]`` is device ``i``) and who made it."""
+
+    plan: Plan
+    devices: tuple[str, ...]
+    planner: str  # PLANNER_SEARCH or PLANNER_FALLBACK
+
+
+def default_planner_options(devices: Sequence[DeviceView]) -> PlannerOptions:
+    """The planner's options for this cluster.
+
+    CPU jobs expect a role for every worker slot: ask the planner to use every device. When the
+    devices span two nodes or more, rank plans that keep every parameter slice on two nodes
+    first, so that losing one node is a reshard from the survivors, not a checkpoint reload
+    (a preference: a cluster where no such plan fits still gets the fastest plan)."""
+    from hspmd_elastic.planner import PlannerOptions
+
+    return PlannerOptions(use_all_devices=all(d.type.upper() == "CPU" for d in devices),
+                          cross_node_replicas=len({d.node for d in devices}) >= 2)
+
+
+def make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
+                planner_fn: Optional[PlannerFn], profile: ModelProfile, global_batch: int,
+                options: Optional[PlannerOptions] = None) -> PlannedLayout:
+    """Pure (given a pure ``planner_fn``): the plan for ``decision`` (see the module docstring).
+    Raises ``PlanningFailed`` when the planner finds no plan."""
+    from hspmd_elastic.planner import PlanInfeasibleError, fallback_dp_plan
+
+    usable = {d.id: d for d in decision.devices}
+    old = list(current.devices) if current else []
+    universe = sorted(set(usable) | set(old), key=device_sort_key)
+    ids = {dev: i for i, dev in enumerate(universe)}
+    planner = PLANNER_SEARCH
+    plan: Optional[Plan] = None
+    if planner_fn is not None:
+        try:
+            inventory = _inventory(universe, usable, ids, decision.devices[0].type)
+            opts = options if options is not None else default_planner_options(decision.devices)
+            result = planner_fn(inventory, profile, global_batch,
+                                current_plan=_current_in(current, ids), options=opts)
+            plan = result.plan
+        except PlanInfeasibleError as exc:
+            raise PlanningFailed(f"plan v{decision.version}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - the planner is optional: fall back, say why
+            log.warning("plan v%d: planner failed (%s: %s); using the fallback DP plan",
+                        decision.version, type(exc).__name__, exc)
+            plan = None
+    if plan is None:
+        planner = PLANNER_FALLBACK
+        try:
+            plan = fallback_dp_plan([ids[d] for d in usable], profile.num_layers, global_batch)
+        except PlanInfeasibleError as exc:
+            raise PlanningFailed(str(exc)) from exc
+    used = sorted(plan.devices)
+    compact = {u: k for k, u in enumerate(used)}
+    return PlannedLayout(plan.relabel(compact), tuple(universe[u] for u in used), planner)
+
+
+def _inventory(universe: Sequence[str], usable: Mapping[str, DeviceView],
+               ids: Mapping[str, int], lost_type: str) -> Inventory:
+    """The planner's inventory: every device of ``universe`` under its int id; those not
+    ``usable`` (lost since the current plan) as failed devices of type ``lost_type``."""
+    from hspmd_elastic.planner import Device, Health, Inventory, spec_for_device
+
+    devs = []
+    for dev in universe:
+        view = usable.get(dev)
+        if view is None:
+            devs.append(Device(ids[dev], node_of(dev), spec_for_device(lost_type),
+                               Health.FAILED))
+            continue
+        spec = spec_for_device(view.type, view.memory_bytes or None)
+        health = Health.DEGRADED if view.state == "degraded" else Health.HEALTHY
+        devs.append(Device(ids[dev], view.node, spec, health, 1.0 / max(view.speed, 1e-6)))
+    return Inventory(tuple(devs))
+
+
+def _current_in(current: Optional[schema.PlanRecord], ids: Mapping[str, int]) -> Optional[Plan]:
+    """The current plan with its device ints moved to the inventory's ids (None if unreadable)."""
+    if current is None or not current.strategy:
+        return None
+    try:
+        return plan_of(current).relabel({i: ids[dev] for i, dev in enumerate(current.devices)})
+    except (PlanError, KeyError, IndexError, TypeError) as exc:
+        log.info("current plan v%d is not a plan the planner reads (%s)", current.version, exc)
+        return None
+
+
+def plan_record(decision: PlanDecision, layout: PlannedLayout, created_at: float
+                ) -> schema.PlanRecord:
+    """The ``PlanRecord`` that publishes ``layout`` for ``decision``."""
+    return schema.PlanRecord(version=decision.version, reason=decision.reason,
+                             devices=list(layout.devices), strategy=layout.plan.to_dict(),
+                             store_endpoint=decision.store_endpoint, created_at=created_at,
+                             inventory=decision.inventory)

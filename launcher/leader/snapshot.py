@@ -1,0 +1,114 @@
+"""The cluster as the leader sees it: records in, a ``ClusterSnapshot`` out. Pure, no I/O.
+
+Promises:
+
+* ``build_snapshot`` turns node records, device-health verdicts and worker progress into a
+  ``ClusterSnapshot``: per node its devices (ids ``"<node_id>:<index>"``, made by
+  ``coord.contract.device_id``) with type, memory, state and speed relative to nominal;
+  failed devices have speed 0 and are not ``usable``; nodes in ``GONE_NODE_STATES``
+  (draining, leaving, failed) are not ``alive`` and none of their devices is usable;
+* a verdict whose reason starts with ``EXIT_PREFIX`` or ``STALL_PREFIX`` was written by a node
+  agent that saw its worker die or hang and journaled it already; ``decide`` marks the change
+  ``journaled`` so the leader does not journal it twice;
+* ``ClusterSnapshot.store_for`` is deterministic: the preferred node's advertised store when it
+  has one, else the lowest live node id's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.contract import device_id, node_of
+from launcher.health.verdicts import summarize_device_health
+
+EXIT_PREFIX = "worker exit: "  # verdict reason of a slot whose worker died (agent journaled it)
+STALL_PREFIX = "stall: "  # verdict reason of a slot whose worker hung (agent journaled it)
+GONE_NODE_STATES = ("draining", "leaving", "failed")
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """One device slot as the leader sees it. ``speed``: relative to nominal (1.0 nominal)."""
+
+    id: str
+    node: str
+    index: int
+    type: str
+    memory_bytes: int
+    state: str = "healthy"  # healthy | degraded | failed
+    speed: float = 1.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node's record and its devices; ``alive`` unless its state is a gone one."""
+
+    node: str
+    host: str
+    state: str
+    store_endpoint: str
+    devices: tuple[DeviceView, ...]
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in GONE_NODE_STATES
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """The cluster at one moment, as records said it. ``self_node``: the leader's node."""
+
+    nodes: Mapping[str, NodeView]
+    self_node: str = ""
+    step: Optional[int] = None  # the furthest step any worker reported
+
+    def usable(self) -> dict[str, DeviceView]:
+        return {d.id: d for n in self.nodes.values() if n.alive for d in n.devices
+                if d.state != "failed"}
+
+    def device(self, dev: str) -> Optional[DeviceView]:
+        view = self.nodes.get(node_of(dev))
+        return next((d for d in view.devices if d.id == dev), None) if view else None
+
+    def alive_nodes(self) -> list[str]:
+        return sorted(n for n, v in self.nodes.items() if v.alive)
+
+    def store_for(self, prefer: str) -> tuple[str, str]:
+        """(node, endpoint) of a store hosted by a live agent: ``prefer``'s, else the lowest
+        node id's; ("", "") when no live agent advertises one."""
+        live = {n: v.store_endpoint for n, v in self.nodes.items() if v.alive and v.store_endpoint}
+        if prefer in live:
+            return prefer, live[prefer]
+        if live:
+            node = min(live)
+            return node, live[node]
+        return "", ""
+
+
+def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
+                   verdicts: Mapping[tuple[str, int], schema.DeviceHealthRecord],
+                   self_node: str = "",
+                   workers: Optional[Mapping[tuple[str, int], schema.WorkerRecord]] = None,
+                   default_slowdown: float = 0.5) -> ClusterSnapshot:
+    """Pure: node records + health verdicts (+ worker progress) -> ``ClusterSnapshot``."""
+    health = summarize_device_health(verdicts, default_slowdown=default_slowdown)
+    views = {}
+    for name, rec in nodes.items():
+        devs = []
+        for info in sorted(rec.devices, key=lambda d: d.index):
+            where = (name, info.index)
+            if where in health.failed:
+                state, speed, reason = "failed", 0.0, health.failed[where]
+            elif where in health.slowdown:
+                state, speed = "degraded", float(health.slowdown[where])
+                reason = verdicts[where].reason
+            else:
+                state, speed, reason = "healthy", 1.0, ""
+            devs.append(DeviceView(device_id(name, info.index), name, info.index, info.type,
+                                   info.memory_bytes, state, speed, reason))
+        views[name] = NodeView(name, rec.host, rec.state, rec.store_endpoint, tuple(devs))
+    steps = [w.step for w in (workers or {}).values()]
+    return ClusterSnapshot(views, self_node, max(steps) if steps else None)
