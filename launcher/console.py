@@ -322,6 +322,7 @@ class ElasticWaits:
 
     def _acks(self, version: int) -> tuple[int, Optional[int]]:
         from hspmd_elastic.coord import schema
+        from hspmd_elastic.coord.contract import node_of
         from hspmd_elastic.coord.plans import read_plan
 
         acks = [schema.decode(kv.key, kv.value)
@@ -329,7 +330,10 @@ class ElasticWaits:
         plan, _ = read_plan(self.client, self.job)
         expected = None
         if plan is not None and plan.version == version:
-            expected = len({d.rpartition(":")[0] for d in plan.devices}) or None
+            try:
+                expected = len({node_of(d) for d in plan.devices}) or None
+            except ValueError:  # a device id that is not <node>:<index>: no count to show
+                expected = None
         if not acks:  # nodes that write no acks: a pulsing bar, not a count stuck at 0
             return 0, None
         return sum(1 for a in acks if a.state == "done"), expected

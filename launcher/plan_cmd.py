@@ -17,6 +17,7 @@ from typing import Optional
 
 import click
 
+from hspmd_elastic.coord.contract import parse_device_id
 from hspmd_elastic.plan import Plan, PlanError
 from hspmd_elastic.planner import (Inventory, PlanInfeasibleError, PlannerError, PlannerOptions,
                                    inventory_from_dict, inventory_from_nodes, plan_for, preset,
@@ -44,16 +45,20 @@ def resolve_device(token: str, inventory: Inventory, param: str) -> int:
     """A device id, or ``NODE:INDEX`` (the INDEX-th device of that node, by id)."""
     token = token.strip()
     if ":" in token:
-        node, _, index = token.rpartition(":")
+        try:
+            node, index = parse_device_id(token)
+        except ValueError:
+            raise click.BadParameter(f"{token!r} is not NODE:INDEX (INDEX: a number)",
+                                     param_hint=param) from None
         members = [d.id for d in inventory.devices if d.node == node]
         if not members:
             nodes = sorted({d.node for d in inventory.devices})
             raise click.BadParameter(f"node {node!r} in {token!r} is unknown; nodes: "
                                      f"{', '.join(nodes)}", param_hint=param)
-        if not index.isdigit() or int(index) >= len(members):
-            raise click.BadParameter(f"index {index!r} in {token!r}: node {node} has devices "
+        if index >= len(members):
+            raise click.BadParameter(f"index '{index}' in {token!r}: node {node} has devices "
                                      f"0..{len(members) - 1}", param_hint=param)
-        return members[int(index)]
+        return members[index]
     if not token.isdigit():
         raise click.BadParameter(f"{token!r} is neither a device id nor NODE:INDEX",
                                  param_hint=param)

@@ -58,6 +58,7 @@ def test_current_plan_reports_switch_traffic(tmp_path):
     (("--devices", "8xH900"), "'H900'"),
     (("--devices", "8xH800", "--fail", "node7:0"), "'node7'"),
     (("--devices", "8xH800", "--fail", "node0:8"), "index '8'"),
+    (("--devices", "8xH800", "--fail", "node0:x"), "'node0:x'"),
     (("--devices", "8xH800", "--fail", "99"), "device 99"),
     (("--devices", "8xH800", "--degrade", "1=0.5"), "'1=0.5'"),
     (("--devices", "8xH800", "--model", "llama-70b"), "'llama-70b'"),

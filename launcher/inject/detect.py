@@ -36,6 +36,7 @@ from typing import Any, Optional, Protocol, Sequence
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent
 from hspmd_elastic.coord.client import EtcdClient
+from hspmd_elastic.coord.contract import device_id, parse_device_id
 from hspmd_elastic.coord.watch import PrefixWatch
 from launcher.health.rules import classify_xid
 from launcher.inject.api import AGENT_FAULTS, DEVICE_FAULTS, WORKER_FAULTS, ProgressPoint
@@ -141,11 +142,21 @@ def _device_event(ev: schema.EventRecord, inj: Injected) -> bool:
     want = str(inj.target.get("device"))
     devices = ev.detail.get("devices")  # the leader's change events: ["<node>:<index>", ...]
     if isinstance(devices, list):
-        return any(str(d).rsplit(":", 1)[-1] == want for d in devices)
+        return any(_split_target(str(d))[1] == want for d in devices)
     dev = ev.detail.get("device", ev.detail.get("index"))
-    if isinstance(dev, str) and ":" in dev:
-        dev = dev.rsplit(":", 1)[1]
+    if isinstance(dev, str):
+        dev = _split_target(dev)[1]
     return dev is None or str(dev) == want
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    """``(node, index)`` of a device id ``"<node>:<index>"`` (the index as text); a target that
+    is not a device id (a node name, a bare index) is its own node and its own index."""
+    try:
+        node, index = parse_device_id(target)
+    except ValueError:
+        return target, target
+    return node, str(index)
 
 
 def switch_started(events: Sequence[schema.EventRecord], after_seq: int) -> Optional[float]:
@@ -212,14 +223,14 @@ def _names_fault(inj: Injected, kind: str, targets: tuple[str, ...]) -> bool:
     if inj.fault in WORKER_FAULTS:
         slot = t.get("local_rank")
         return kind in ("failure", "stall", "leave") and any(
-            d == node or (slot is not None and d == f"{node}:{slot}") or
-            (slot is None and d.rsplit(":", 1)[0] == node) for d in targets)
+            d == node or (slot is not None and d == device_id(node, slot)) or
+            (slot is None and _split_target(d)[0] == node) for d in targets)
     if inj.fault in AGENT_FAULTS:
         return kind in ("leave", "failure", "stall") and any(
-            d == node or d.rsplit(":", 1)[0] == node for d in targets)
+            d == node or _split_target(d)[0] == node for d in targets)
     if inj.fault in DEVICE_FAULTS:
         want = ("degrade",) if inj.fault == "thermal" else ("failure",)
-        return kind in want and f"{node}:{t.get('device')}" in targets
+        return kind in want and device_id(node, t.get("device")) in targets
     if inj.fault == "join":
         return kind == "join" and node in targets
     return False

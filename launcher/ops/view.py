@@ -24,7 +24,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import RecordError
-from hspmd_elastic.plan import Plan, PlanError
+from hspmd_elastic.coord.contract import parse_device_id, plan_of
+from hspmd_elastic.plan import PlanError
 
 from launcher.ops.api import RECENT_EVENTS, STATUS_FORMAT, STATUS_VERSION
 from launcher.ops.events import SwitchView, counters_of, event_dict, switches_of
@@ -264,35 +265,30 @@ def _plan_view(p: schema.PlanRecord) -> PlanView:
                     store_endpoint=p.store_endpoint, devices=list(p.devices),
                     strategy=dict(p.strategy), pipelines=[],
                     inventory=dict(getattr(p, "inventory", None) or {}))
-    body = p.strategy.get("plan", p.strategy) if isinstance(p.strategy, dict) else {}
-    if not isinstance(body, dict) or "pipelines" not in body:
+    if not isinstance(p.strategy, dict) or "pipelines" not in p.strategy:
         view.layout_error = "the strategy has no pipelines (shown as given)"
         return view
     try:
-        layout = Plan.from_dict(body)
+        layout = plan_of(p)
     except (PlanError, TypeError, KeyError, ValueError) as exc:
         view.layout_error = f"the strategy is not a valid plan layout: {exc}"
         return view
     view.num_layers, view.global_batch = layout.num_layers, layout.global_batch
     for pi, pipe in enumerate(layout.pipelines):
         stages = [{"index": si, "layers": list(st.layers), "tp": st.tp,
-                   "devices": [_device_name(p.devices, d) for d in st.devices]}
+                   "devices": [p.devices[d] for d in st.devices]}
                   for si, st in enumerate(pipe.stages)]
         view.pipelines.append({"index": pi, "num_microbatches": pipe.num_microbatches,
                                "microbatch_size": pipe.microbatch_size, "stages": stages})
     return view
 
 
-def _device_name(devices: Sequence[str], ref: int) -> str:
-    """A stage's device ``ref`` is a position in the plan's device list (rank order)."""
-    return devices[ref] if 0 <= ref < len(devices) else f"#{ref}"
-
-
 def _split_device(device_id: str) -> Optional[tuple[str, int]]:
-    node, sep, index = device_id.rpartition(":")
-    if not sep or not node or not index.isdigit():
+    """``(node, index)`` of a plan's device id; None for one that is not ``<node>:<index>``."""
+    try:
+        return parse_device_id(device_id)
+    except ValueError:
         return None
-    return node, int(index)
 
 
 def _placements(plan: Optional[PlanView]) -> dict[str, dict[str, int]]:
@@ -401,7 +397,8 @@ def _waits(rdzv: Optional[dict], plan: Optional[PlanView], switches: list[Switch
                 if params["version"] == version_key]
         expected = None
         if plan is not None and plan.version == sw.to_version:
-            expected = len({d.rpartition(":")[0] for d in plan.devices}) or None
+            expected = len({split[0] for split in map(_split_device, plan.devices)
+                            if split is not None}) or None
         done = sum(1 for a in acks if a.state == "done")
         waits.append(WaitView("switch", f"switch to plan v{sw.to_version}: nodes done", done,
                               expected, sw.started_at,
