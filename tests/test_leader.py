@@ -23,6 +23,7 @@ from hspmd_elastic.coord import (
 )
 from _clock import FakeClock
 from _wait import Recorder, wait_for
+from hspmd_elastic.coord.lifecycle import IllegalTransition
 from hspmd_elastic.planner import ModelProfile, plan_for
 from launcher.node.devices import device_table, node_record
 from launcher.leader import Leader, LeaderState, Outcome
@@ -144,6 +145,12 @@ def test_initial_plan_once_all_expected_nodes_are_there(cluster):
     assert states == [LeaderState.FOLLOWER, LeaderState.WATCHING, LeaderState.DEBOUNCING,
                       LeaderState.PLANNING, LeaderState.PUBLISHING, LeaderState.WATCHING]
     assert all(a.at <= b.at for a, b in zip(leader.history(), leader.history()[1:]))
+    leader.stop(timeout=3.0)
+    leader.stop(timeout=3.0)  # stopping again is a no-op: STOPPED once in the history
+    assert [t.state for t in leader.history()][-2:] == [LeaderState.WATCHING,
+                                                        LeaderState.STOPPED]
+    with pytest.raises(IllegalTransition, match="leader state stopped -> watching"):
+        leader._transition(LeaderState.WATCHING, "a bug")
 
 
 def test_lease_expiry_replans_without_the_node(cluster):

@@ -16,8 +16,6 @@ Device ids, ``plan_of`` and the state-machine helper are the shared contract in
 ``hspmd_elastic.coord.contract`` and ``hspmd_elastic.coord.lifecycle``.
 """
 
-# device_id / parse_device_id live in the contract; re-exported for callers that import them here
-from hspmd_elastic.coord.contract import device_id, parse_device_id
 from launcher.leader.decide import (
     Change,
     ChangeKind,
@@ -50,6 +48,6 @@ __all__ = [
     "EXIT_PREFIX", "GONE_NODE_STATES", "STALL_PREFIX", "TRANSITIONS", "Change", "ChangeKind",
     "ClusterSnapshot", "DeviceView", "Leader", "LeaderError", "LeaderState", "NodeView",
     "Outcome", "PlanDecision", "PlannedLayout", "PlannerFn", "PlanningFailed", "Publication",
-    "assumed_inventory", "build_snapshot", "decide", "default_planner_options", "device_id",
-    "make_layout", "parse_device_id", "plan_record", "select_nodes",
+    "assumed_inventory", "build_snapshot", "decide", "default_planner_options", "make_layout",
+    "plan_record", "select_nodes",
 ]
