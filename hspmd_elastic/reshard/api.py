@@ -20,6 +20,7 @@ Promises of a schedule:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from hspmd_elastic.annotations import Ranges, TensorAnnotation
 
@@ -208,23 +209,99 @@ class Message:
         return sum(t.nbytes for t in self.boxes)
 
 
+class LocalCopies(Sequence[Transfer]):
+    """The local copies of a fused schedule, kept once per class of tensors that move alike and
+    expanded on demand: ``of(rank)`` builds one rank's copies only.
+
+    ``parts``: ``((tensors, boxes_by_rank), ...)`` where ``tensors`` lists ``(order, name,
+    itemsize)`` and ``boxes_by_rank`` maps a rank to the boxes it copies of each of them. As a
+    sequence it is sorted by (rank, tensor order, box) and compares equal to that tuple.
+    """
+
+    def __init__(self, parts: Iterable[tuple[tuple[tuple[int, str, int], ...],
+                                             Mapping[int, tuple[Ranges, ...]]]]) -> None:
+        self._parts = tuple(parts)
+        self._all: tuple[Transfer, ...] | None = None
+
+    def of(self, rank: int) -> tuple[Transfer, ...]:
+        items = []
+        for tensors, boxes_by_rank in self._parts:
+            for box in boxes_by_rank.get(rank, ()):
+                size = _numel(box)
+                items.extend((order, box, name, size * itemsize) for order, name, itemsize in tensors)
+        items.sort(key=lambda item: (item[0], item[1]))
+        return tuple(Transfer(name, rank, rank, box, nbytes) for _, box, name, nbytes in items)
+
+    def ranks(self) -> list[int]:
+        return sorted({r for _, boxes_by_rank in self._parts for r in boxes_by_rank})
+
+    def _expanded(self) -> tuple[Transfer, ...]:
+        if self._all is None:
+            self._all = tuple(t for rank in self.ranks() for t in self.of(rank))
+        return self._all
+
+    def __len__(self) -> int:
+        return sum(len(tensors) * len(boxes) for tensors, by_rank in self._parts
+                   for boxes in by_rank.values())
+
+    def __iter__(self) -> Iterator[Transfer]:
+        return iter(self._expanded())
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._expanded()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (LocalCopies, tuple, list)):
+            return self._expanded() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._expanded())
+
+    def __add__(self, other: object) -> tuple[Transfer, ...]:
+        return self._expanded() + tuple(other)  # type: ignore[arg-type]
+
+    def __radd__(self, other: object) -> tuple[Transfer, ...]:
+        return tuple(other) + self._expanded()  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"LocalCopies({len(self)} copies over {len(self.ranks())} ranks)"
+
+
+def _numel(box: Ranges) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
 @dataclass(frozen=True)
 class FusedSchedule:
     """One schedule for many tensors (parameters and optimizer states together).
 
-    ``local``: copies a rank makes from its own old shards. ``transfers``: boxes between ranks,
-    sorted by (sender, receiver, dtype, tensor, box), which is the packing order of every message.
+    ``local``: copies a rank makes from its own old shards, sorted by (rank, tensor, box): a tuple,
+    or a ``LocalCopies`` that the planner fills per class of tensors (use ``local_of(rank)`` to
+    read one rank's). ``transfers``: boxes between ranks, sorted by (sender, receiver, dtype,
+    tensor, box), which is the packing order of every message.
     ``solo_bytes``: boxes at least this large travel as their own message (see ``messages_of``).
     """
 
     specs: tuple[TensorSpec, ...]
-    local: tuple[Transfer, ...]
+    local: Sequence[Transfer]
     transfers: tuple[Transfer, ...]
     solo_bytes: int = SOLO_MESSAGE_BYTES
     _by_name: dict[str, TensorSpec] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {s.name: s for s in self.specs})
+        if not isinstance(self.local, LocalCopies):
+            object.__setattr__(self, "local", tuple(self.local))
+
+    def local_of(self, rank: int) -> tuple[Transfer, ...]:
+        """The local copies ``rank`` makes, in schedule order."""
+        if isinstance(self.local, LocalCopies):
+            return self.local.of(rank)
+        return tuple(t for t in self.local if t.dst == rank)
 
     def spec(self, name: str) -> TensorSpec:
         return self._by_name[name]

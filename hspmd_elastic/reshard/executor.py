@@ -76,9 +76,7 @@ def _old_shard(schedule: FusedSchedule, name: str, rank: int, local_tensors: Map
 def _unmoved(schedule: FusedSchedule, rank: int, local_tensors, device: torch.device):
     """Old shards this rank keeps unchanged (same box, already on ``device``), by name."""
     out = {}
-    for t in schedule.local:
-        if t.dst != rank:
-            continue
+    for t in schedule.local_of(rank):
         spec = schedule.spec(t.tensor)
         box = spec.old.local_slices(rank, spec.shape)
         if box == t.ranges == spec.new.local_slices(rank, spec.shape):
@@ -217,8 +215,8 @@ def execute_fused(
         except RuntimeError as exc:
             raise ReshardCommError(f"rank {rank}: posting {len(ops)} sends/receives failed: {exc}") from exc
     # Local copies overlap the transfers in flight.
-    for t in schedule.local:
-        if t.dst != rank or t.tensor in rebound:
+    for t in schedule.local_of(rank):
+        if t.tensor in rebound:
             continue
         src, origin = _old_shard(schedule, t.tensor, rank, local_tensors)
         _view(out[t.tensor], t.ranges, new_origin[t.tensor]).copy_(_view(src, t.ranges, origin))

@@ -1,32 +1,27 @@
-"""Pure BSR planning: slices, owner map, local reuse, sender choice, fused schedule.
+"""Pure BSR planning: tensor classes, what moves (``slicing``), sender choice, fused schedule.
 
 Every function here is a function of its arguments only (no torch, no I/O, no randomness, no
 dependence on set or dict iteration order), so every rank computes the same schedule alone.
 
-Steps for each tensor:
-1. **Slices**: per dimension, the cut points of every old and new shard. Their product is the
-   coarsest grid that refines both layouts (the finest common slicing); it also handles uneven,
-   heterogeneous splits where an LCM of split counts would not.
-2. **Owner map**: the owners of a grid cell are the live devices whose old shard contains it;
-   replicas are alternatives.
-3. **Per receiver and cell**: reuse the local copy when the receiver owns the cell; otherwise the
-   allowed senders are the owners on the receiver's node if any (bandwidth first), else all owners.
-   Adjacent cells with the same choice are merged back into larger boxes.
-4. **Load balance** (all tensors of the fused schedule together): demands that share an allowed
+1. **Classes**: tensors that share shape and both annotations move alike; ``slicing.class_plan``
+   computes their local copies, demands and missing boxes once (owners found through a per-cell
+   index, never by scanning every owner), and each tensor of the class reuses the result. Allowed
+   senders of a demand are the owners on the receiver's node if any (bandwidth first), else all.
+2. **Load balance** (all tensors of the fused schedule together): demands that share an allowed
    sender set form a class; a parametric max-flow finds the per-sender quotas that minimise the
    largest number of bytes any rank sends; each receiver of a class takes from every sender of
    the class in proportion to that sender's quota (so one receiver's bytes spread over all its
    links, not over the first sender's), and its boxes are dealt to meet those shares, cutting a
    box along its outermost dimension when a share ends inside it.
+3. **Local copies** stay per class (``LocalCopies``): a rank expands only its own.
 
 Unknown nodes (a device missing from ``node_of``) share no node with anyone.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
-import math
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -34,6 +29,7 @@ from typing import Iterable, Mapping
 from hspmd_elastic.annotations import AnnotationError, Ranges, TensorAnnotation
 from hspmd_elastic.reshard.api import (
     FusedSchedule,
+    LocalCopies,
     ReshardError,
     ReshardPlanError,
     Schedule,
@@ -41,9 +37,7 @@ from hspmd_elastic.reshard.api import (
     Transfer,
 )
 from hspmd_elastic.reshard.balance import balanced_quotas
-
-_LOCAL = "local"
-_MISSING = "missing"
+from hspmd_elastic.reshard.slicing import class_plan, numel as _numel
 
 
 @dataclass(frozen=True)
@@ -54,14 +48,6 @@ class _Demand:
     dst: int
     box: Ranges
     senders: tuple[int, ...]
-
-
-def _numel(box: Ranges) -> int:
-    return math.prod(hi - lo for lo, hi in box)
-
-
-def _contains(outer: Ranges, inner: Ranges) -> bool:
-    return all(olo <= ilo and ihi <= ohi for (olo, ohi), (ilo, ihi) in zip(outer, inner))
 
 
 def _check_spec(spec: TensorSpec) -> None:
@@ -75,84 +61,6 @@ def _check_spec(spec: TensorSpec) -> None:
             ann.validate(spec.shape, exact=False)
         except AnnotationError as exc:
             raise ReshardPlanError(f"tensor {spec.name!r}, {which} annotation: {exc}") from exc
-
-
-def _grid(shape: tuple[int, ...], boxes: Iterable[Ranges]) -> list[list[int]]:
-    cuts = [{0, n} for n in shape]
-    for box in boxes:
-        for d, (lo, hi) in enumerate(box):
-            cuts[d].update((lo, hi))
-    return [sorted(c) for c in cuts]
-
-
-def _cells_of(box: Ranges, grid: list[list[int]]) -> list[Ranges]:
-    """The grid cells inside ``box`` (every shard is a union of whole cells)."""
-    axes = []
-    for (lo, hi), cuts in zip(box, grid):
-        i, j = bisect.bisect_left(cuts, lo), bisect.bisect_left(cuts, hi)
-        axes.append([(cuts[k], cuts[k + 1]) for k in range(i, j) if cuts[k] < cuts[k + 1]])
-    cells: list[Ranges] = [()]
-    for axis in axes:
-        cells = [c + (iv,) for c in cells for iv in axis]
-    return cells
-
-
-def _merge_boxes(items: list[tuple[object, Ranges]]) -> list[tuple[object, Ranges]]:
-    """Merge adjacent boxes with equal keys into larger boxes, one dimension at a time."""
-    if not items:
-        return []
-    ndim = len(items[0][1])
-    for d in reversed(range(ndim)):
-        groups: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-        for key, box in items:
-            groups[(key, box[:d], box[d + 1 :])].append(box[d])
-        merged: list[tuple[object, Ranges]] = []
-        for (key, head, tail), spans in groups.items():
-            spans.sort()
-            lo, hi = spans[0]
-            for a, b in spans[1:]:
-                if a == hi:
-                    hi = b
-                else:
-                    merged.append((key, head + ((lo, hi),) + tail))
-                    lo, hi = a, b
-            merged.append((key, head + ((lo, hi),) + tail))
-        items = merged
-    return sorted(items, key=lambda kb: kb[1])
-
-
-def _tensor_demands(
-    spec_index: int,
-    spec: TensorSpec,
-    alive: frozenset[int],
-    node_of: Mapping[int, str],
-) -> tuple[list[Transfer], list[_Demand], list[Ranges]]:
-    """Local copies, demands and missing boxes of one tensor."""
-    old_shards = {d: r for d, r in spec.old.shards(spec.shape).items() if _numel(r) > 0}
-    new_shards = {d: r for d, r in spec.new.shards(spec.shape).items() if _numel(r) > 0}
-    grid = _grid(spec.shape, list(old_shards.values()) + list(new_shards.values()))
-    live_owners = sorted(d for d in old_shards if d in alive)
-    local: list[Transfer] = []
-    demands: list[_Demand] = []
-    missing: set[Ranges] = set()
-    for dst in sorted(new_shards):
-        dst_node = node_of.get(dst)
-        keyed: list[tuple[object, Ranges]] = []
-        for cell in _cells_of(new_shards[dst], grid):
-            owners = tuple(o for o in live_owners if _contains(old_shards[o], cell))
-            if dst in owners:
-                keyed.append((_LOCAL, cell))
-            elif not owners:
-                missing.add(cell)  # one report per region, however many need it
-            else:
-                near = tuple(o for o in owners if dst_node is not None and node_of.get(o) == dst_node)
-                keyed.append((near or owners, cell))
-        for key, box in _merge_boxes(keyed):
-            if key == _LOCAL:
-                local.append(Transfer(spec.name, dst, dst, box, _numel(box) * spec.itemsize))
-            else:
-                demands.append(_Demand(spec_index, dst, box, key))  # type: ignore[arg-type]
-    return local, demands, [box for _, box in _merge_boxes([(_MISSING, c) for c in missing])]
 
 
 def _cut(box: Ranges, nbytes: int, itemsize: int) -> tuple[Ranges, Ranges] | None:
@@ -170,72 +78,117 @@ def _cut(box: Ranges, nbytes: int, itemsize: int) -> tuple[Ranges, Ranges] | Non
 def _assign_senders(specs: tuple[TensorSpec, ...], demands: list[_Demand]) -> list[Transfer]:
     """Choose a sender for every demanded box so the busiest sender sends as little as possible
     and each receiver's bytes spread over its senders' links in proportion to their quotas."""
-    by_class: dict[tuple[int, ...], list[_Demand]] = defaultdict(list)
+    by_class: dict[tuple[int, ...], list[tuple[int, _Demand]]] = defaultdict(list)
     for dem in demands:
-        by_class[dem.senders].append(dem)
+        by_class[dem.senders].append((_numel(dem.box) * specs[dem.spec_index].itemsize, dem))
 
-    def nbytes(dem_spec: int, box: Ranges) -> int:
-        return _numel(box) * specs[dem_spec].itemsize
-
-    loads = {c: sum(nbytes(d.spec_index, d.box) for d in ds) for c, ds in by_class.items()}
+    loads = {c: sum(size for size, _ in ds) for c, ds in by_class.items()}
     quotas = balanced_quotas(loads)
     out: list[Transfer] = []
     for senders in sorted(by_class):
         load = loads[senders]
-        per_dst: dict[int, list[_Demand]] = defaultdict(list)
-        for dem in by_class[senders]:
-            per_dst[dem.dst].append(dem)
+        per_dst: dict[int, list[tuple[int, _Demand]]] = defaultdict(list)
+        for item in by_class[senders]:
+            per_dst[item[1].dst].append(item)
         for dst in sorted(per_dst):
             # This receiver's share of every sender's quota: its links carry proportional bytes.
-            need = sum(nbytes(d.spec_index, d.box) for d in per_dst[dst])
+            need = sum(size for size, _ in per_dst[dst])
             remaining = {s: need * quotas[senders][s] // load for s in senders}
             short = need - sum(remaining.values())  # < len(senders): floor rounding
             for s in sorted(senders, key=lambda s: (-quotas[senders][s], s))[:short]:
                 remaining[s] += 1
-            ordered = sorted(per_dst[dst],
-                             key=lambda d: (-nbytes(d.spec_index, d.box), d.spec_index, d.box))
-            for dem in ordered:
-                spec = specs[dem.spec_index]
+            # The sender with the most bytes left (lowest id on ties) serves the next box.
+            heap = [(-left, s) for s, left in remaining.items()]
+            heapq.heapify(heap)
+            for size, dem in sorted(per_dst[dst],
+                                    key=lambda it: (-it[0], it[1].spec_index, it[1].box)):
+                itemsize = specs[dem.spec_index].itemsize
+                name = specs[dem.spec_index].name
                 box: Ranges | None = dem.box
                 while box is not None:
-                    src = max(senders, key=lambda s: (remaining[s], -s))
-                    size = nbytes(dem.spec_index, box)
-                    cut = (_cut(box, remaining[src], spec.itemsize)
-                           if 0 < remaining[src] < size else None)
+                    left, src = heap[0]
+                    left = -left
+                    cut = _cut(box, left, itemsize) if 0 < left < size else None
                     head, box = (cut[0], cut[1]) if cut else (box, None)
-                    head_bytes = nbytes(dem.spec_index, head)
-                    out.append(Transfer(spec.name, src, dem.dst, head, head_bytes))
-                    remaining[src] -= head_bytes
+                    head_bytes = _numel(head) * itemsize if cut else size
+                    out.append(Transfer(name, src, dem.dst, head, head_bytes))
+                    heapq.heapreplace(heap, (-(left - head_bytes), src))
+                    size -= head_bytes
     return out
 
 
-def _plan(
-    specs: tuple[TensorSpec, ...], alive: frozenset[int], node_items: tuple[tuple[int, str], ...]
-) -> FusedSchedule:
+class _Request:
+    """The cache key of a request: specs, alive set and node map.
+
+    Annotations of a large model are many equal objects of hundreds of groups each; hashing is
+    done once per distinct object (ids are stable while the key holds the specs), and equality
+    checks identity first, so a repeated request costs little more than its own iteration.
+    """
+
+    def __init__(self, specs: tuple[TensorSpec, ...], alive: frozenset[int],
+                 node_items: tuple[tuple[int, str], ...]) -> None:
+        self.specs, self.alive, self.node_items = specs, alive, node_items
+        memo: dict[int, int] = {}
+        self.ann_hash = lambda ann: memo.get(id(ann)) or memo.setdefault(id(ann), hash(ann))
+        self._hash = hash((tuple((s.name, s.shape, s.dtype, self.ann_hash(s.old),
+                                  self.ann_hash(s.new)) for s in specs), alive, node_items))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, _Request) and self._hash == other._hash
+                and self.specs == other.specs and self.alive == other.alive
+                and self.node_items == other.node_items)
+
+
+def _classes(request: _Request) -> list[list[int]]:
+    """Indices of the specs, grouped by (shape, old, new), in order of first appearance."""
+    buckets: dict[tuple, list[list[int]]] = {}
+    specs = request.specs
+    for i, spec in enumerate(specs):
+        key = (spec.shape, request.ann_hash(spec.old), request.ann_hash(spec.new))
+        for members in buckets.setdefault(key, []):
+            first = specs[members[0]]
+            if first.old == spec.old and first.new == spec.new:  # identity first, then value
+                members.append(i)
+                break
+        else:
+            buckets[key].append([i])
+    return sorted((m for ms in buckets.values() for m in ms), key=lambda m: m[0])
+
+
+def _plan(request: _Request) -> FusedSchedule:
+    specs, alive = request.specs, request.alive
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ReshardPlanError(f"tensor names must be unique in a fused schedule, repeated: {dup}")
-    node_of = dict(node_items)
-    local: list[Transfer] = []
+    node_of = dict(request.node_items)
+    classes = _classes(request)
+    for members in classes:
+        _check_spec(specs[members[0]])  # the first spec that fails is named, as a loop would
+    parts = []
     demands: list[_Demand] = []
-    missing: list[tuple[str, Ranges]] = []
-    for i, spec in enumerate(specs):
-        _check_spec(spec)
-        spec_local, spec_demands, spec_missing = _tensor_demands(i, spec, alive, node_of)
-        local.extend(spec_local)
-        demands.extend(spec_demands)
-        missing.extend((spec.name, box) for box in spec_missing)
-    if missing:
-        raise ReshardError(missing)
+    missing_of: dict[int, tuple[Ranges, ...]] = {}
+    for members in classes:
+        first = specs[members[0]]
+        moves = class_plan(first.shape, first.old, first.new, alive, node_of, near_first=True)
+        for i in members:
+            demands.extend(_Demand(i, dst, box, owners) for dst, box, owners in moves.demands)
+            if moves.missing:
+                missing_of[i] = moves.missing
+        parts.append((tuple((i, specs[i].name, specs[i].itemsize) for i in members), moves.local))
+    if missing_of:
+        raise ReshardError([(specs[i].name, box) for i in sorted(missing_of)
+                            for box in missing_of[i]])
     order = {s.name: i for i, s in enumerate(specs)}
     dtype = {s.name: s.dtype for s in specs}
     transfers = sorted(
         _assign_senders(specs, demands),
         key=lambda t: (t.src, t.dst, dtype[t.tensor], order[t.tensor], t.ranges),
     )
-    local.sort(key=lambda t: (t.dst, order[t.tensor], t.ranges))
-    return FusedSchedule(specs, tuple(local), tuple(transfers))
+    return FusedSchedule(specs, LocalCopies(parts), tuple(transfers))
 
 
 _plan_cached = functools.lru_cache(maxsize=32)(_plan)
@@ -251,7 +204,7 @@ def fused_bsr_schedule(
     request that cannot be planned. Results are cached by their inputs.
     """
     key_nodes = tuple(sorted((int(d), str(n)) for d, n in node_of.items()))
-    return _plan_cached(tuple(tensors), frozenset(alive), key_nodes)
+    return _plan_cached(_Request(tuple(tensors), frozenset(alive), key_nodes))
 
 
 def plan_tensor(
@@ -265,7 +218,8 @@ def plan_tensor(
 ) -> Schedule:
     """The BSR plan of a single tensor (balanced on its own)."""
     fused = fused_bsr_schedule([TensorSpec(name, tuple(shape), dtype, old, new)], alive, node_of)
-    return Schedule(fused.specs[0].name, fused.specs[0].shape, fused.local, fused.transfers)
+    return Schedule(fused.specs[0].name, fused.specs[0].shape, tuple(fused.local),
+                    fused.transfers)
 
 
 def clear_plan_cache() -> None:
