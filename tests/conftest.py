@@ -1,4 +1,8 @@
-"""Shared fixtures: real etcd servers on free loopback ports, one per test (cheap: ~0.1 s)."""
+"""Shared fixtures: real etcd servers on free loopback ports, one per test (cheap: ~0.1 s), a
+client on them, the elastic-test harness, and the leftover-process check of launched jobs.
+
+``tests/scripts`` goes on ``sys.path`` here, before any test module is imported: the test
+modules import its helpers (``launch_harness``, ...) directly."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import pytest
 # Multi-process tests on a 2-core machine: one intra-op thread per process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from hspmd_elastic.coord import EtcdClient  # noqa: E402
 from launcher.standalone import EtcdCluster  # noqa: E402
 
 # Helpers shared by the tests that launch real jobs (tests/scripts/launch_harness.py).
@@ -22,23 +27,46 @@ from launch_harness import assert_no_leftovers, new_marker  # noqa: E402
 @pytest.fixture
 def etcd_server(tmp_path):
     """A single real etcd member; yields the EtcdCluster (``.endpoints``, ``.members[0]``)."""
-    cluster = EtcdCluster(size=1, base_dir=str(tmp_path / "etcd"))
-    cluster.start()
-    try:
+    with EtcdCluster(size=1, base_dir=str(tmp_path / "etcd")) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture
 def etcd_cluster3(tmp_path):
     """A real 3-member etcd cluster on loopback."""
-    cluster = EtcdCluster(size=3, base_dir=str(tmp_path / "etcd3"))
-    cluster.start()
-    try:
+    with EtcdCluster(size=3, base_dir=str(tmp_path / "etcd3")) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
+
+
+@pytest.fixture
+def client_timeout() -> float:
+    """The per-call deadline (seconds) of the ``client`` fixture. Short, so that a hang fails
+    fast; a test module whose calls may take longer overrides this fixture."""
+    return 1.0
+
+
+@pytest.fixture
+def client(etcd_server, client_timeout):
+    """An ``EtcdClient`` on ``etcd_server``, closed after the test."""
+    with EtcdClient(etcd_server.endpoints, timeout=client_timeout) as c:
+        yield c
+
+
+@pytest.fixture
+def elastic_job(etcd_server, tmp_path):
+    """``elastic_job(payload)``: an ``_elastic.ElasticJob`` on ``etcd_server`` (this process is
+    its leader and store host); every job made is closed after the test."""
+    from _elastic import ElasticJob
+
+    jobs = []
+
+    def make(payload: dict) -> ElasticJob:
+        jobs.append(ElasticJob(etcd_server.endpoint_str, str(tmp_path), payload))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.close()
 
 
 def _drop_dead_handlers(logger: logging.Logger) -> None:

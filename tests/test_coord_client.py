@@ -22,6 +22,7 @@ from hspmd_elastic.coord import (
     parse_endpoints,
 )
 from hspmd_elastic.coord.client import prefix_range_end
+from _wait import Recorder, all_threads_stopped, wait_for
 
 
 # ------------------------------------------------------------------------------ pure parts
@@ -54,13 +55,6 @@ def test_prefix_range_end():
 
 
 # ------------------------------------------------------------------------------ real etcd
-@pytest.fixture
-def client(etcd_server):
-    c = EtcdClient(etcd_server.endpoints, timeout=1.0)
-    yield c
-    c.close()
-
-
 def test_get_put_delete_and_revisions(client):
     assert client.get("/t/a") is None
     r1 = client.put("/t/a", b"1")
@@ -149,22 +143,12 @@ def test_killed_etcd_fails_fast_then_recovers(etcd_server, client):
     assert client.get("/t/a").value == b"3"
 
 
-def _all_threads_stopped(pid: int) -> bool:
-    states = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            states.append(f.read().rsplit(")", 1)[1].split()[0])
-    return all(s in ("T", "t") for s in states)
-
-
 def test_a_frozen_etcd_gives_a_timeout_not_a_hang(etcd_server, client):
-    from hspmd_elastic.coord.util import wait_for
-
     client.put("/t/a", b"1")
     pid = etcd_server.members[0].proc.pid
     os.kill(pid, signal.SIGSTOP)  # alive, connected, silent: like a hung member
     try:
-        assert wait_for(lambda: _all_threads_stopped(pid), 5.0)
+        assert wait_for(lambda: all_threads_stopped(pid), 5.0)
         t0 = time.monotonic()
         with pytest.raises(EtcdTimeoutError, match="did not answer"):
             client.get("/t/a", timeout=0.5)
@@ -202,8 +186,6 @@ def test_etcd3_watcher_reports_a_broken_stream_instead_of_dying(etcd_server):
     # python3-etcd3's own watcher thread calls six.itervalues without importing six; importing
     # hspmd_elastic.coord gives it the shim, so its callbacks receive the stream error.
     import etcd3
-
-    from hspmd_elastic.coord.util import Recorder
 
     host, port = etcd_server.endpoints[0].split(":")
     raw = etcd3.MultiEndpointEtcd3Client([etcd3.Endpoint(host, int(port), secure=False)],

@@ -15,7 +15,7 @@ from hspmd_elastic.coord import (
     PrefixWatch,
     schema,
 )
-from hspmd_elastic.coord.util import Recorder, wait_for
+from _wait import Recorder, all_threads_stopped, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -96,14 +96,6 @@ def test_watch_on_a_restarted_member_gets_what_was_written_while_it_was_down(etc
                    + [(EventType.DELETE, "/c/k3")])
 
 
-def _all_threads_stopped(pid: int) -> bool:
-    states = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            states.append(f.read().rsplit(")", 1)[1].split()[0])
-    return all(s in ("T", "t") for s in states)
-
-
 def test_watch_leaves_a_frozen_member(etcd_cluster3):
     watcher = EtcdClient(etcd_cluster3.endpoints, timeout=1.0)
     events = Recorder()
@@ -118,7 +110,7 @@ def test_watch_leaves_a_frozen_member(etcd_cluster3):
         frozen = next(m for m in etcd_cluster3.members if m.endpoint == used)
         others = [m.endpoint for m in etcd_cluster3.members if m is not frozen]
         os.kill(frozen.proc.pid, signal.SIGSTOP)  # connected but silent: a hung or cut-off member
-        assert wait_for(lambda: _all_threads_stopped(frozen.proc.pid), 5.0)
+        assert wait_for(lambda: all_threads_stopped(frozen.proc.pid), 5.0)
         with EtcdClient(others, timeout=2.0) as writer:
             for i in range(5):
                 writer.put(f"/f/k{i}", b"v")

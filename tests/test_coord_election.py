@@ -11,17 +11,10 @@ from hspmd_elastic.coord import (
     LeasedSession,
     schema,
 )
-from hspmd_elastic.coord.util import Recorder, wait_for
+from _wait import Recorder, wait_for
 
 JOB = "ejob"
 WAIT = 6.0
-
-
-@pytest.fixture
-def client(etcd_server):
-    c = EtcdClient(etcd_server.endpoints, timeout=1.0)
-    yield c
-    c.close()
 
 
 class Candidates:

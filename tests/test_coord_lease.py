@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from hspmd_elastic.coord import (
-    EtcdClient,
     EventType,
     KeepAlive,
     LeasedSession,
@@ -15,7 +14,7 @@ from hspmd_elastic.coord import (
     PrefixWatch,
     schema,
 )
-from hspmd_elastic.coord.util import Recorder, wait_for
+from _wait import Recorder, wait_for
 
 JOB = "ljob"
 WAIT = 6.0
@@ -40,13 +39,6 @@ def test_session_rejects_sub_second_ttl():
 
 
 # ------------------------------------------------------------------------------ real etcd
-@pytest.fixture
-def client(etcd_server):
-    c = EtcdClient(etcd_server.endpoints, timeout=1.0)
-    yield c
-    c.close()
-
-
 def _node_record() -> bytes:
     return schema.NodeRecord(host="h", agent_pid=1, devices=[], state="ready",
                              started_at=0.0).to_json()

@@ -15,17 +15,10 @@ from hspmd_elastic.coord import (
     WatchCompactedError,
     schema,
 )
-from hspmd_elastic.coord.util import Recorder
+from _wait import Recorder
 
 WAIT = 5.0
 JOB = "wjob"
-
-
-@pytest.fixture
-def client(etcd_server):
-    c = EtcdClient(etcd_server.endpoints, timeout=1.0)
-    yield c
-    c.close()
 
 
 def _keys(events):

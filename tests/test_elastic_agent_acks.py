@@ -16,7 +16,7 @@ import pytest
 
 from hspmd_elastic.coord import EtcdClient, LeasedSession, schema
 from hspmd_elastic.coord.api import CoordinationError, EtcdUnavailableError
-from hspmd_elastic.coord.util import wait_for
+from _wait import wait_for
 from launcher.elastic_agent import (
     ACK_KEEP,
     TRAINED_STATES,

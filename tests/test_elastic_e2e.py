@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import signal
-import sys
 import time
 import uuid
 from collections import Counter
@@ -33,9 +32,7 @@ import pytest
 
 import _elastic
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-
-from launch_harness import (  # noqa: E402
+from launch_harness import (
     SCRIPTS,
     Launcher,
     assert_no_leftovers,
@@ -44,12 +41,12 @@ from launch_harness import (  # noqa: E402
     wait_for,
 )
 
-from hspmd_elastic.coord import PrefixWatch, read_events, schema  # noqa: E402
-from hspmd_elastic.coord.api import EventType  # noqa: E402
-from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
-from hspmd_elastic.coord.plans import read_plan  # noqa: E402
-from hspmd_elastic.coord.util import Recorder  # noqa: E402
-from hspmd_elastic.graph.config import ModelConfig  # noqa: E402
+from hspmd_elastic.coord import PrefixWatch, read_events, schema
+from hspmd_elastic.coord.api import EventType
+from hspmd_elastic.coord.client import EtcdClient
+from hspmd_elastic.coord.plans import read_plan
+from _wait import Recorder
+from hspmd_elastic.graph.config import ModelConfig
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
 

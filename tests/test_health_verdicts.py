@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from hspmd_elastic.coord.api import EtcdUnavailableError
-from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.schema import DeviceHealthRecord, decode, device_key
 from launcher.health.api import HealthConfigError, Verdict
 from launcher.health.fake_nvml import FakeNvml, fake_gpus
@@ -21,10 +20,8 @@ from _clock import FakeClock
 
 
 @pytest.fixture
-def client(etcd_server):
-    c = EtcdClient(etcd_server.endpoints, timeout=5)
-    yield c
-    c.close()
+def client_timeout():
+    return 5.0  # per call of the ``client`` fixture (conftest), instead of 1 s
 
 
 def test_publishes_only_changes_as_schema_records(client):

@@ -4,17 +4,13 @@ its worker down; a job of one node has nobody to notice, and the report says so.
 
 from __future__ import annotations
 
-import sys
 import threading
 import uuid
-from pathlib import Path
 
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-
-from launch_harness import (  # noqa: E402
+from launch_harness import (
     SCRIPTS,
     Launcher,
     base_env,
@@ -22,16 +18,16 @@ from launch_harness import (  # noqa: E402
     wait_for,
 )
 
-from hspmd_elastic.coord import schema  # noqa: E402
-from hspmd_elastic.coord.api import EventType  # noqa: E402
-from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
-from hspmd_elastic.coord.util import Recorder  # noqa: E402
-from hspmd_elastic.coord.watch import PrefixWatch  # noqa: E402
-from launcher.inject.api import NOT_DETECTED  # noqa: E402
-from launcher.inject.detect import JobObserver  # noqa: E402
-from launcher.inject.faults import InjectContext  # noqa: E402
-from launcher.inject.harness import Harness  # noqa: E402
-from launcher.inject.scenario import parse_scenario  # noqa: E402
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.api import EventType
+from hspmd_elastic.coord.client import EtcdClient
+from _wait import Recorder
+from hspmd_elastic.coord.watch import PrefixWatch
+from launcher.inject.api import NOT_DETECTED
+from launcher.inject.detect import JobObserver
+from launcher.inject.faults import InjectContext
+from launcher.inject.harness import Harness
+from launcher.inject.scenario import parse_scenario
 
 pytestmark = pytest.mark.multiproc
 

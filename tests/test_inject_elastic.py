@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -33,8 +32,6 @@ from pathlib import Path
 import pytest
 
 import _elastic
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
 from launch_harness import SCRIPTS, Launcher, base_env, pid_alive, wait_for  # noqa: E402
 

@@ -16,7 +16,6 @@ import psutil
 import pytest
 
 from hspmd_elastic.coord import schema
-from hspmd_elastic.coord.client import EtcdClient
 from launcher.health.api import DeviceState
 from launcher.health.scripted import ScriptedHealthSource
 from launcher.health.verdicts import EtcdFaultFeed, fault_script_key
@@ -43,9 +42,8 @@ def scenario(*faults):
 
 
 @pytest.fixture
-def client(etcd_server):
-    with EtcdClient(etcd_server.endpoints, timeout=5.0) as c:
-        yield c
+def client_timeout():
+    return 5.0  # per call of the ``client`` fixture (conftest), instead of 1 s
 
 
 @pytest.fixture

@@ -5,30 +5,26 @@ the etcd restart, ridden through) and recovered, with no sample lost."""
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-
-from inject_train import reference_params  # noqa: E402
-from launch_harness import (  # noqa: E402
+from inject_train import reference_params
+from launch_harness import (
     SCRIPTS,
     Launcher,
     base_env,
 )
 
-from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
-from launcher.inject.api import RECOVERED, SURVIVED  # noqa: E402
-from launcher.inject.detect import FileProgress, JobObserver  # noqa: E402
-from launcher.inject.faults import InjectContext  # noqa: E402
-from launcher.inject.harness import Harness  # noqa: E402
-from launcher.inject.report import all_handled, render_table  # noqa: E402
-from launcher.inject.scenario import parse_scenario  # noqa: E402
+from hspmd_elastic.coord.client import EtcdClient
+from launcher.inject.api import RECOVERED, SURVIVED
+from launcher.inject.detect import FileProgress, JobObserver
+from launcher.inject.faults import InjectContext
+from launcher.inject.harness import Harness
+from launcher.inject.report import all_handled, render_table
+from launcher.inject.scenario import parse_scenario
 
 pytestmark = pytest.mark.multiproc
 

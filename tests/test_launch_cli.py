@@ -11,12 +11,9 @@ import json
 import socket
 import sys
 import time
-from pathlib import Path
 
 import click
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
 from launch_harness import SCRIPTS, assert_no_leftovers, base_env, new_marker, run_launch  # noqa: E402
 

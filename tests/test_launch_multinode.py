@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import signal
 import time
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-
-from launch_harness import (  # noqa: E402
+from launch_harness import (
     SCRIPTS,
     Launcher,
     base_env,
@@ -23,9 +19,9 @@ from launch_harness import (  # noqa: E402
     wait_for,
 )
 
-from hspmd_elastic.coord import schema  # noqa: E402
-from launcher.standalone import free_ports  # noqa: E402
-from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
+from hspmd_elastic.coord import schema
+from launcher.standalone import free_ports
+from hspmd_elastic.coord.client import EtcdClient
 
 pytestmark = pytest.mark.multiproc
 

@@ -11,23 +11,19 @@ import pty
 import select
 import struct
 import subprocess
-import sys
 import termios
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from launch_harness import LAUNCH, REPO, SCRIPTS, Launcher, base_env
 
-from launch_harness import LAUNCH, REPO, SCRIPTS, Launcher, base_env  # noqa: E402
-
-from hspmd_elastic.coord import schema  # noqa: E402
-from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
-from hspmd_elastic.coord.journal import append_event  # noqa: E402
-from launcher.console import (  # noqa: E402
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.client import EtcdClient
+from hspmd_elastic.coord.journal import append_event
+from launcher.console import (
     BarFields,
     ElasticWaits,
     PlanWait,

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 
 from hspmd_elastic.coord import EtcdClient, LeasedSession, read_events, read_plan, schema
-from hspmd_elastic.coord.util import wait_for
+from _wait import wait_for
 from hspmd_elastic.planner import ModelProfile, plan_for
 from launcher.elastic_agent import (
     ElasticNode,

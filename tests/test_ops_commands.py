@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hspmd_elastic.coord import EtcdClient, append_event, schema
+from hspmd_elastic.coord.client import DEFAULT_TIMEOUT_S
 from launcher.ops.dashboard import DashboardServer
 from launcher.ops.state import JobStateCache
 from launcher.standalone import free_ports
@@ -29,6 +30,11 @@ def ops(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.
     return subprocess.run([sys.executable, "-m", "launcher.ops.commands", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=str(REPO),
                           env=env, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def client_timeout():
+    return DEFAULT_TIMEOUT_S  # per call of the ``client`` fixture (conftest): the client's default
 
 
 def seed(client: EtcdClient) -> None:
@@ -64,107 +70,91 @@ def test_unreachable_etcd_and_unknown_job_exit_1(etcd_server):
     assert res.returncode == 1 and "'nosuchjob' has no keys" in res.stderr, res.stderr
 
 
-def test_status_text_and_watch_json_follow_changes(etcd_server):
-    client = EtcdClient(etcd_server.endpoints)
+def test_status_text_and_watch_json_follow_changes(etcd_server, client):
+    seed(client)
+    env = dict(os.environ, HSPMD_ETCD_ENDPOINTS=etcd_server.endpoint_str,
+               COLUMNS="120")
+    res = ops("status", "--job", JOB, env=env)
+    assert res.returncode == 0, res.stderr
+    for words in ("job cmdjob", "no plan published", "no leader elected", "n1", "join"):
+        assert words in res.stdout
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "launcher.ops.commands", "status", "--job", JOB, "--watch",
+         "--json", "--for", "30"], stdout=subprocess.PIPE, text=True, cwd=str(REPO),
+        env=env, stdin=subprocess.DEVNULL)
     try:
-        seed(client)
-        env = dict(os.environ, HSPMD_ETCD_ENDPOINTS=etcd_server.endpoint_str,
-                   COLUMNS="120")
-        res = ops("status", "--job", JOB, env=env)
-        assert res.returncode == 0, res.stderr
-        for words in ("job cmdjob", "no plan published", "no leader elected", "n1", "join"):
-            assert words in res.stdout
-        watch = subprocess.Popen(
-            [sys.executable, "-m", "launcher.ops.commands", "status", "--job", JOB, "--watch",
-             "--json", "--for", "30"], stdout=subprocess.PIPE, text=True, cwd=str(REPO),
-            env=env, stdin=subprocess.DEVNULL)
-        try:
-            first = json.loads(watch.stdout.readline())
-            assert first["devices"]["counts"]["failed"] == 0
-            client.put(schema.device_key(JOB, "n1", 0), schema.encode(schema.DeviceHealthRecord(
-                state="failed", reason="Xid 48: double bit ECC", xid=48, slowdown=None,
-                at=time.time())))
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                doc = json.loads(watch.stdout.readline())
-                if doc["devices"]["failed"]:
-                    break
-            assert doc["devices"]["failed"][0]["reason"] == "Xid 48: double bit ECC"
-            watch.send_signal(signal.SIGINT)
-            assert watch.wait(10) == 0
-        finally:
-            if watch.poll() is None:
-                watch.kill()
-                watch.wait(10)
+        first = json.loads(watch.stdout.readline())
+        assert first["devices"]["counts"]["failed"] == 0
+        client.put(schema.device_key(JOB, "n1", 0), schema.encode(schema.DeviceHealthRecord(
+            state="failed", reason="Xid 48: double bit ECC", xid=48, slowdown=None,
+            at=time.time())))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            doc = json.loads(watch.stdout.readline())
+            if doc["devices"]["failed"]:
+                break
+        assert doc["devices"]["failed"][0]["reason"] == "Xid 48: double bit ECC"
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(10) == 0
     finally:
-        client.close()
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
 
 
-def test_dashboard_only_reads_and_serves_its_routes(etcd_server):
-    client = EtcdClient(etcd_server.endpoints)
-    try:
-        seed(client)
-        revision = client.revision()
-        with JobStateCache(client, JOB) as cache, DashboardServer(cache, port=0) as server:
-            assert server.address[0] == "127.0.0.1"
-            url = server.url
-            page = urllib.request.urlopen(url, timeout=5).read().decode()
-            # self-contained: no URL but the SVG namespace
-            assert set(re.findall(r"https?://[^\"' ]+", page)) <= {"http://www.w3.org/2000/svg"}
-            state = json.loads(urllib.request.urlopen(url + "api/state", timeout=5).read())
-            assert state["job"] == JOB and state["nodes"][0]["id"] == "n1"
-            assert b"hspmd_devices" in urllib.request.urlopen(url + "metrics", timeout=5).read()
-            for path, code in (("nope", 404),):
-                with pytest.raises(urllib.error.HTTPError) as err:
-                    urllib.request.urlopen(url + path, timeout=5)
-                assert err.value.code == code
-            post = urllib.request.Request(url + "api/state", data=b"{}", method="POST")
+def test_dashboard_only_reads_and_serves_its_routes(client):
+    seed(client)
+    revision = client.revision()
+    with JobStateCache(client, JOB) as cache, DashboardServer(cache, port=0) as server:
+        assert server.address[0] == "127.0.0.1"
+        url = server.url
+        page = urllib.request.urlopen(url, timeout=5).read().decode()
+        # self-contained: no URL but the SVG namespace
+        assert set(re.findall(r"https?://[^\"' ]+", page)) <= {"http://www.w3.org/2000/svg"}
+        state = json.loads(urllib.request.urlopen(url + "api/state", timeout=5).read())
+        assert state["job"] == JOB and state["nodes"][0]["id"] == "n1"
+        assert b"hspmd_devices" in urllib.request.urlopen(url + "metrics", timeout=5).read()
+        for path, code in (("nope", 404),):
             with pytest.raises(urllib.error.HTTPError) as err:
-                urllib.request.urlopen(post, timeout=5)
-            assert err.value.code == 405
-        assert client.revision() == revision  # nothing was written
-    finally:
-        client.close()
+                urllib.request.urlopen(url + path, timeout=5)
+            assert err.value.code == code
+        post = urllib.request.Request(url + "api/state", data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(post, timeout=5)
+        assert err.value.code == 405
+    assert client.revision() == revision  # nothing was written
 
 
-def test_cache_follows_puts_and_deletes(etcd_server):
-    client = EtcdClient(etcd_server.endpoints)
-    try:
-        seed(client)
-        with JobStateCache(client, JOB) as cache:
-            assert [n.id for n in cache.view().nodes] == ["n1"]
-            version = cache.version
-            client.delete(schema.node_key(JOB, "n1"))
-            deadline = time.monotonic() + 10
-            while cache.view().nodes and time.monotonic() < deadline:
-                version = cache.wait_changed(version, 1.0)
-            assert cache.view().nodes == []
-            assert cache.view().revision == client.revision()
-    finally:
-        client.close()
+def test_cache_follows_puts_and_deletes(client):
+    seed(client)
+    with JobStateCache(client, JOB) as cache:
+        assert [n.id for n in cache.view().nodes] == ["n1"]
+        version = cache.version
+        client.delete(schema.node_key(JOB, "n1"))
+        deadline = time.monotonic() + 10
+        while cache.view().nodes and time.monotonic() < deadline:
+            version = cache.wait_changed(version, 1.0)
+        assert cache.view().nodes == []
+        assert cache.view().revision == client.revision()
 
 
-def test_status_wait_shows_a_switch_until_it_is_done(etcd_server):
-    client = EtcdClient(etcd_server.endpoints)
-    try:
-        seed(client)
-        plan = schema.PlanRecord(version=2, reason="failure n1:1", devices=["n1:0"], strategy={},
-                                 store_endpoint="h1:1", created_at=time.time())
-        client.put(schema.plan_current_key(JOB), schema.encode(plan))
-        append_event(client, JOB, "switch-start", detail={"from_version": 1, "to_version": 2})
-        args = ("status", "--job", JOB, "--etcd-endpoints", etcd_server.endpoint_str, "--wait")
-        res = ops(*args, "--for", "1")
-        assert res.returncode == 1, res
-        assert "not settled: switch to plan v2: nodes done" in res.stderr.strip().splitlines()[-1]
-        client.put(schema.switch_ack_key(JOB, 2, "n1"), schema.encode(schema.SwitchAckRecord(
-            node="n1", plan_version=2, state="done", at=time.time())))
-        append_event(client, JOB, "switch-done", detail={"to_version": 2},
-                     timings={"total_s": 0.5})
-        res = ops(*args, "--json", "--for", "20")
-        assert res.returncode == 0, res.stderr
-        assert json.loads(res.stdout)["switches"]["total"] == 1
-    finally:
-        client.close()
+def test_status_wait_shows_a_switch_until_it_is_done(etcd_server, client):
+    seed(client)
+    plan = schema.PlanRecord(version=2, reason="failure n1:1", devices=["n1:0"], strategy={},
+                             store_endpoint="h1:1", created_at=time.time())
+    client.put(schema.plan_current_key(JOB), schema.encode(plan))
+    append_event(client, JOB, "switch-start", detail={"from_version": 1, "to_version": 2})
+    args = ("status", "--job", JOB, "--etcd-endpoints", etcd_server.endpoint_str, "--wait")
+    res = ops(*args, "--for", "1")
+    assert res.returncode == 1, res
+    assert "not settled: switch to plan v2: nodes done" in res.stderr.strip().splitlines()[-1]
+    client.put(schema.switch_ack_key(JOB, 2, "n1"), schema.encode(schema.SwitchAckRecord(
+        node="n1", plan_version=2, state="done", at=time.time())))
+    append_event(client, JOB, "switch-done", detail={"to_version": 2},
+                 timings={"total_s": 0.5})
+    res = ops(*args, "--json", "--for", "20")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["switches"]["total"] == 1
 
 
 def test_mounted_under_hspmd_launch():

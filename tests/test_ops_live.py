@@ -25,14 +25,11 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-
-from launch_harness import (  # noqa: E402
+from launch_harness import (
     REPO,
     SCRIPTS,
     Launcher,
@@ -40,10 +37,10 @@ from launch_harness import (  # noqa: E402
     wait_for,
 )
 
-from hspmd_elastic.coord import EtcdClient, append_event, schema  # noqa: E402
-from hspmd_elastic.plan import simple_plan  # noqa: E402
-from launcher.health.api import Verdict  # noqa: E402
-from launcher.health.verdicts import VerdictPublisher  # noqa: E402
+from hspmd_elastic.coord import EtcdClient, append_event, schema
+from hspmd_elastic.plan import simple_plan
+from launcher.health.api import Verdict
+from launcher.health.verdicts import VerdictPublisher
 
 pytestmark = pytest.mark.multiproc
 

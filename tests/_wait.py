@@ -1,7 +1,12 @@
-"""Small helpers shared by the coordination layer and its users: bounded waiting."""
+"""Bounded waits for the tests: a polling ``wait_for`` and a ``Recorder`` that callbacks append to.
+
+Both return whether the condition held in time (False at the deadline), so a test can assert
+that something happens (``assert wait_for(...)``) or that it does not (``assert not ...``).
+"""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Callable
@@ -45,3 +50,13 @@ class Recorder:
 
     def wait_len(self, n: int, timeout: float) -> bool:
         return self.wait_for(lambda items: len(items) >= n, timeout)
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (a SIGSTOP has taken effect): wait on this before
+    treating a frozen process as frozen."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(s in ("T", "t") for s in states)
