@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from hspmd_elastic.annotations import DGUnion, DeviceGroup, DistState, DSUnion, TensorAnnotation
 from hspmd_elastic.graph.config import ModelConfig, param_specs, resolve_layer, tp_divisibility
@@ -122,6 +122,14 @@ class Plan:
     def microbatch_rows(self, pipeline: int, index: int) -> tuple[int, int]:
         start = self.batch_rows(pipeline)[0] + index * self.pipelines[pipeline].microbatch_size
         return start, start + self.pipelines[pipeline].microbatch_size
+
+    def relabel(self, mapping: Mapping[int, int]) -> "Plan":
+        """This plan with every device id ``d`` replaced by ``mapping[d]`` (a KeyError names an
+        id the mapping lacks); the layout is unchanged."""
+        pipes = tuple(Pipeline(tuple(Stage(tuple(mapping[d] for d in s.devices), s.layers)
+                                     for s in p.stages), p.num_microbatches, p.microbatch_size)
+                      for p in self.pipelines)
+        return Plan(pipes, self.global_batch, self.num_layers)
 
     # ---- model-dependent -----------------------------------------------------------------
     def check_model(self, config: ModelConfig) -> None:

@@ -35,12 +35,12 @@ from hspmd_elastic.elastic.checkpoint import CheckpointWriter
 from hspmd_elastic.elastic.group import (GroupFormer, RegroupAborted, RegroupTimeout,
                                          StoreUnreachable, wait_keys)
 from hspmd_elastic.elastic.watchdog import PlanWatcher, Watchdog
+from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.graph.comm import CommTimeoutError
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.reshard import ReshardCommError
-from hspmd_elastic.switch import (GraphSwitch, Held, SwitchTimeouts, check_global_batch,
-                                  plan_of)
+from hspmd_elastic.switch import GraphSwitch, Held, SwitchTimeouts, check_global_batch
 
 log = logging.getLogger("hspmd_elastic.runtime")
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from hspmd_elastic.coord import EtcdClient, append_event, schema
 from hspmd_elastic.coord.api import CoordinationError
+from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.elastic import agree
 from hspmd_elastic.elastic.api import (ConfigurationError, SwitchError, SwitchTimings,
                                        UnrecoverableStateError, WorkerIdentity)
@@ -52,7 +53,7 @@ from hspmd_elastic.graph.comm import Comm, CommTimeoutError
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.graph.specialize import SpecializedModel
-from hspmd_elastic.plan import Plan, PlanError
+from hspmd_elastic.plan import Plan
 from hspmd_elastic.reshard import ReshardError, fused_bsr_schedule
 from hspmd_elastic.reshard.executor import execute_fused
 
@@ -127,14 +128,6 @@ class SwitchResult:
     rank: int
     resume_step: int
     timings: SwitchTimings
-
-
-def plan_of(record: schema.PlanRecord) -> Plan:
-    plan = Plan.from_dict(record.strategy)
-    if plan.devices != tuple(range(len(record.devices))):
-        raise PlanError(f"plan v{record.version}: strategy uses device ids {list(plan.devices)}; "
-                        f"its {len(record.devices)} devices need ids 0..{len(record.devices) - 1}")
-    return plan
 
 
 class GraphSwitch:

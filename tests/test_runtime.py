@@ -37,7 +37,7 @@ def test_lifecycle_allows_the_switch_path_and_rejects_shortcuts():
               WorkerState.BUILDING, WorkerState.TRAINING, WorkerState.FINISHING,
               WorkerState.DONE):
         life.to(s)
-    assert [s for s, _ in life.history][-1] is WorkerState.DONE
+    assert life.history[-1].state is WorkerState.DONE
     with pytest.raises(IllegalTransition, match="done -> training"):
         life.to(WorkerState.TRAINING)
     with pytest.raises(IllegalTransition, match="waiting_plan -> training"):
@@ -89,7 +89,7 @@ def test_old_ids_map_through_device_strings_and_dead_devices_get_unused_ids():
     new = ["b:0", "a:0", "c:0"]  # a:1 died, c:0 joins, b:0 and a:0 are renumbered
     mapping = agree.old_to_new_ids(old, new, owners=[0, 1])
     assert mapping == {0: 1, 1: 4, 2: 0}
-    relabelled = agree.relabel(HETERO, mapping)
+    relabelled = HETERO.relabel(mapping)
     assert [s.devices for p in relabelled.pipelines for s in p.stages] == [(1, 4), (0,)]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hspmd_elastic.annotations import DUPLICATE, DGUnion, DSUnion, TensorAnnotation
-from hspmd_elastic.elastic.api import node_of_device
+from hspmd_elastic.coord.contract import node_of
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.state import state_specs
 from hspmd_elastic.plan import Plan
@@ -111,15 +111,6 @@ def old_to_new_ids(old_devices: Sequence[str], new_devices: Sequence[str],
     return out
 
 
-def relabel(plan: Plan, mapping: dict[int, int]) -> Plan:
-    """``plan`` with every device id replaced through ``mapping``."""
-    data = plan.to_dict()
-    for pipe in data["pipelines"]:
-        for stage in pipe["stages"]:
-            stage["devices"] = [mapping[d] for d in stage["devices"]]
-    return Plan.from_dict(data)
-
-
 def reshard_request(config: ModelConfig, sources: Sequence[Source],
                     holdings: Sequence[Holding], owners: Sequence[int],
                     new_devices: Sequence[str],
@@ -132,7 +123,7 @@ def reshard_request(config: ModelConfig, sources: Sequence[Source],
     tensor's old annotation is the union of their sub-groups: every sub-group of a plan's
     parameter annotation holds a full replica (hdim -1), so the union does too.
     """
-    nodes = {r: node_of_device(d) for r, d in enumerate(new_devices)}
+    nodes = {r: node_of(d) for r, d in enumerate(new_devices)}
     old: dict[str, list[TensorAnnotation]] = {}
     offset = len(new_devices)
     for src in sorted(sources, key=lambda s: s.version):
@@ -140,8 +131,8 @@ def reshard_request(config: ModelConfig, sources: Sequence[Source],
         mapping = old_to_new_ids(src.devices, new_devices, mine, offset)
         offset += len(src.devices)
         for old_id, new_id in mapping.items():
-            nodes.setdefault(new_id, node_of_device(src.devices[old_id]))
-        for name, spec in state_specs(config, relabel(src.plan, mapping)).items():
+            nodes.setdefault(new_id, node_of(src.devices[old_id]))
+        for name, spec in state_specs(config, src.plan.relabel(mapping)).items():
             old.setdefault(name, []).append(spec.annotation)
     specs = [TensorSpec(name, spec.shape, spec.dtype, _union(name, old[name]), spec.annotation)
              for name, spec in state_specs(config, new_plan).items()]

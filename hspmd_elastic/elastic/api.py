@@ -5,21 +5,29 @@ A reader learns ``hspmd_elastic.elastic`` (and ``runtime.py`` / ``switch.py`` bu
 this file. Promises:
 
 * every failure the runtime raises is an ``ElasticError`` subclass naming the root cause;
-* the worker's lifecycle is the ``WorkerState`` machine below: an enum, a table of allowed
-  transitions and a timestamped history; an illegal transition is a bug and raises at once;
-* progress reports are ``WorkerRecord``-compatible values handed to a ``ProgressReporter`` (the
-  node agent owns the etcd key ``workers/<node>/<local_rank>``; the worker never writes it).
+* the worker's lifecycle is the ``WorkerState`` machine (``hspmd_elastic.coord.contract``, shared
+  with the agent) run by ``Lifecycle`` on the one ``coord.lifecycle.StateMachine``, with the
+  table of allowed transitions below; an illegal transition is a bug and raises at once;
+* progress reports are the contract's ``WorkerProgress`` handed to a ``ProgressReporter``; the
+  ``FileReporter`` writes the progress file the node agent reads (``HSPMD_PROGRESS_FILE``); the
+  agent owns the etcd key ``workers/<node>/<local_rank>``, the worker never writes it.
 """
 
 from __future__ import annotations
 
-import enum
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Protocol
 
+from hspmd_elastic.coord.contract import (  # noqa: F401 - the worker's vocabulary, re-exported
+    PROGRESS_FILE_ENV,
+    WorkerProgress,
+    WorkerState,
+    device_id,
+    write_progress,
+)
+from hspmd_elastic.coord.lifecycle import IllegalTransition, StateMachine  # noqa: F401
 from hspmd_elastic.graph.comm import CommTimeoutError
 
 
@@ -57,19 +65,6 @@ class UnrecoverableStateError(SwitchError):
 
 
 # ------------------------------------------------------------------------------- lifecycle
-class WorkerState(enum.Enum):
-    WAITING_PLAN = "waiting_plan"  # waiting for a plan newer than ours that contains this device
-    REGROUPING = "regrouping"  # destroying the old process group, forming the plan's group
-    EXCHANGING = "exchanging"  # agreeing on the resume step and on who holds what
-    RESHARDING = "resharding"  # the fused BSR (or a checkpoint load)
-    BUILDING = "building"  # building the specialized graph on the received state
-    TRAINING = "training"
-    FINISHING = "finishing"  # all steps done; waiting until every rank of the plan is done
-    DONE = "done"
-    EXCLUDED = "excluded"  # the newest plan does not use this device: the worker leaves
-    FAILED = "failed"
-
-
 _SWITCHING = (WorkerState.REGROUPING, WorkerState.EXCHANGING, WorkerState.RESHARDING,
               WorkerState.BUILDING)
 TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
@@ -90,29 +85,11 @@ for _s in _SWITCHING + (WorkerState.TRAINING, WorkerState.FINISHING):
     TRANSITIONS[_s] = TRANSITIONS[_s] | {WorkerState.WAITING_PLAN, WorkerState.FAILED}
 
 
-class IllegalTransition(ElasticError):
-    pass
-
-
-class Lifecycle:
-    """The worker's state machine with a timestamped history (monotonic seconds)."""
+class Lifecycle(StateMachine[WorkerState]):
+    """The worker's state machine (``TRANSITIONS``) with a timestamped history."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self._clock = clock
-        self.state = WorkerState.WAITING_PLAN
-        self.history: list[tuple[WorkerState, float]] = [(self.state, clock())]
-
-    def to(self, state: WorkerState) -> None:
-        if state not in TRANSITIONS[self.state]:
-            raise IllegalTransition(f"worker state {self.state.value} -> {state.value} "
-                                    f"is not allowed; allowed: "
-                                    f"{sorted(s.value for s in TRANSITIONS[self.state])}")
-        self.state = state
-        self.history.append((state, self._clock()))
-
-    @property
-    def since(self) -> float:
-        return self.history[-1][1]
+        super().__init__("worker", TRANSITIONS, WorkerState.WAITING_PLAN, "start", clock=clock)
 
 
 # ------------------------------------------------------------------------------- identity
@@ -127,7 +104,7 @@ class WorkerIdentity:
 
     @property
     def device(self) -> str:
-        return f"{self.node}:{self.local_rank}"
+        return device_id(self.node, self.local_rank)
 
     @classmethod
     def from_env(cls, env: Optional[dict] = None) -> "WorkerIdentity":
@@ -146,33 +123,7 @@ class WorkerIdentity:
                    env["HSPMD_ETCD_ENDPOINTS"])
 
 
-def node_of_device(device: str) -> str:
-    """``"<node_id>:<local_rank>"`` -> ``"<node_id>"``."""
-    return device.rsplit(":", 1)[0]
-
-
 # ------------------------------------------------------------------------------- progress
-@dataclass(frozen=True)
-class WorkerProgress:
-    """A progress report; the fields of ``schema.WorkerRecord`` plus the worker's state."""
-
-    pid: int
-    global_rank: int
-    local_rank: int
-    plan_version: int
-    step: int
-    last_progress_at: float
-    steps_per_s: float
-    state: str = WorkerState.TRAINING.value
-
-    def to_worker_record(self):
-        from hspmd_elastic.coord.schema import WorkerRecord
-
-        return WorkerRecord(pid=self.pid, global_rank=self.global_rank, local_rank=self.local_rank,
-                            plan_version=self.plan_version, step=self.step,
-                            last_progress_at=self.last_progress_at, steps_per_s=self.steps_per_s)
-
-
 class ProgressReporter(Protocol):
     def report(self, progress: WorkerProgress) -> None: ...
 
@@ -189,15 +140,12 @@ class FileReporter:
         self.path = path
 
     def report(self, progress: WorkerProgress) -> None:
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(asdict(progress), f)
-        os.replace(tmp, self.path)
+        write_progress(self.path, progress)
 
 
 def reporter_from_env(env: Optional[dict] = None) -> ProgressReporter:
     """``HSPMD_PROGRESS_FILE`` set: a ``FileReporter`` there; otherwise a no-op."""
-    path = (os.environ if env is None else env).get("HSPMD_PROGRESS_FILE")
+    path = (os.environ if env is None else env).get(PROGRESS_FILE_ENV)
     return FileReporter(path) if path else NullReporter()
 
 
