@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 DUPLICATE = -1
 PARTIAL = -2
@@ -471,8 +471,3 @@ class TensorAnnotation:
         if not isinstance(data, dict):
             raise AnnotationError(f"annotation JSON must be an object, got {type(data).__name__}")
         return cls.from_dict(data)
-
-
-def union_devices(annotations: Iterable[TensorAnnotation]) -> tuple[int, ...]:
-    """Sorted device ids used by any of ``annotations``."""
-    return tuple(sorted({d for a in annotations for d in a.devices()}))

@@ -1,4 +1,4 @@
-"""The launcher's vocabulary: launch configuration, worker identity, agent states and errors.
+"""The launcher's vocabulary: launch configuration, worker identity and errors.
 
 A reader learns ``launcher`` (the ``hspmd-launch`` control plane) from this file. Promises:
 
@@ -8,11 +8,12 @@ A reader learns ``launcher`` (the ``hspmd-launch`` control plane) from this file
   (the CLI prints ``hspmd-launch: error: <line>``, never a traceback);
 * exit codes follow torchrun: 0 success, 1 workers failed (after the last restart), a signal or a
   runtime error, 2 usage errors.
+
+The node agent's own vocabulary (modes, their outcomes and context) is ``launcher.node.api``.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -145,51 +146,6 @@ class LaunchConfig:
     health_source: str = "none"
     extra_env: dict[str, str] = field(default_factory=dict)
     elastic: Optional[ElasticSettings] = None  # None: restart mode (torchrun's semantics)
-
-
-# ------------------------------------------------------------------------------- agent states
-class AgentState(enum.Enum):
-    """A node agent's lifecycle; each non-terminal state is bounded:
-
-    RENDEZVOUS by ``join_timeout`` (and the master wait by ``close_timeout``), RESTARTING by the
-    shutdown grace plus the SIGKILL wait, EXIT_BARRIER by ``exit_barrier_timeout``; RUNNING
-    lasts as long as the workers do (an etcd outage longer than ``ETCD_OUTAGE_MIN_S`` or three
-    lease TTLs ends it); ELASTIC is bounded as ``launcher.elastic_mode.ElasticState`` says.
-    """
-
-    INIT = "init"
-    RENDEZVOUS = "rendezvous"
-    RUNNING = "running"
-    RESTARTING = "restarting"  # stopping workers before the next round
-    EXIT_BARRIER = "exit_barrier"  # our workers succeeded; waiting for the other nodes
-    ELASTIC = "elastic"  # elastic mode: launcher.elastic_mode runs its own state machine
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    INTERRUPTED = "interrupted"  # a handled signal
-
-
-TERMINAL_STATES = frozenset({AgentState.SUCCEEDED, AgentState.FAILED, AgentState.INTERRUPTED})
-
-_ENDS = {AgentState.FAILED, AgentState.INTERRUPTED}
-ALLOWED_TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
-    AgentState.INIT: frozenset({AgentState.RENDEZVOUS, AgentState.ELASTIC, *_ENDS}),
-    AgentState.ELASTIC: frozenset({AgentState.SUCCEEDED, *_ENDS}),
-    AgentState.RENDEZVOUS: frozenset({AgentState.RUNNING, AgentState.RENDEZVOUS, *_ENDS}),
-    AgentState.RUNNING: frozenset(
-        {AgentState.RESTARTING, AgentState.EXIT_BARRIER, *_ENDS}
-    ),
-    AgentState.RESTARTING: frozenset({AgentState.RENDEZVOUS, *_ENDS}),
-    AgentState.EXIT_BARRIER: frozenset(
-        {AgentState.SUCCEEDED, AgentState.RENDEZVOUS, *_ENDS}
-    ),
-    AgentState.SUCCEEDED: frozenset(),
-    AgentState.FAILED: frozenset(),
-    AgentState.INTERRUPTED: frozenset(),
-}
-
-
-class IllegalTransition(LaunchError):
-    """A state change the table does not allow (a bug, not a user error)."""
 
 
 # ------------------------------------------------------------------------------ worker identity

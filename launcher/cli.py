@@ -7,7 +7,7 @@ Promises:
   ``--flag=value``; each flag can also come from ``PET_<FLAG>`` (e.g. ``PET_NPROC_PER_NODE=2``);
   everything after the script belongs to the script;
 * our own flags are named ``--hspmd-*``; ``--hspmd-elastic`` (with ``--hspmd-model`` and
-  ``--hspmd-global-batch``) runs the agent in elastic mode (``launcher.elastic_mode``) instead of
+  ``--hspmd-global-batch``) runs the agent in elastic mode (``launcher.node.elastic``) instead of
   torchrun's restart mode;
 * a first argument naming a subcommand (``status``, ``dashboard``, ``inject``, ``plan``) that is
   not an existing file runs that subcommand; ``hspmd-launch -- status`` runs a script called
@@ -165,7 +165,7 @@ def launch_command(**params) -> int:
     """Start the node agent: rendezvous through etcd, then run NPROC_PER_NODE workers of
     TRAINING_SCRIPT with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
     config = build_config(params)
-    from launcher.agent import launch  # late: keeps --help and usage errors fast
+    from launcher.node.launch import launch  # late: keeps --help and usage errors fast
 
     return launch(config)
 

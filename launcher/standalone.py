@@ -9,7 +9,11 @@ Used by ``hspmd-launch --standalone``, by ``scripts/demo`` and by the test fixtu
 * ``stop()`` sends SIGTERM, then SIGKILL after a grace period, reaps the process and removes the
   data dir; a member can be stopped and started again on the same ports and data (to test
   restarts);
-* a missing binary gives one line that names both ways to install one.
+* a missing binary gives one line that names both ways to install one;
+* ``AgentEtcd`` is the single member a node agent runs itself: the embedded etcd of
+  ``--standalone`` (loopback, free ports), or the rendezvous store of torchrun's c10d and static
+  backends (every interface, the endpoint's port) served by one node; it dies with its agent,
+  even on SIGKILL.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
+
+import psutil
+
+from launcher.node.workers import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +277,91 @@ class EtcdCluster:
         self.stop()
 
 
-def embedded_etcd() -> EtcdCluster:
-    """A single-member etcd for ``--standalone``: call ``start()`` (or use as a context manager)."""
-    return EtcdCluster(size=1)
+# ------------------------------------------------------------------- the agent's own etcd
+@dataclass
+class _AgentMember(EtcdMember):
+    """An etcd member that dies with the agent that started it (no orphan on SIGKILL); with
+    ``listen_all`` it serves clients on every interface at its port (the c10d/static store)."""
+
+    listen_all: bool = False
+    advertise_host: str = "127.0.0.1"
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        if self.listen_all:
+            cmd[cmd.index("--listen-client-urls") + 1] = f"http://0.0.0.0:{self.client_port}"
+            cmd[cmd.index("--advertise-client-urls") + 1] = (
+                f"http://{self.advertise_host}:{self.client_port}")
+        return die_with_parent(tuple(cmd))
+
+
+class AgentEtcd:
+    """A single etcd member run by the agent: the embedded one of ``--standalone`` (loopback,
+    free ports), or the rendezvous store of torchrun's c10d and static backends (every
+    interface, the endpoint's port) served by one node (the one at the endpoint, or node rank 0).
+
+    ``start()`` returns False when another process already serves the port (another agent on
+    this host won; this agent is then a client like the others).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: Optional[int] = None,
+                 start_timeout_s: float = 20.0):
+        self.host, self.port, self.start_timeout_s = host, port, start_timeout_s
+        self.member: Optional[_AgentMember] = None
+        self._dir: Optional[str] = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.member.client_port}" if self.member else ""
+
+    def start(self) -> bool:
+        if self.port is not None and not _port_free(self.port):
+            return False
+        ports = free_ports(2)
+        self._dir = tempfile.mkdtemp(prefix="hspmd-etcd-agent-")
+        self.member = _AgentMember(
+            name="agent", client_port=self.port or ports[0], peer_port=ports[1],
+            data_dir=os.path.join(self._dir, "agent.etcd"), listen_all=self.port is not None,
+            advertise_host=self.host, cluster_token=os.path.basename(self._dir))
+        self.member.launch()
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if not self.member.running:
+                if self.port is not None:  # lost the port to another agent
+                    self.stop()
+                    return False
+                break
+            if self.member.healthy() and _listens(self.member.proc.pid,
+                                                  self.member.client_port):
+                log.info("serving etcd at %s", self.endpoint)
+                return True
+            time.sleep(0.02)
+        tail = self.member.log_tail()
+        self.stop()
+        raise EtcdStartError(f"etcd on port {self.port or ports[0]} not healthy: {tail}")
+
+    def stop(self) -> None:
+        if self.member is not None:
+            self.member.stop()
+            self.member = None
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _listens(pid: int, port: int) -> bool:
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+               for c in conns)

@@ -17,17 +17,16 @@ import pytest
 from hspmd_elastic.coord import EtcdClient, LeasedSession, schema
 from hspmd_elastic.coord.api import CoordinationError, EtcdUnavailableError
 from _wait import wait_for
-from launcher.elastic_agent import (
-    ACK_KEEP,
+from hspmd_elastic.coord.contract import (
     TRAINED_STATES,
-    ElasticNode,
-    ElasticWorkers,
-    ProgressReport,
-    ack_state,
-    device_table,
+    WorkerProgress,
     read_progress,
-    read_report,
+    write_progress,
 )
+from launcher.node.acks import ACK_KEEP, ack_state
+from launcher.node.devices import device_table
+from launcher.node.elastic_node import ElasticNode
+from launcher.node.elastic_workers import ElasticWorkers
 from launcher.leader import EXIT_PREFIX
 from launcher.logs import WorkerLogPaths
 from _clock import FakeClock
@@ -42,18 +41,17 @@ WORKER = ("import os, sys, time\n"
           "sys.exit(int(open(path).read()))\n")
 
 
-def _report(pid: int, version: int, state: str, lr: int = 0) -> ProgressReport:
-    rec = schema.WorkerRecord(pid=pid, global_rank=lr, local_rank=lr, plan_version=version,
-                              step=0, last_progress_at=0.0, steps_per_s=0.0)
-    return ProgressReport(rec, state)
+def _report(pid: int, version: int, state: str, lr: int = 0) -> WorkerProgress:
+    return WorkerProgress(pid=pid, global_rank=lr, local_rank=lr, plan_version=version, step=0,
+                          last_progress_at=0.0, steps_per_s=0.0, state=state)
 
 
 # ------------------------------------------------------------------------------ pure decision
 def test_trained_states_are_the_runtime_states_at_or_past_training():
     from hspmd_elastic.elastic.api import WorkerState
 
-    assert TRAINED_STATES == tuple(s.value for s in (WorkerState.TRAINING, WorkerState.FINISHING,
-                                                     WorkerState.DONE))
+    assert TRAINED_STATES == {s.value for s in (WorkerState.TRAINING, WorkerState.FINISHING,
+                                                WorkerState.DONE)}
 
 
 def test_ack_state_is_the_least_advanced_slot_and_a_failed_slot_fails_the_node():
@@ -87,15 +85,30 @@ def test_progress_reports_carry_the_worker_state(tmp_path):
     report = {"pid": 7, "global_rank": 4, "local_rank": 1, "plan_version": 2, "step": 12,
               "last_progress_at": 1.5e9, "steps_per_s": 3.0, "state": "regrouping"}
     path.write_text(json.dumps(report))
-    got = read_report(str(path), 1)
-    assert got.state == "regrouping" and got.record == read_progress(str(path), 1)
-    assert (got.record.pid, got.record.plan_version) == (7, 2)
+    got = read_progress(str(path), 1)
+    assert got.state == "regrouping" and (got.pid, got.plan_version) == (7, 2)
+    assert got.to_worker_record() == schema.WorkerRecord(
+        pid=7, global_rank=4, local_rank=1, plan_version=2, step=12, last_progress_at=1.5e9,
+        steps_per_s=3.0)
     path.write_text(json.dumps({k: v for k, v in report.items() if k != "state"}))
-    assert read_report(str(path), 1).state == ""
+    assert read_progress(str(path), 1).state == ""
     path.write_text(json.dumps({**report, "state": 3}))
-    assert read_report(str(path), 1) is None
+    assert read_progress(str(path), 1) is None
     path.write_text(json.dumps([report]))
-    assert read_report(str(path), 1) is None and read_progress(str(path), 1) is None
+    assert read_progress(str(path), 1) is None
+
+
+def test_the_progress_file_round_trips_between_the_planes(tmp_path):
+    """What the worker runtime writes (``FileReporter``) is what the agent reads back."""
+    from hspmd_elastic.elastic.api import FileReporter
+
+    path = str(tmp_path / "progress_0.json")
+    sent = WorkerProgress(pid=5, global_rank=3, local_rank=0, plan_version=4, step=9,
+                          last_progress_at=1.7e9, steps_per_s=2.5, state="finishing")
+    FileReporter(path).report(sent)
+    assert read_progress(path, 0) == sent
+    write_progress(path, WorkerProgress(**{**sent.__dict__, "step": 10}))
+    assert read_progress(path, 0).step == 10 and not os.path.exists(path + ".tmp")
 
 
 # ------------------------------------------------------------------------------ real etcd

@@ -18,8 +18,9 @@ import pytest
 from launch_harness import SCRIPTS, assert_no_leftovers, base_env, new_marker, run_launch  # noqa: E402
 
 from launcher import cli  # noqa: E402
-from launcher.api import ALLOWED_TRANSITIONS, AgentState, ConfigError  # noqa: E402
-from launcher.rendezvous import (  # noqa: E402
+from launcher.api import ConfigError  # noqa: E402
+from launcher.node.restart import TRANSITIONS, RestartState  # noqa: E402
+from launcher.node.rendezvous import (  # noqa: E402
     Participant,
     RoundInfo,
     assign_ranks,
@@ -164,15 +165,15 @@ def test_round_closing_rule():
 
 
 def test_agent_state_table():
-    assert AgentState.RUNNING in ALLOWED_TRANSITIONS[AgentState.RENDEZVOUS]
-    assert AgentState.RENDEZVOUS in ALLOWED_TRANSITIONS[AgentState.RESTARTING]
-    assert not ALLOWED_TRANSITIONS[AgentState.SUCCEEDED]
-    assert AgentState.SUCCEEDED not in ALLOWED_TRANSITIONS[AgentState.RUNNING]
-    assert all(AgentState.INTERRUPTED in v for k, v in ALLOWED_TRANSITIONS.items() if v)
+    assert RestartState.RUNNING in TRANSITIONS[RestartState.RENDEZVOUS]
+    assert RestartState.RENDEZVOUS in TRANSITIONS[RestartState.RESTARTING]
+    assert not TRANSITIONS[RestartState.SUCCEEDED]
+    assert RestartState.SUCCEEDED not in TRANSITIONS[RestartState.RUNNING]
+    assert all(RestartState.INTERRUPTED in v for k, v in TRANSITIONS.items() if v)
 
 
 def test_worker_env_is_torchruns():
-    from launcher.agent import worker_env
+    from launcher.node.env import worker_env
 
     _, cfg = parse(["--nproc-per-node", "2", "--max-restarts", "3", SCRIPT])
     parts = (_p("a", 2), _p("b", 2))

@@ -148,7 +148,7 @@ def test_wait_bar_draws_one_bar_and_keeps_log_lines_above_it():
         bar = WaitBar(stream=out, enabled=True)
         bar.update(RendezvousWait(0, "joining", 1, 2, 2, 0.5, 9.0))
         assert bar.shown == "rendezvous" and handler.stream is not out
-        logging.getLogger("launcher.agent").warning("a log line while waiting")
+        logging.getLogger("launcher.node.agent").warning("a log line while waiting")
         bar.update(SwitchWait(2, 1, "replan", 0, None, 0.0))  # another kind replaces the bar
         assert bar.shown == "switch"
         bar.update(None)

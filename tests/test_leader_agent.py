@@ -15,19 +15,14 @@ import pytest
 from hspmd_elastic.coord import EtcdClient, LeasedSession, read_events, read_plan, schema
 from _wait import wait_for
 from hspmd_elastic.planner import ModelProfile, plan_for
-from launcher.elastic_agent import (
-    ElasticNode,
-    ElasticWorkers,
-    ProgressMonitor,
-    SlotVerdicts,
-    StoreServer,
-    WorkerExit,
-    device_table,
-    elastic_worker_env,
-    new_local_ranks,
-    plan_rank,
-    read_progress,
-)
+from hspmd_elastic.coord.contract import read_progress
+from launcher.node.devices import device_table
+from launcher.node.elastic_node import ElasticNode
+from launcher.node.elastic_workers import ElasticWorkers, new_local_ranks, plan_rank
+from launcher.node.env import elastic_worker_env
+from launcher.node.exits import SlotVerdicts, WorkerExit
+from launcher.node.hangs import ProgressMonitor
+from launcher.node.store import StoreServer
 from launcher.health.api import DeviceInfo, DeviceState, Verdict
 from launcher.health.progress import HangDetector
 from launcher.leader import EXIT_PREFIX, STALL_PREFIX, Leader

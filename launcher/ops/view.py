@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import RecordError
@@ -425,8 +425,3 @@ def _throughput(workers: list[WorkerView], samples: list) -> dict[str, Any]:
         "steps_per_s": job_rate([(w.step, w.steps_per_s) for w in workers]),
         "samples": [list(s) for s in samples],
     }
-
-
-def view_from_mapping(job: str, records: Mapping[str, schema.Record], **kw) -> JobView:
-    """``JobView.build`` over a key -> record mapping (a cache's contents)."""
-    return JobView.build(job, sorted(records.items()), **kw)

@@ -3,9 +3,10 @@ never restart a surviving worker, and end as one job.
 
 The agent hosts the workers' store, advertises its device slots, campaigns for leadership (the
 elected agent's ``launcher.leader.Leader`` plans with ``hspmd_elastic.planner.plan_for`` for the
-``--hspmd-model`` and ``--hspmd-global-batch``) and runs ``launcher.elastic_agent.ElasticNode``
-every monitor interval. Its lifecycle is ``ElasticState`` (WAITING_PLAN -> RUNNING -> FINISHING
--> SUCCEEDED, or FAILED / INTERRUPTED) with a timestamped history. Promises:
+``--hspmd-model`` and ``--hspmd-global-batch``) and runs ``launcher.node.elastic_node.ElasticNode``
+every tick. Its lifecycle is ``ElasticState`` (WAITING_PLAN -> RUNNING -> FINISHING ->
+SUCCEEDED, or FAILED / INTERRUPTED) with its own ``TRANSITIONS`` table on the one
+``coord.lifecycle.StateMachine``. Promises:
 
 * a worker exit is an event, not a restart: the slot gets a failed verdict, the leader replans,
   the survivors switch in memory; workers are started only for slots a plan adds (joins);
@@ -24,7 +25,8 @@ every monitor interval. Its lifecycle is ``ElasticState`` (WAITING_PLAN -> RUNNI
 * on a terminal (stderr), a progress bar shows the wait for the first plan (nodes up of
   ``min_nodes``, time left) and a switch in progress (plan version, ``replan``/``switch-start``
   seen, nodes acked when acks are written); without a terminal nothing is read for it;
-* every wait is bounded: the first plan by ``join_timeout``, an etcd outage as in restart mode,
+* every wait is bounded: the first plan by ``join_timeout``, an etcd outage by the agent's
+  ``EtcdOutagePolicy``,
   stopping workers by ``--shutdown-timeout``; signals stop the workers and exit 1.
 """
 
@@ -32,42 +34,45 @@ from __future__ import annotations
 
 import enum
 import functools
-import json
 import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp, RecordError
+from hspmd_elastic.coord.contract import DONE_STATES, node_of
+from hspmd_elastic.coord.lifecycle import StateMachine
 from hspmd_elastic.coord.plans import read_plan
-
 from launcher.api import (
     LaunchError,
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousTimeoutError,
-    SignalReceived,
 )
 from launcher.console import ElasticWaits
-from launcher.elastic_agent import ElasticNode, ElasticWorkers, WorkerExit, device_table
-from launcher.leader import Leader, build_snapshot, parse_device_id
-from launcher.rendezvous import FAILED, SUCCEEDED, TERMINAL, RoundState
+from launcher.health.api import HealthSource
+from launcher.leader import Leader, build_snapshot
+from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
+from launcher.node.devices import device_table
+from launcher.node.elastic_node import ElasticNode
+from launcher.node.elastic_workers import ElasticWorkers
+from launcher.node.hangs import ProgressMonitor
+from launcher.node.judge import JobView, judge
+from launcher.node.rendezvous import FAILED, SUCCEEDED, TERMINAL, RoundState
 from launcher.summary import WorkerFailure, format_summary
 
 log = logging.getLogger(__name__)
 
-MAX_REASON = 300  # characters of a root cause shown in the one-line error
 JUDGE_S = 0.25  # how often the job-wide state is re-read from etcd
 FINISH_WAIT_S = 30.0  # after success: how long workers get to exit by themselves
-DONE_STATES = ("done",)  # final progress states of a worker that finished the job
 
 
 class ElasticState(enum.Enum):
     """WAITING_PLAN is bounded by ``join_timeout``; RUNNING lasts as long as the job (an etcd
-    outage as in restart mode ends it); FINISHING by ``FINISH_WAIT_S`` plus the shutdown grace."""
+    outage past the agent's ``EtcdOutagePolicy`` ends it); FINISHING by ``FINISH_WAIT_S`` plus
+    the shutdown grace."""
 
     WAITING_PLAN = "waiting_plan"  # no plan uses the cluster yet
     RUNNING = "running"  # following plans
@@ -88,85 +93,24 @@ TRANSITIONS: dict[ElasticState, frozenset] = {
     _E.INTERRUPTED: frozenset(),
 }
 TERMINAL_STATES = frozenset({_E.SUCCEEDED, _E.FAILED, _E.INTERRUPTED})
+_END_OF = {_E.SUCCEEDED: End.SUCCEEDED, _E.FAILED: End.FAILED, _E.INTERRUPTED: End.INTERRUPTED}
 
 
-class IllegalElasticTransition(LaunchError):
-    """A state change ``TRANSITIONS`` does not allow (a bug, not a user error)."""
+# ----------------------------------------------------------------------------------- the mode
+class ElasticMode:
+    """One node agent in elastic mode (the ``launcher.node.api.Mode`` protocol)."""
 
-
-# ----------------------------------------------------------------------------------- judging
-@dataclass(frozen=True)
-class JobView:
-    """What one agent knows about the job's end at one moment (see ``judge``)."""
-
-    ended: Optional[RoundState] = None  # rdzv/state, when terminal
-    finished_worker: str = ""  # a worker of this node reported it finished the job
-    nodes_done: bool = False  # every node of the current plan marked its slots done
-    switch_failed: str = ""  # the error of a switch-failed event
-    nodes: int = 0  # live node records
-    usable_devices: int = -1  # -1: not known
-
-
-def judge(view: JobView) -> tuple[str, str]:
-    """Pure: ``("running" | SUCCEEDED | FAILED, reason)``; a recorded end wins."""
-    if view.ended is not None:
-        return view.ended.state, view.ended.reason
-    if view.finished_worker:
-        return SUCCEEDED, f"all devices of the plan finished ({view.finished_worker})"
-    if view.nodes_done:
-        return SUCCEEDED, "every node of the plan finished its workers"
-    if view.switch_failed:
-        return FAILED, "switch failed: " + one_line(view.switch_failed)
-    if view.nodes and view.usable_devices == 0:
-        return FAILED, "no usable device left in the job"
-    return "running", ""
-
-
-def one_line(text: str, limit: int = MAX_REASON) -> str:
-    """The first line of ``text``, cut to ``limit`` characters."""
-    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
-# ----------------------------------------------------------------------------------- workers
-class RecordingWorkers(ElasticWorkers):
-    """``ElasticWorkers`` that also remember, per exit, the worker (for the failure summary) and
-    the final state it reported in its progress file (``done``, ``excluded``, ...)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.exits: list[tuple[WorkerExit, object, str]] = []  # (exit, Worker, final state)
-
-    def poll(self) -> list[WorkerExit]:
-        alive = dict(self._running)
-        out = super().poll()
-        for ex in out:
-            self.exits.append((ex, alive.get(ex.local_rank), self.final_state(ex.local_rank)))
-        return out
-
-    def final_state(self, local_rank: int) -> str:
-        try:
-            with open(self.progress_file(local_rank), encoding="utf-8") as f:
-                return str(json.load(f).get("state", ""))
-        except (OSError, ValueError, AttributeError):
-            return ""
-
-
-# ----------------------------------------------------------------------------------- the run
-class ElasticRun:
-    """One node agent in elastic mode; ``run()`` returns the terminal ``ElasticState``."""
-
-    def __init__(self, agent) -> None:  # agent: launcher.agent.NodeAgent
-        self.agent, self.cfg = agent, agent.config
-        self.settings = agent.config.elastic
-        self.client, self.session, self.job = agent.client, agent.session, agent.job
-        self.node_id, self.clock = agent.config.node_id, agent.clock
-        self.state = ElasticState.WAITING_PLAN
-        self.history: list[tuple[ElasticState, float, float, str]] = [
-            (self.state, self.clock(), time.time(), "start")]
+    def __init__(self, ctx: AgentContext) -> None:
+        self.ctx, self.cfg = ctx, ctx.config
+        self.settings = ctx.config.elastic
+        self.client, self.session, self.job = ctx.client, ctx.session, ctx.job
+        self.node_id, self.clock = ctx.node_id, ctx.clock
+        self.machine = StateMachine("elastic", TRANSITIONS, ElasticState.WAITING_PLAN, "start",
+                                    clock=ctx.clock)
         self.failures: list[WorkerFailure] = []
         self.reason = ""
         self.node: Optional[ElasticNode] = None
+        self.health: Optional[HealthSource] = None
         self._seen_exits = 0
         self._finished_worker = ""
         self._event_seq = 0
@@ -174,75 +118,123 @@ class ElasticRun:
         self._marked_done: set[int] = set()
         self._next_judge = 0.0
         self._unused_since = 0  # the plan version since which plans give this node no device
+        self._started = self._plan_deadline = 0.0
+        self._waits: Optional[ElasticWaits] = None
 
-    # ------------------------------------------------------------------ state machine
+    @property
+    def state(self) -> ElasticState:
+        return self.machine.state
+
     def transition(self, new: ElasticState, reason: str) -> None:
-        if new not in TRANSITIONS[self.state]:
-            raise IllegalElasticTransition(
-                f"elastic state {self.state.value} -> {new.value} not allowed")
         log.info("[%s] node %s: elastic %s -> %s (%s)", self.job, self.node_id,
                  self.state.value, new.value, reason)
-        self.state = new
-        self.history.append((new, self.clock(), time.time(), reason))
+        self.machine.to(new, reason)
 
-    def run(self) -> ElasticState:
+    # ------------------------------------------------------------------ the Mode protocol
+    def start(self) -> None:
         from launcher.health.verdicts import HealthConfigError, select_health_source
 
         try:
-            health = select_health_source(self.cfg.health_source, node=self.node_id,
-                                          devices=self.cfg.nproc_per_node, job=self.job,
-                                          etcd=self.client)
+            self.health = select_health_source(self.cfg.health_source, node=self.node_id,
+                                               devices=self.cfg.nproc_per_node, job=self.job,
+                                               etcd=self.client)
         except HealthConfigError as exc:
             raise LaunchError(str(exc)) from exc
-        health.start()
-        try:
-            self._check_job_open()
-            self.node = self._build_node(health)
-            self.node.start()
-            self._loop()
-        except SignalReceived:
-            self._interrupted()
-        except (LaunchError, CoordinationError) as exc:
-            if isinstance(exc, CoordinationError):
-                exc = RendezvousConnectionError(f"etcd: {exc}")
-            log.error("[%s] node %s: %s", self.job, self.node_id, exc)
-            self.reason = str(exc)
-            self._stop_workers()
-            if self.state not in TERMINAL_STATES:
-                self.transition(ElasticState.FAILED, str(exc))
-        finally:
-            self._stop_workers()
-            health.stop()
-        return self.state
+        self.health.start()
+        self._check_job_open()
+        self.node = self._build_node(self.health)
+        self.node.start()
+        self._started = self.clock()
+        self._plan_deadline = self._started + self.cfg.rdzv.join_timeout_s
+        if self.ctx.bar.enabled:  # a progress bar only on a terminal
+            self._waits = ElasticWaits(self.client, self.job, self.cfg.rdzv.min_nodes)
+        log.info("[%s] node %s: elastic mode, %d slot(s), store %s, planning for %s with global "
+                 "batch %d", self.job, self.node_id, self.cfg.nproc_per_node,
+                 self.node.store.endpoint, self.settings.model_spec, self.settings.global_batch)
 
-    def _build_node(self, health) -> ElasticNode:
+    def tick(self) -> Optional[ModeOutcome]:
+        """One round: follow the plan, collect exits, judge the job's end every ``JUDGE_S``
+        (success waits in FINISHING for the workers to exit, bounded), then wait one monitor
+        interval."""
+        node = self.node
+        self._tick()
+        self._note_unused()
+        if self.state is ElasticState.WAITING_PLAN:
+            if node.plan_version:
+                self.transition(ElasticState.RUNNING, f"plan v{node.plan_version}")
+            elif self.clock() >= self._plan_deadline:
+                raise RendezvousTimeoutError(
+                    f"no plan for job {self.job!r} within {self.cfg.rdzv.join_timeout_s:.0f}s "
+                    f"(--rdzv-conf join_timeout): the leader needs {self.cfg.rdzv.min_nodes} "
+                    "node(s) and a feasible plan")
+        if self.clock() >= self._next_judge:
+            self._next_judge = self.clock() + JUDGE_S
+            outcome, reason = self._judge()
+            if outcome == SUCCEEDED:
+                self._finish(reason)
+                return ModeOutcome(End.SUCCEEDED, reason)
+            if outcome == FAILED:
+                self._fail(reason)
+                return ModeOutcome(End.FAILED, reason, self.reason)
+        if self._waits is not None:
+            now = self.clock()
+            self.ctx.bar.update(self._waits.poll(self.state is ElasticState.WAITING_PLAN,
+                                                 now - self._started, self._plan_deadline - now,
+                                                 time.time()))
+        self.ctx.wait(self.cfg.monitor_interval_s)
+        return None
+
+    def stop(self, cause: Optional[StopCause]) -> ModeOutcome:
+        """Stop the leader, the workers, the store and the health source; record the end."""
+        self.ctx.bar.clear()
+        if cause is not None and cause.signum is not None:
+            log.warning("[%s] node %s: received %s, shutting down workers", self.job,
+                        self.node_id, cause.outcome().reason)
+        elif cause is not None:
+            log.error("[%s] node %s: %s", self.job, self.node_id, cause.error)
+        try:
+            self._stop_workers()
+        finally:
+            if self.health is not None:
+                self.health.stop()
+        if cause is not None:
+            outcome = cause.outcome()
+            self.reason = outcome.error_line
+            if self.state not in TERMINAL_STATES:
+                self.transition(ElasticState.INTERRUPTED if cause.signum is not None
+                                else ElasticState.FAILED, outcome.reason)
+            return outcome
+        end = _END_OF.get(self.state, End.FAILED)
+        return ModeOutcome(end, self.machine.history[-1].reason,
+                           "" if end is End.SUCCEEDED else self.reason)
+
+    def _build_node(self, health: HealthSource) -> ElasticNode:
         from hspmd_elastic.planner import plan_for
-        from launcher.elastic_agent import ProgressMonitor
         from launcher.health.api import HealthConfigError
         from launcher.health.nvml import NvmlHealthSource
         from launcher.health.progress import hang_detector_from_env
 
-        cfg, agent = self.cfg, self.agent
+        cfg, ctx = self.cfg, self.ctx
         attempts = functools.lru_cache(maxsize=None)(  # attempt() recreates its directory
-            lambda version: agent.logdir.attempt(version, cfg.nproc_per_node))
-        progress_dir = os.path.join(agent.logdir.run_dir, "progress")
+            lambda version: ctx.logdir.attempt(version, cfg.nproc_per_node))
+        progress_dir = os.path.join(ctx.logdir.run_dir, "progress")
         os.makedirs(progress_dir, exist_ok=True)
         gpus = (health.devices()[:cfg.nproc_per_node] if isinstance(health, NvmlHealthSource)
                 else None)
         base = dict(os.environ, HSPMD_HEALTH_SOURCE=cfg.health_source, **cfg.extra_env)
-        workers = RecordingWorkers(self.job, self.node_id, cfg.entrypoint, self.client.endpoints,
+        workers = ElasticWorkers(self.job, self.node_id, cfg.entrypoint, self.client.endpoints,
                                    lambda version, lr: attempts(version)[lr], base_env=base,
                                    role=cfg.role, progress_dir=progress_dir)
         leader = Leader(self.client, self.session, self.job, self.node_id, plan_for,
                         self.settings.model_profile, self.settings.global_batch,
                         debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes,
                         max_nodes=cfg.rdzv.max_nodes)
-        store_host = cfg.local_addr or ("localhost" if cfg.rdzv.standalone else agent.host)
+        store_host = cfg.local_addr or ("localhost" if cfg.rdzv.standalone else ctx.host)
         try:
             monitor = ProgressMonitor(hang_detector_from_env(os.environ))
         except HealthConfigError as exc:
             raise LaunchError(str(exc)) from exc
-        return ElasticNode(self.client, self.session, self.job, self.node_id, agent.host,
+        return ElasticNode(self.client, self.session, self.job, self.node_id, ctx.host,
                            device_table(self.node_id, cfg.nproc_per_node, accelerators=gpus),
                            workers, leader=leader, health=health, store_host=store_host,
                            monitor=monitor)
@@ -253,50 +245,13 @@ class ElasticRun:
             raise RendezvousClosedError(f"job {self.job!r} already {st.state} ({st.reason}); "
                                         "use another --rdzv-id")
 
-    # ------------------------------------------------------------------ the loop
-    def _loop(self) -> None:
-        cfg, node = self.cfg, self.node
-        started = self.clock()
-        plan_deadline = started + cfg.rdzv.join_timeout_s
-        waits = (ElasticWaits(self.client, self.job, cfg.rdzv.min_nodes)
-                 if self.agent.bar.enabled else None)  # a progress bar only on a terminal
-        log.info("[%s] node %s: elastic mode, %d slot(s), store %s, planning for %s with global "
-                 "batch %d", self.job, self.node_id, cfg.nproc_per_node, node.store.endpoint,
-                 self.settings.model_spec, self.settings.global_batch)
-        while True:
-            if self.agent.abort.is_set():
-                raise SignalReceived(self.agent.signum or 0, "abort")
-            self._tick()
-            self._note_unused()
-            if self.state is ElasticState.WAITING_PLAN:
-                if node.plan_version:
-                    self.transition(ElasticState.RUNNING, f"plan v{node.plan_version}")
-                elif self.clock() >= plan_deadline:
-                    raise RendezvousTimeoutError(
-                        f"no plan for job {self.job!r} within {cfg.rdzv.join_timeout_s:.0f}s "
-                        f"(--rdzv-conf join_timeout): the leader needs {cfg.rdzv.min_nodes} "
-                        "node(s) and a feasible plan")
-            if self.clock() >= self._next_judge:
-                self._next_judge = self.clock() + JUDGE_S
-                outcome, reason = self._judge()
-                if outcome == SUCCEEDED:
-                    self._finish(reason)
-                    return
-                if outcome == FAILED:
-                    self._fail(reason)
-                    return
-            if waits is not None:
-                now = self.clock()
-                self.agent.bar.update(waits.poll(self.state is ElasticState.WAITING_PLAN,
-                                                 now - started, plan_deadline - now, time.time()))
-            self.agent.abort.wait(cfg.monitor_interval_s)
-
+    # ------------------------------------------------------------------ one tick
     def _tick(self) -> None:
         try:
             self.node.tick()
-            self.agent._etcd_lost_since = None
+            self.ctx.outage.reachable()
         except CoordinationError as exc:
-            self.agent._etcd_unreachable(RendezvousConnectionError(str(exc)))
+            self.ctx.outage.unreachable(RendezvousConnectionError(str(exc)))
         self._collect_exits()
 
     def _note_unused(self) -> None:
@@ -339,7 +294,7 @@ class ElasticRun:
             if outcome != "running" and view.ended is None:
                 outcome, reason = self._declare(outcome, reason)
         except CoordinationError as exc:
-            self.agent._etcd_unreachable(RendezvousConnectionError(str(exc)))
+            self.ctx.outage.unreachable(RendezvousConnectionError(str(exc)))
             return "running", ""
         return outcome, reason
 
@@ -352,7 +307,7 @@ class ElasticRun:
             self._mark_done(version)
             plan, _ = read_plan(self.client, self.job)
             if plan is not None and plan.version == version:
-                need = {parse_device_id(d)[0] for d in plan.devices}
+                need = {node_of(d) for d in plan.devices}
                 prefix = schema.rdzv_round_prefix(self.job, version) + "done/"
                 done = {kv.key[len(prefix):] for kv in self.client.get_prefix(prefix)}
                 nodes_done = need <= done
@@ -438,11 +393,11 @@ class ElasticRun:
     def _finish(self, reason: str) -> None:
         """Success: stop leading, let every worker of the job exit by itself (bounded)."""
         node = self.node
-        self.agent.bar.clear()
+        self.ctx.bar.clear()
         self.transition(ElasticState.FINISHING, reason)
         self._stop_leading()
         deadline = self.clock() + FINISH_WAIT_S
-        while self.clock() < deadline and not self.agent.abort.is_set():
+        while self.clock() < deadline and not self.ctx.abort.is_set():
             try:
                 for ex in node.workers.poll():
                     self.session.delete(schema.worker_key(self.job, self.node_id, ex.local_rank))
@@ -454,10 +409,9 @@ class ElasticRun:
                 log.warning("[%s] node %s: finishing: %s", self.job, self.node_id, exc)
                 if not node.workers.running():
                     break
-            self.agent.abort.wait(self.cfg.monitor_interval_s)
+            self.ctx.wait(self.cfg.monitor_interval_s)
         else:
-            if self.agent.abort.is_set():
-                raise SignalReceived(self.agent.signum or 0, "abort")
+            self.ctx.check_abort()
             log.warning("[%s] node %s: workers still running %.0fs after the job finished; "
                         "stopping them", self.job, self.node_id, FINISH_WAIT_S)
         self._stop_workers()
@@ -468,28 +422,16 @@ class ElasticRun:
         self.transition(ElasticState.SUCCEEDED, reason)
 
     def _fail(self, reason: str) -> None:
-        self.agent.bar.clear()
+        self.ctx.bar.clear()
         log.error("[%s] node %s: job failed: %s; stopping workers", self.job, self.node_id,
                   reason)
         self._stop_workers()
         self._collect_exits()
         if self.failures:
-            print(format_summary(self.cfg.entrypoint_name, self.failures, self.agent.host),
+            print(format_summary(self.cfg.entrypoint_name, self.failures, self.ctx.host),
                   file=sys.stderr, flush=True)
         self.reason = f"job failed: {reason}"
         self.transition(ElasticState.FAILED, reason)
-
-    def _interrupted(self) -> None:
-        import signal as _signal
-
-        signum = self.agent.signum or _signal.SIGTERM
-        name = _signal.Signals(signum).name
-        log.warning("[%s] node %s: received %s, shutting down workers", self.job, self.node_id,
-                    name)
-        self._stop_workers()
-        if self.state not in TERMINAL_STATES:
-            self.transition(ElasticState.INTERRUPTED, name)
-        self.reason = f"process {os.getpid()} got signal: {signum} ({name})"
 
     def _stop_leading(self) -> None:
         """The job ended: nothing is left to plan (and leaving nodes must not cause replans)."""

@@ -1,0 +1,37 @@
+"""A node's devices as the agent advertises them in ``nodes/<node>``.
+
+In elastic mode a worker slot is a device: slot ``<index>`` of node ``<node_id>`` is device
+``contract.device_id(node_id, index)`` (a GPU slot uses the CUDA ordinal of the same number).
+``device_table`` is the node's stable table (index, type, memory, uuid), from the health
+source's accelerators when it sees some, else ``CPU`` slots; ``node_record`` is the record.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.contract import device_id
+
+CPU_TYPE = "CPU"
+
+
+def device_table(node: str, count: int, device_type: str = CPU_TYPE,
+                 accelerators: Optional[Sequence[Any]] = None) -> list[schema.DeviceInfo]:
+    """The node's worker slots as devices: from the health source's ``accelerators`` (their
+    index, type, memory and uuid) when it sees some, else ``count`` slots of ``device_type``."""
+    if accelerators:
+        return [schema.DeviceInfo(index=a.index, type=a.type, memory_bytes=a.memory_bytes,
+                                  uuid=a.uuid) for a in sorted(accelerators, key=lambda a: a.index)]
+    if count < 1:
+        raise ValueError(f"node {node}: need at least one worker slot, got {count}")
+    return [schema.DeviceInfo(index=i, type=device_type, memory_bytes=0,
+                              uuid=device_id(node, i)) for i in range(count)]
+
+
+def node_record(host: str, devices: list[schema.DeviceInfo], state: str, started_at: float,
+                store_endpoint: str = "", pid: Optional[int] = None) -> schema.NodeRecord:
+    return schema.NodeRecord(host=host, agent_pid=os.getpid() if pid is None else pid,
+                             devices=devices, state=state, started_at=started_at,
+                             store_endpoint=store_endpoint)

@@ -1,0 +1,223 @@
+"""Elastic mode, node side: what a node agent does every tick so the leader can plan and the
+workers can switch. ``ElasticNode`` bundles the small pieces beside it into one ``start`` /
+``tick`` / ``stop`` that ``launcher.node.elastic.ElasticMode`` calls. Promises:
+
+* the node record ``nodes/<node>`` carries the device table (``devices.py``) and the endpoint
+  of the store this agent hosts (``store.py``);
+* the agent owns ``workers/<node>/<local_rank>``: written when it starts a worker, updated from
+  the worker's progress file (``coord.contract.read_progress``) when it changed, deleted when
+  the worker exits;
+* a worker exit is reported once (``exits.py``): a ``failure`` event and a sticky failed
+  verdict for its slot; every exit's verdict is sticky before any etcd call, so a failed call
+  loses none; a worker whose heartbeat stalls (``hangs.py``) gets a ``stall`` event and a
+  failed verdict with ``leader.STALL_PREFIX``, and is SIGKILLed (its exit is not journaled
+  again); slot verdicts override the health source's (worst wins) and go to
+  ``devices/<node>/<index>`` through the ``VerdictPublisher``;
+* surviving workers are never restarted (``elastic_workers.py``);
+* the agent acks every plan that uses its node (``acks.py``) in ``switch/<version>/<node>``,
+  under its lease, level-triggered: a state is remembered only once etcd took it;
+* every etcd call has the client's deadline; ``tick`` raises ``CoordinationError`` when etcd
+  cannot be reached, and the agent's outage policy decides how long that is tolerated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Callable, Optional
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.client import EtcdClient
+from hspmd_elastic.coord.contract import WorkerProgress, device_id, read_progress
+from hspmd_elastic.coord.journal import append_event
+from hspmd_elastic.coord.lease import LeasedSession
+from hspmd_elastic.coord.plans import read_plan
+from launcher.health.api import HealthSource, Verdict
+from launcher.health.verdicts import VerdictPublisher
+from launcher.leader import STALL_PREFIX, Leader
+from launcher.node.acks import ACK_KEEP, ACK_ORDER, ack_state
+from launcher.node.devices import node_record
+from launcher.node.elastic_workers import ElasticWorkers, new_local_ranks
+from launcher.node.exits import SlotVerdicts, WorkerExit, report_worker_exit
+from launcher.node.hangs import ProgressMonitor
+from launcher.node.store import StoreServer
+from launcher.node.workers import Worker
+
+log = logging.getLogger(__name__)
+
+
+class ElasticNode:
+    """The agent's elastic mode in one object: ``start()``, ``tick()`` every monitor interval,
+    ``stop()``. ``leader`` is this agent's ``launcher.leader.Leader`` (None: never leads)."""
+
+    def __init__(self, client: EtcdClient, session: LeasedSession, job: str, node: str,
+                 host: str, devices: list[schema.DeviceInfo], workers: ElasticWorkers,
+                 leader: Optional[Leader] = None, health: Optional[HealthSource] = None,
+                 monitor: Optional[ProgressMonitor] = None, store_host: Optional[str] = None,
+                 store_port: int = 0,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
+        self.client, self.session, self.job, self.node, self.host = client, session, job, node, host
+        self.devices, self.workers, self.leader, self.health = devices, workers, leader, health
+        self.monitor = monitor or ProgressMonitor(clock=clock, wall_clock=wall_clock)
+        self.slots = SlotVerdicts()
+        self.store = StoreServer(store_host or host, store_port)
+        self.plan_version = 0
+        self.slot_plan: list[int] = []  # this node's slots in the current plan
+        self.succeeded: set[int] = set()  # slots whose worker exited 0
+        self.records: dict[int, schema.WorkerRecord] = {}  # what workers/<node>/<slot> holds
+        self.reports: dict[int, WorkerProgress] = {}  # slot -> its worker's latest report
+        self.acks: dict[int, str] = {}  # plan version -> the ack this node wrote for it
+        self._clock, self._wall = clock, wall_clock
+        self._started_at = wall_clock()
+        self._state = "joining"
+        self._killed_hung: set[int] = set()  # pids of workers killed because they hung
+        self.publisher = VerdictPublisher(client, job, node, lease=lambda: session.lease_id or 0,
+                                          clock=clock, wall_clock=wall_clock)
+
+    def start(self, state: str = "ready") -> "ElasticNode":
+        self.store.start()
+        self.put_node(state)
+        self.publish_verdicts()
+        if self.leader is not None:
+            self.leader.start()
+        return self
+
+    def put_node(self, state: str) -> None:
+        self._state = state
+        rec = node_record(self.host, self.devices, state, self._started_at, self.store.endpoint)
+        self.session.put(schema.node_key(self.job, self.node), schema.encode(rec))
+
+    def tick(self) -> None:
+        """One level-triggered round: follow the plan, report exits and hangs, publish
+        verdicts, move this node's switch ack forward. Raises CoordinationError when etcd
+        cannot be reached (the agent decides how long to tolerate that)."""
+        plan, _ = read_plan(self.client, self.job)
+        if plan is not None and plan.version > self.plan_version:
+            for w in self.workers.apply_plan(plan):
+                self._put_worker(w, plan.version)
+            self.plan_version = plan.version
+            self.slot_plan = new_local_ranks(plan, self.node, ())
+            if self.workers.running() and self._state != "running":
+                self.put_node("running")
+        exits = self.workers.poll()
+        # Every exit's verdict is sticky before any etcd call: a failed call must not lose one
+        # (poll reports each exit only once).
+        for ex in exits:
+            log.warning("[%s] node %s: %s (slot %d)", self.job, self.node, ex.describe(),
+                        ex.local_rank)
+            self.records.pop(ex.local_rank, None)
+            self._final_report(ex)
+            if ex.ok:
+                self.succeeded.add(ex.local_rank)
+            else:
+                self.slots.fail(ex.local_rank, ex.verdict(self._clock()))
+        for ex in exits:
+            self.session.delete(schema.worker_key(self.job, self.node, ex.local_rank))
+            if not ex.ok and ex.pid not in self._killed_hung:  # a hang is journaled already
+                report_worker_exit(self.client, self.job, self.node, ex, self.plan_version,
+                                   self._wall)
+        self._relay_progress()
+        self.monitor.observe(self.records)
+        for hang in self.monitor.new_hangs():
+            log.warning("[%s] node %s: %s", self.job, self.node, hang.reason())
+            self.slots.fail(hang.worker, Verdict.failed(STALL_PREFIX + hang.reason(),
+                                                        at=hang.since))
+            pid = self.workers.running().get(hang.worker)
+            append_event(self.client, self.job, "stall", node=self.node, detail={
+                "device": device_id(self.node, hang.worker), "local_rank": hang.worker,
+                "pid": pid, "step": hang.step, "stalled_s": round(hang.stalled_s, 3),
+                "plan_version": self.plan_version}, wall_clock=self._wall)
+            self._kill_hung(hang.worker, pid)
+        self.publish_verdicts()
+        self._ack()  # last: whatever happens to this write, the verdicts above are out
+
+    def _kill_hung(self, local_rank: int, pid: Optional[int]) -> None:
+        """A hung worker never exits by itself (frozen, stopped, deadlocked): SIGKILL it, so
+        its slot is freed and nothing is left behind; its exit is not journaled again."""
+        if pid is None:
+            return
+        self._killed_hung.add(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            log.warning("[%s] node %s: killed hung worker pid %d (slot %d)", self.job,
+                        self.node, pid, local_rank)
+        except ProcessLookupError:
+            pass
+
+    @property
+    def done(self) -> bool:
+        """Every slot of this node in the current plan ran its worker to exit code 0."""
+        return bool(self.slot_plan) and set(self.slot_plan) <= self.succeeded
+
+    def _put_worker(self, w: Worker, plan_version: int) -> None:
+        """The worker's record: its start is its first progress heartbeat."""
+        rec = schema.WorkerRecord(pid=w.pid, global_rank=w.global_rank, local_rank=w.local_rank,
+                                  plan_version=plan_version, step=0,
+                                  last_progress_at=self._wall(), steps_per_s=0.0)
+        self._put_record(rec)
+
+    def _put_record(self, rec: schema.WorkerRecord) -> None:
+        self.records[rec.local_rank] = rec
+        self.session.put(schema.worker_key(self.job, self.node, rec.local_rank),
+                         schema.encode(rec))
+
+    def _relay_progress(self) -> None:
+        """Copy each live worker's latest progress report into its etcd record when it changed
+        (a report of another pid, e.g. a previous worker's, is ignored)."""
+        for lr, pid in self.workers.running().items():
+            report = read_progress(self.workers.progress_file(lr), lr)
+            if report is None or report.pid != pid:
+                continue
+            self.reports[lr] = report  # before the etcd write: the acks need it either way
+            record = report.to_worker_record()
+            if record != self.records.get(lr):
+                self._put_record(record)
+
+    def _final_report(self, ex: WorkerExit) -> None:
+        """Keep what an exited worker reported last (it may have written it after our last
+        read): its final state says whether it finished the plan (``ack_state``)."""
+        lr = ex.local_rank
+        report = read_progress(self.workers.progress_file(lr), lr)
+        if report is not None and report.pid == ex.pid:
+            self.reports[lr] = report
+        elif lr in self.reports and self.reports[lr].pid != ex.pid:
+            del self.reports[lr]  # another worker's report says nothing about this one
+
+    def _ack(self) -> None:
+        """Move this node's ack of the current plan forward (``ack_state``), if the plan uses
+        the node. Level-triggered: a state is remembered only once etcd took it, so a failed
+        write is retried next tick, and a state already written is never written again. The
+        ack is an owned key of the session: it goes with the node, and comes back after a
+        lease loss. Then the node's acks of old versions are deleted (keys stay bounded; the
+        console and the ops views read the version of the switch in progress)."""
+        version = self.plan_version
+        written = self.acks.get(version)
+        if version and self.slot_plan and written not in ("done", "failed"):
+            state = ack_state(version, self.slot_plan, self.workers.running(), self.reports,
+                              self.succeeded, self.slots.failed())
+            if written is None or state == "failed" or \
+                    ACK_ORDER.index(state) > ACK_ORDER.index(written):
+                rec = schema.SwitchAckRecord(node=self.node, plan_version=version, state=state,
+                                             at=self._wall())
+                self.session.put(schema.switch_ack_key(self.job, version, self.node),
+                                 schema.encode(rec))
+                self.acks[version] = state
+                log.debug("[%s] node %s: switch ack of plan v%d: %s", self.job, self.node,
+                          version, state)
+        for old in sorted(v for v in self.acks if v < version - ACK_KEEP):
+            self.session.delete(schema.switch_ack_key(self.job, old, self.node))
+            del self.acks[old]
+
+    def publish_verdicts(self) -> None:
+        source = self.health.poll(self._clock()) if self.health is not None else {}
+        self.publisher.publish(self.slots.merged(source, [d.index for d in self.devices]))
+
+    def stop(self, grace_s: float = 30.0, timeout: float = 5.0) -> None:
+        """Stop the workers and the leader, close the store (the agent owns the session)."""
+        self.workers.stop(grace_s)
+        if self.leader is not None:
+            self.leader.stop(timeout)
+        self.store.close()

@@ -1,0 +1,120 @@
+"""Elastic mode's workers on one node: surviving workers are never restarted.
+
+``ElasticWorkers.apply_plan`` starts workers only for this node's devices that a plan adds
+(``new_local_ranks``, pure), spawning through ``launcher.node.workers`` with the elastic worker
+environment (``launcher.node.env``); a slot whose worker exited (with any code) is not started
+again (a failed one is failed for the leader too). ``poll`` reports each exit once and keeps it
+in ``exits`` with the worker's final reported state, read from its progress file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+from typing import Callable, Iterable, Mapping, Optional, Sequence
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.contract import device_id, parse_device_id, read_progress
+from launcher.logs import WorkerLogPaths
+from launcher.node.env import elastic_worker_env, worker_argv
+from launcher.node.exits import WorkerExit
+from launcher.node.workers import Worker, WorkerGroup
+
+log = logging.getLogger(__name__)
+
+
+def plan_rank(plan: schema.PlanRecord, node: str, local_rank: int) -> Optional[int]:
+    """The rank of slot ``local_rank`` of ``node`` in ``plan`` (None when not in it)."""
+    try:
+        return plan.devices.index(device_id(node, local_rank))
+    except ValueError:
+        return None
+
+
+def new_local_ranks(plan: schema.PlanRecord, node: str, running: Iterable[int]) -> list[int]:
+    """Pure: this node's slots that ``plan`` uses and that run no worker yet."""
+    mine = sorted(i for n, i in map(parse_device_id, plan.devices) if n == node)
+    have = set(running)
+    return [lr for lr in mine if lr not in have]
+
+
+class ElasticWorkers:
+    """This node's workers in elastic mode: started per plan for new slots only, each exit
+    reported once by ``poll`` and remembered in ``exits`` with its worker (for the failure
+    summary) and the final state it reported in its progress file (``done``, ``excluded``)."""
+
+    def __init__(self, job: str, node: str, entrypoint: Sequence[str], endpoints: Sequence[str],
+                 log_paths: Callable[[int, int], WorkerLogPaths],
+                 base_env: Optional[Mapping[str, str]] = None, role: str = "default",
+                 progress_dir: Optional[str] = None):
+        self.job, self.node, self.role = job, node, role
+        self.progress_dir = progress_dir or tempfile.mkdtemp(prefix=f"hspmd_progress_{node}_")
+        self.entrypoint, self.endpoints = tuple(entrypoint), tuple(endpoints)
+        self._log_paths = log_paths  # (plan version, local rank) -> paths
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._groups: list[WorkerGroup] = []
+        self._running: dict[int, Worker] = {}
+        self._ended: set[int] = set()  # slots whose worker exited: never started again
+        self.exits: list[tuple[WorkerExit, Worker, str]] = []  # (exit, worker, final state)
+
+    def progress_file(self, local_rank: int) -> str:
+        """Where slot ``local_rank``'s worker writes its progress (``HSPMD_PROGRESS_FILE``)."""
+        return os.path.join(self.progress_dir, f"progress_{local_rank}.json")
+
+    def final_state(self, local_rank: int, pid: int) -> str:
+        """The state the worker ``pid`` of slot ``local_rank`` reported last ("" if none)."""
+        report = read_progress(self.progress_file(local_rank), local_rank)
+        return report.state if report is not None and report.pid == pid else ""
+
+    def running(self) -> dict[int, int]:
+        """local rank -> pid of the workers alive now."""
+        return {lr: w.pid for lr, w in self._running.items()}
+
+    def apply_plan(self, plan: schema.PlanRecord) -> list[Worker]:
+        """Start workers for the slots ``plan`` adds on this node; survivors are left alone."""
+        new = new_local_ranks(plan, self.node, set(self._running) | self._ended)
+        if not new:
+            return []
+        workers = []
+        for lr in new:
+            argv = worker_argv(self.entrypoint, lr)
+            progress = self.progress_file(lr)
+            if os.path.exists(progress):  # a previous worker's last report
+                os.unlink(progress)
+            env = elastic_worker_env(self._base_env, self.endpoints, self.job, self.node, lr,
+                                     plan.version, progress)
+            logs = self._log_paths(plan.version, lr)
+            env["TORCHELASTIC_ERROR_FILE"] = logs.error_file  # for torchrun's failure summary
+            workers.append(Worker(local_rank=lr, global_rank=plan_rank(plan, self.node, lr),
+                                  argv=argv, env=env, logs=logs))
+        group = WorkerGroup(role=self.role, workers=workers)
+        group.start()
+        self._groups.append(group)
+        self._running.update({w.local_rank: w for w in workers})
+        log.info("[%s] node %s: plan v%d adds slot(s) %s: started pid(s) %s", self.job,
+                 self.node, plan.version, new, [w.pid for w in workers])
+        return workers
+
+    def poll(self) -> list[WorkerExit]:
+        """Workers that ended since the last poll (each reported once)."""
+        for group in self._groups:
+            group.poll()
+        out = []
+        for lr, w in sorted(self._running.items()):
+            if w.exitcode is not None:
+                ex = WorkerExit.from_returncode(lr, w.pid, w.exitcode)
+                out.append(ex)
+                del self._running[lr]
+                self._ended.add(lr)
+                self.exits.append((ex, w, self.final_state(lr, w.pid)))
+        self._groups = [g for g in self._groups
+                        if any(w.local_rank in self._running and self._running[w.local_rank] is w
+                               for w in g.workers)]
+        return out
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        for group in self._groups:
+            group.stop(signal.SIGTERM, grace_s)
+        self._groups, self._running = [], {}

@@ -1,0 +1,75 @@
+"""The worker environment: what a node agent puts in each worker's environment.
+
+This is one of the contracts between the planes (with the etcd schema, ``coord.contract`` and
+the progress file). Restart mode gives torchrun's variables (``worker_env``: ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of the store node 0's agent hosts, ...) plus
+ours. Elastic mode gives no rank (the plan gives it, and it changes per plan), only who the
+worker is and where etcd is (``elastic_worker_env``): ``HSPMD_ETCD_ENDPOINTS``,
+``HSPMD_JOB_ID``, ``HSPMD_NODE_ID``, ``LOCAL_RANK``, ``HSPMD_PLAN_VERSION`` (the plan that
+started it) and ``HSPMD_PROGRESS_FILE``; the agent adds ``TORCHELASTIC_ERROR_FILE`` for the
+failure summary. ``hspmd_elastic.elastic.api.WorkerIdentity.from_env`` reads it back.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+from hspmd_elastic.coord.contract import PROGRESS_FILE_ENV
+from launcher.api import LaunchConfig
+from launcher.node.rendezvous import RoundInfo
+
+LOCAL_RANK_MACRO = "${local_rank}"
+
+
+def worker_argv(entrypoint: Sequence[str], local_rank: int) -> tuple[str, ...]:
+    """The entrypoint with torchrun's ``${local_rank}`` macro filled in."""
+    return tuple(a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in entrypoint)
+
+
+def worker_env(base: dict[str, str], config: LaunchConfig, info: RoundInfo, local_rank: int,
+               master: tuple[str, int], error_file: str, endpoints: tuple[str, ...]) -> dict:
+    """The environment of one worker (ARCHITECTURE.md, CONTRACT: worker environment)."""
+    a = info.assignment
+    env = dict(base)
+    env.update({
+        "LOCAL_RANK": str(local_rank),
+        "RANK": str(a.global_rank(local_rank)),
+        "GROUP_RANK": str(a.group_rank),
+        "ROLE_RANK": str(a.role_rank(local_rank)),
+        "ROLE_NAME": config.role,
+        "LOCAL_WORLD_SIZE": str(a.local_world_size),
+        "WORLD_SIZE": str(a.world_size),
+        "GROUP_WORLD_SIZE": str(a.group_world_size),
+        "ROLE_WORLD_SIZE": str(a.role_world_size),
+        "MASTER_ADDR": master[0],
+        "MASTER_PORT": str(master[1]),
+        "TORCHELASTIC_RESTART_COUNT": str(info.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+        "TORCHELASTIC_RUN_ID": config.rdzv.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": str(True),
+        "TORCHELASTIC_ERROR_FILE": error_file,
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(config.signals),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "HSPMD_ETCD_ENDPOINTS": ",".join(endpoints),
+        "HSPMD_JOB_ID": config.rdzv.run_id,
+        "HSPMD_NODE_ID": config.node_id,
+        "HSPMD_ROUND": str(info.round),
+        "HSPMD_HEALTH_SOURCE": config.health_source,
+    })
+    if "OMP_NUM_THREADS" in base:
+        env["OMP_NUM_THREADS"] = base["OMP_NUM_THREADS"]
+    env.update(config.extra_env)
+    return env
+
+
+def elastic_worker_env(base: Mapping[str, str], endpoints: Sequence[str], job: str, node: str,
+                       local_rank: int, plan_version: int,
+                       progress_file: Optional[str] = None) -> dict[str, str]:
+    """The environment of one elastic-mode worker (see the module docstring)."""
+    env = dict(base)
+    env.update({"HSPMD_ETCD_ENDPOINTS": ",".join(endpoints), "HSPMD_JOB_ID": job,
+                "HSPMD_NODE_ID": node, "LOCAL_RANK": str(local_rank),
+                "HSPMD_PLAN_VERSION": str(plan_version)})
+    if progress_file:
+        env[PROGRESS_FILE_ENV] = progress_file
+    return env

@@ -1,0 +1,349 @@
+"""Restart mode of the node agent: torchrun's semantics for any script.
+
+The mode's lifecycle is ``RestartState`` with the table ``TRANSITIONS`` (INIT -> RENDEZVOUS ->
+RUNNING -> RESTARTING/EXIT_BARRIER -> ... -> SUCCEEDED/FAILED/INTERRUPTED), run on the one
+``coord.lifecycle.StateMachine``. Promises:
+
+* the node record ``nodes/<node>`` and the worker records ``workers/<node>/<local_rank>`` live
+  under the agent's lease, so they vanish when the agent dies; events go to ``events/<seq>``;
+* every tick is level-triggered: it re-reads the workers (exit codes, signals, zombies) and the
+  rendezvous state, and converges; nothing depends on having seen a notification;
+* workers get torchrun's environment (``env.worker_env``), with the store hosted by node 0's
+  agent (``TORCHELASTIC_USE_AGENT_STORE=True``, like torchrun's c10d/standalone);
+* a worker failure restarts every worker through a new round and counts against
+  ``--max-restarts``; a node joining or leaving bumps the round without counting; when the
+  restarts are used up the agent prints torchrun's failure summary and fails;
+* while workers run, an etcd outage is ridden out as the agent's ``EtcdOutagePolicy`` says;
+* each non-terminal state is bounded: RENDEZVOUS by ``join_timeout`` (and the master wait by
+  ``close_timeout``), RESTARTING by the shutdown grace plus the SIGKILL wait, EXIT_BARRIER by
+  ``exit_barrier_timeout``; RUNNING lasts as long as the workers do.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.api import CoordinationError
+from hspmd_elastic.coord.lifecycle import StateMachine
+from launcher.api import LaunchError, RendezvousConnectionError
+from launcher.logs import WorkerLogPaths
+from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
+from launcher.node.env import worker_argv, worker_env
+from launcher.node.rendezvous import (
+    CLOSED,
+    FAILED,
+    SUCCEEDED,
+    EtcdRendezvous,
+    RoundInfo,
+    RoundMoved,
+    append_event,
+)
+from launcher.node.store import StoreServer
+from launcher.node.workers import Worker, WorkerGroup, WorkerGroupState
+from launcher.summary import WorkerFailure, format_summary
+
+log = logging.getLogger(__name__)
+
+ETCD_CHECK_S = 0.25  # rendezvous re-read period while workers run
+
+
+class RestartState(enum.Enum):
+    INIT = "init"
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    RESTARTING = "restarting"  # stopping workers before the next round
+    EXIT_BARRIER = "exit_barrier"  # our workers succeeded; waiting for the other nodes
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"  # a handled signal
+
+
+_R = RestartState
+TERMINAL_STATES = frozenset({_R.SUCCEEDED, _R.FAILED, _R.INTERRUPTED})
+_ENDS = {_R.FAILED, _R.INTERRUPTED}
+TRANSITIONS: dict[RestartState, frozenset[RestartState]] = {
+    _R.INIT: frozenset({_R.RENDEZVOUS, *_ENDS}),
+    _R.RENDEZVOUS: frozenset({_R.RUNNING, _R.RENDEZVOUS, *_ENDS}),
+    _R.RUNNING: frozenset({_R.RESTARTING, _R.EXIT_BARRIER, *_ENDS}),
+    _R.RESTARTING: frozenset({_R.RENDEZVOUS, *_ENDS}),
+    _R.EXIT_BARRIER: frozenset({_R.SUCCEEDED, _R.RENDEZVOUS, *_ENDS}),
+    _R.SUCCEEDED: frozenset(),
+    _R.FAILED: frozenset(),
+    _R.INTERRUPTED: frozenset(),
+}
+_END_OF = {_R.SUCCEEDED: End.SUCCEEDED, _R.FAILED: End.FAILED, _R.INTERRUPTED: End.INTERRUPTED}
+
+
+class RestartMode:
+    """Runs one node's workers through rendezvous rounds (see the module docstring)."""
+
+    def __init__(self, ctx: AgentContext):
+        self.ctx, self.config, self.client = ctx, ctx.config, ctx.client
+        self.job, self.node_id = ctx.job, ctx.node_id
+        self.machine = StateMachine("agent", TRANSITIONS, RestartState.INIT, "created",
+                                    clock=ctx.clock)
+        self.rdzv = EtcdRendezvous(ctx.client, ctx.session, self.config.rdzv, self.node_id,
+                                   ctx.host, self.config.nproc_per_node, abort=ctx.abort,
+                                   clock=ctx.clock,
+                                   on_wait=ctx.bar.update if ctx.bar.enabled else None)
+        self.group: Optional[WorkerGroup] = None
+        self.round: Optional[RoundInfo] = None
+        self.failures: list[WorkerFailure] = []
+        self.store: Optional[StoreServer] = None  # hosted while this node is node 0 of a round
+        self._fresh = True
+        self._next_check = 0.0
+        self._barrier_deadline = 0.0
+        self._error = ""
+
+    @property
+    def state(self) -> RestartState:
+        return self.machine.state
+
+    def transition(self, new: RestartState, reason: str = "") -> None:
+        log.debug("[%s] node %s: %s -> %s (%s)", self.job, self.node_id, self.state.value,
+                  new.value, reason)
+        self.machine.to(new, reason)
+
+    # ------------------------------------------------------------------ the Mode protocol
+    def start(self) -> None:
+        self._put_node("joining")
+        self.transition(RestartState.RENDEZVOUS, "start")
+
+    def tick(self) -> Optional[ModeOutcome]:
+        steps = {
+            RestartState.RENDEZVOUS: self._step_rendezvous,
+            RestartState.RUNNING: self._step_running,
+            RestartState.RESTARTING: self._step_restarting,
+            RestartState.EXIT_BARRIER: self._step_exit_barrier,
+        }
+        if self.state not in TERMINAL_STATES:
+            steps[self.state]()
+        if self.state in TERMINAL_STATES:
+            reason = self.machine.history[-1].reason
+            return ModeOutcome(_END_OF[self.state], reason, self._error)
+        return None
+
+    def stop(self, cause: Optional[StopCause]) -> ModeOutcome:
+        """Stop the workers (the signal's own, else SIGTERM), record the end, and leave the
+        node record as ``failed`` or ``leaving`` (the shell revokes the lease after)."""
+        signum = cause.signum if cause is not None and cause.signum is not None else None
+        if signum is not None:
+            log.warning("[%s] node %s: received %s, shutting down workers", self.job,
+                        self.node_id, signal.Signals(signum).name)
+        elif cause is not None:
+            log.error("[%s] node %s: %s", self.job, self.node_id, cause.error)
+        self._stop_workers(signum or signal.SIGTERM)
+        if cause is not None and self.state not in TERMINAL_STATES:
+            outcome = cause.outcome()
+            self.transition(RestartState.INTERRUPTED if signum is not None
+                            else RestartState.FAILED, outcome.reason)
+        elif cause is not None:
+            outcome = cause.outcome()
+        else:
+            outcome = ModeOutcome(_END_OF[self.state], self.machine.history[-1].reason,
+                                  self._error)
+        log.debug("[%s] node %s: state history %s", self.job, self.node_id,
+                  self.machine.describe())
+        if self.ctx.session.started:
+            try:
+                self._put_node("failed" if self.state is RestartState.FAILED else "leaving")
+            except LaunchError:
+                pass
+        return outcome
+
+    # ------------------------------------------------------------------ steps
+    def _step_rendezvous(self) -> None:
+        self._put_node("joining")
+        try:
+            info = self.rdzv.next_round(fresh=self._fresh)
+        finally:
+            self.ctx.bar.clear()
+        self._fresh = False
+        self.round = info
+        a = info.assignment
+        log.info("[%s] node %s: round %d, group_rank=%d/%d, ranks %d..%d of %d, restart %d/%d",
+                 self.job, self.node_id, info.round, a.group_rank, a.group_world_size,
+                 a.base_global_rank, a.base_global_rank + a.local_world_size - 1, a.world_size,
+                 info.restart_count, self.config.max_restarts)
+        try:
+            master = self._master(info)
+        except RoundMoved as exc:
+            log.info("[%s] node %s: %s; joining the next round", self.job, self.node_id, exc)
+            self.transition(RestartState.RENDEZVOUS, str(exc))
+            return
+        self._start_workers(info, master)
+        self._put_node("running")
+        self._next_check = self.ctx.clock() + ETCD_CHECK_S
+        self.transition(RestartState.RUNNING, f"round {info.round}")
+
+    def _step_running(self) -> None:
+        if self.ctx.wait(self.config.monitor_interval_s):
+            return
+        state = self.group.poll()
+        if state is WorkerGroupState.FAILED:
+            self._on_worker_failure()
+            return
+        if state is WorkerGroupState.SUCCEEDED:
+            log.info("[%s] node %s: worker group successfully finished; waiting for the other "
+                     "nodes", self.job, self.node_id)
+            self.rdzv.mark_done(self.round)
+            self._barrier_deadline = self.ctx.clock() + self.config.rdzv.exit_barrier_timeout_s
+            self.transition(RestartState.EXIT_BARRIER, "workers succeeded")
+            return
+        if self.ctx.clock() < self._next_check:
+            return
+        self._next_check = self.ctx.clock() + ETCD_CHECK_S
+        try:
+            what, st = self.rdzv.observe(self.round)
+        except RendezvousConnectionError as exc:
+            self.ctx.outage.unreachable(exc)
+            return
+        self.ctx.outage.reachable()
+        if what == "ok" or what == SUCCEEDED:
+            return
+        if what == FAILED:
+            log.error("[%s] node %s: job failed (%s); stopping workers", self.job, self.node_id,
+                      st.reason if st else "")
+            self._stop_workers()
+            self.transition(RestartState.FAILED, "job failed elsewhere")
+            return
+        if what != "moved":
+            reason = "node joined" if what == "join" else f"node {what[5:]} left"
+            log.info("[%s] node %s: %s; re-rendezvous (no restart consumed)", self.job,
+                     self.node_id, reason)
+            _, ours = self.rdzv.move_on(st, reason, count_restart=False,
+                                        max_restarts=self.config.max_restarts)
+            if ours:  # one event per membership change, from the node that acted on it
+                append_event(self.client, self.job, "join" if what == "join" else "leave",
+                             self.node_id, {"round": self.round.round, "reason": reason})
+        self.transition(RestartState.RESTARTING, what)
+
+    def _on_worker_failure(self) -> None:
+        info = self.round
+        self.failures = [
+            WorkerFailure(local_rank=w.local_rank, global_rank=w.global_rank, pid=w.pid,
+                          exitcode=w.exitcode, error_file=w.logs.error_file,
+                          observed_at=w.exited_at or time.time())
+            for w in self.group.failed_workers()
+        ]
+        first = min(self.failures, key=lambda f: (f.timestamp, f.global_rank))
+        reason = (f"worker failure on {self.node_id}: rank {first.global_rank} "
+                  f"exitcode {first.exitcode}")
+        for f in self.failures:  # torchrun's line, for log scrapers that know it
+            log.error("failed (exitcode: %d) local_rank: %d (pid: %d) of binary: %s",
+                      f.exitcode, f.local_rank, f.pid, self.config.entrypoint[0])
+        append_event(self.client, self.job, "failure", self.node_id,
+                     {"round": info.round, "failures": [f.to_dict() for f in self.failures]})
+        st, ours = self.rdzv.read_state(), False
+        if st is not None and st.round == info.round and st.state == CLOSED:
+            st, ours = self.rdzv.move_on(st, reason, count_restart=True,
+                                         max_restarts=self.config.max_restarts)
+        self._stop_workers()
+        if st is not None and st.round > info.round:
+            log.info("[%s] node %s: worker group FAILED; restart %d/%d (%s)", self.job,
+                     self.node_id, st.restart_count, self.config.max_restarts,
+                     "this node's failure" if ours else st.reason)
+            if ours:
+                append_event(self.client, self.job, "restart", self.node_id,
+                             {"round": st.round, "restart_count": st.restart_count,
+                              "reason": st.reason})
+            self.transition(RestartState.RESTARTING, reason)
+            return
+        summary = format_summary(self.config.entrypoint_name, self.failures, self.ctx.host)
+        print(summary, file=sys.stderr, flush=True)
+        self.transition(RestartState.FAILED, reason)
+
+    def _step_restarting(self) -> None:
+        self._stop_workers()
+        self._put_node("joining")
+        self.transition(RestartState.RENDEZVOUS, "restart")
+
+    def _step_exit_barrier(self) -> None:
+        st = self.rdzv.settle(self.round)
+        if st is not None and st.round == self.round.round and st.state == SUCCEEDED:
+            self.transition(RestartState.SUCCEEDED, "all nodes done")
+            return
+        if st is not None and st.state == FAILED:
+            log.error("[%s] node %s: job failed on another node (%s)", self.job, self.node_id,
+                      st.reason)
+            self.transition(RestartState.FAILED, "job failed elsewhere")
+            return
+        if st is None or st.round > self.round.round:
+            log.info("[%s] node %s: the job moved to round %s; running again", self.job,
+                     self.node_id, st.round if st else "?")
+            self.transition(RestartState.RENDEZVOUS, "round moved during exit barrier")
+            return
+        if self.ctx.clock() >= self._barrier_deadline:
+            log.warning("[%s] node %s: exit barrier timed out after %.0fs; exiting", self.job,
+                        self.node_id, self.config.rdzv.exit_barrier_timeout_s)
+            self.transition(RestartState.SUCCEEDED, "exit barrier timeout")
+            return
+        self.ctx.wait(0.1)
+
+    # ------------------------------------------------------------------ workers
+    def _master(self, info: RoundInfo) -> tuple[str, int]:
+        self._drop_store()
+        if info.assignment.group_rank != 0:
+            return self.rdzv.wait_master(info.round, self.config.rdzv.close_timeout_s)
+        cfg = self.config
+        if cfg.master_addr is not None:
+            addr = cfg.master_addr
+        elif cfg.local_addr:
+            addr = cfg.local_addr
+        elif cfg.rdzv.standalone:
+            addr = "localhost"
+        else:
+            addr = self.ctx.host
+        self.store = StoreServer(addr, cfg.master_port or 0).start()
+        self.rdzv.publish_master(info.round, addr, self.store.port)
+        return addr, self.store.port
+
+    def _drop_store(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def _start_workers(self, info: RoundInfo, master: tuple[str, int]) -> None:
+        cfg = self.config
+        paths = self.ctx.logdir.attempt(info.restart_count, cfg.nproc_per_node)
+        base = dict(os.environ)
+        workers = []
+        for lr in range(cfg.nproc_per_node):
+            p: WorkerLogPaths = paths[lr]
+            env = worker_env(base, cfg, info, lr, master, p.error_file, self.client.endpoints)
+            workers.append(Worker(local_rank=lr, global_rank=info.assignment.global_rank(lr),
+                                  argv=worker_argv(cfg.entrypoint, lr), env=env, logs=p))
+        self.group = WorkerGroup(role=cfg.role, workers=workers)
+        self.group.start()
+        log.info("[%s] node %s: started %d worker(s) pids=%s (master %s:%d)", self.job,
+                 self.node_id, len(workers), self.group.pids(), master[0], master[1])
+        for w in workers:
+            rec = schema.WorkerRecord(pid=w.pid, global_rank=w.global_rank,
+                                      local_rank=w.local_rank, plan_version=info.round, step=0,
+                                      last_progress_at=time.time(), steps_per_s=0.0)
+            self._put(schema.worker_key(self.job, self.node_id, w.local_rank),
+                      schema.encode(rec))
+
+    def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
+        if self.group is not None and self.group.state is not WorkerGroupState.STOPPED:
+            self.group.stop(signum, self.config.shutdown_timeout_s)
+        self._drop_store()
+
+    # ------------------------------------------------------------------ etcd
+    def _put(self, key: str, value: bytes) -> None:
+        try:
+            self.ctx.session.put(key, value)
+        except CoordinationError as exc:
+            raise RendezvousConnectionError(f"write {key}: {exc}") from exc
+
+    def _put_node(self, state: str) -> None:
+        rec = schema.NodeRecord(host=self.ctx.host, agent_pid=os.getpid(), devices=[],
+                                state=state, started_at=self.ctx.started_at)
+        self._put(schema.node_key(self.job, self.node_id), schema.encode(rec))
