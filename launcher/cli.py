@@ -389,7 +389,7 @@ def build_config(params: dict) -> LaunchConfig:
 def parse_model(value: str):
     """``--hspmd-model``: a preset name, a JSON file or an inline JSON object -> ModelProfile."""
     from hspmd_elastic.planner import PlannerError
-    from hspmd_elastic.planner.profiles import PRESETS, preset, profile_from_dict
+    from hspmd_elastic.planner import PRESETS, preset, profile_from_dict
 
     text = str(value).strip()
     valid = f"use a JSON file, an inline JSON object or a preset ({', '.join(PRESETS)})"
