@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 from hspmd_elastic.coord import schema
@@ -82,29 +82,20 @@ TRAINED_STATES = frozenset({WorkerState.TRAINING.value, WorkerState.FINISHING.va
 DONE_STATES = frozenset({WorkerState.DONE.value})
 
 
-@dataclass(frozen=True)
-class WorkerProgress:
-    """One progress report: the fields of ``schema.WorkerRecord`` plus the worker's state (a
-    ``WorkerState`` value; "" in a report that names none)."""
+@dataclass
+class WorkerProgress(schema.WorkerRecord):
+    """One progress report: a ``schema.WorkerRecord`` (what the agent relays to etcd) plus the
+    worker's state (a ``WorkerState`` value; "" in a report that names none)."""
 
-    pid: int
-    global_rank: int
-    local_rank: int
-    plan_version: int
-    step: int
-    last_progress_at: float
-    steps_per_s: float
     state: str = WorkerState.TRAINING.value
 
     def to_worker_record(self) -> schema.WorkerRecord:
-        return schema.WorkerRecord(pid=self.pid, global_rank=self.global_rank,
-                                   local_rank=self.local_rank, plan_version=self.plan_version,
-                                   step=self.step, last_progress_at=self.last_progress_at,
-                                   steps_per_s=self.steps_per_s)
+        return schema.WorkerRecord(**{f.name: getattr(self, f.name)
+                                      for f in fields(schema.WorkerRecord)})
 
 
-_RECORD_FIELDS = ("pid", "global_rank", "plan_version", "step", "last_progress_at",
-                  "steps_per_s")
+# What a report file must hold (the slot number is the agent's own).
+_RECORD_FIELDS = tuple(f.name for f in fields(schema.WorkerRecord) if f.name != "local_rank")
 
 
 def write_progress(path: str, progress: WorkerProgress) -> None:
