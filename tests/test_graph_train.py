@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from _mp import run_world
+from _world import run_world
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.graph.reference import reference_train
@@ -208,9 +208,9 @@ def assert_matches_reference(plan: Plan, results: list, steps: int = STEPS) -> N
 
 
 def _run(world: int, plans: list[Plan]) -> None:
-    results = run_world("test_graph_train:train_plans", world,
-                        {"config": CONFIG.to_json(), "seed": SEED, "steps": STEPS,
-                         "plans": [p.to_json() for p in plans]})
+    results = run_world(train_plans, world,
+                        ({"config": CONFIG.to_json(), "seed": SEED, "steps": STEPS,
+                          "plans": [p.to_json() for p in plans]},))
     for i, plan in enumerate(plans):
         assert_matches_reference(plan, [r[i] for r in results])
 
@@ -247,24 +247,24 @@ def test_six_ranks_activation_reshard_between_tp_degrees_and_device_order():
 
 
 def test_a_silent_peer_times_out_through_the_waiter():
-    results = run_world("test_graph_train:silent_peer", 2, {})
+    results = run_world(silent_peer, 2, ({},))
     assert results[0]["outcome"] == "timeout"
     assert results[0]["seen"] == ["recv from rank 1 tag 99"]
 
 
 def test_creating_groups_is_abandoned_when_a_peer_never_comes():
-    results = run_world("test_graph_train:absent_peer", 2, {})
+    results = run_world(absent_peer, 2, ({},))
     assert results[0]["outcome"] == "aborted"
     assert 0.3 <= results[0]["elapsed"] < 15.0, results[0]  # not the 30 s group timeout
 
 
-def test_switch_plans_through_annotations_continues_the_same_training():
+def test_switch_plans_through_annotations_continues_the_same_training(tmp_path):
     a = simple_plan(tp=2, pp=2, num_layers=4, global_batch=GLOBAL_BATCH, num_microbatches=2)
     # Device 2 leaves; the survivors regroup as one pipeline, TP2 (reordered) then TP1.
     b = plan_of([(4, 2, [((1, 0), (0, 3)), ((3,), (3, 4))])])
-    results = run_world("test_graph_train:train_then_switch", 4,
-                        {"config": CONFIG.to_json(), "seed": SEED, "steps_a": 3, "steps_b": 2,
-                         "plan_a": a.to_json(), "plan_b": b.to_json()})
+    results = run_world(train_then_switch, 4,
+                        ({"config": CONFIG.to_json(), "seed": SEED, "steps_a": 3, "steps_b": 2,
+                          "plan_a": a.to_json(), "plan_b": b.to_json(), "tmp": str(tmp_path)},))
     assert [r.get("step") for r in results] == [5, 5, None, 5]
     assert_matches_reference(b, results, steps=5)
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from _dist import run_world
+from _world import run_world
 from hspmd_elastic.elastic.group import GroupReaper
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
@@ -88,14 +88,16 @@ def _abandoned_then_dropped(rank: int, world: int, endpoints: list[str], store_p
 
 
 def test_dropping_a_group_with_an_abandoned_collective_does_not_wait(etcd_server, tmp_path):
-    res = run_world(_abandoned_then_dropped, 2, tmp_path / "world",
-                    args=(etcd_server.endpoints, str(tmp_path / "side"), False), timeout_s=90)
+    res = run_world(_abandoned_then_dropped, 2,
+                    (etcd_server.endpoints, str(tmp_path / "side"), False),
+                    tmp_dir=tmp_path / "world", timeout_s=90, group_timeout_s=30)
     assert res[0] == {"raised": 2, "pending": 1, "held": True, "holding": 2}  # sub + default
 
 
 def test_retired_groups_are_dropped_once_the_collective_ends(etcd_server, tmp_path):
-    res = run_world(_abandoned_then_dropped, 2, tmp_path / "world",
-                    args=(etcd_server.endpoints, str(tmp_path / "side"), True), timeout_s=90)
+    res = run_world(_abandoned_then_dropped, 2,
+                    (etcd_server.endpoints, str(tmp_path / "side"), True),
+                    tmp_dir=tmp_path / "world", timeout_s=90, group_timeout_s=30)
     assert res[0]["holding"] == 2
     assert res[0]["released"] is True
     assert (res[0]["holding_after"], res[0]["pending_after"]) == (0, 0)

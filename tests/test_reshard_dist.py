@@ -12,7 +12,7 @@ import traceback
 
 import pytest
 
-from _dist import run_world
+from _world import run_world
 from hspmd_elastic.annotations import DistState, TensorAnnotation
 from hspmd_elastic.reshard import ReshardError, TensorSpec, fused_bsr_schedule
 from hspmd_elastic.reshard.api import SOLO_MESSAGE_BYTES
@@ -255,7 +255,8 @@ def _abort_scenario(rank):
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    return run_world(world_main, WORLD, tmp_path_factory.mktemp("bsr_world"), timeout_s=120)
+    return run_world(world_main, WORLD, tmp_dir=tmp_path_factory.mktemp("bsr_world"),
+                     timeout_s=120, group_timeout_s=30)
 
 
 def _scenario(reports, name):
