@@ -7,7 +7,12 @@ kills with real signals, and waits on progress files and process exits, always w
 The worker side is ``main()`` below: it reads a JSON payload, trains, and writes its
 ``RunResult`` (or its error) with ``torch.save``. ``pause_at`` makes every worker wait, after the
 step that brings it to that step count, until the test creates the release file: the test then
-acts on a known state.
+acts on a known state. ``die_in`` (``{"version", "state"[, "signal"]}``) makes a worker send
+itself a signal (default SIGKILL) as it enters that state of that plan version.
+
+The scenario pieces the elastic tests share are here too: the model and timeouts (``payload``),
+a heterogeneous plan, and the check of final parameters against the dense reference
+(``conftest.elastic_job`` makes the jobs).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from typing import Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 JOB = "elastic-test"
+CONFIG = dict(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32, seq_len=8,
+              dtype="float64")
+TIMEOUTS = dict(plan_wait_s=40.0, comm_s=30.0, regroup_s=30.0, finish_s=40.0)
 
 
 class HarnessError(AssertionError):
@@ -167,6 +175,21 @@ class ElasticJob:
             self.client.close()
 
 
+# ---------------------------------------------------------------------- scenarios
+def payload(**kw) -> dict:
+    """The workers' payload: a 2-layer float64 model, 5 steps of 4 rows, paused after step 2."""
+    return dict(dict(config=CONFIG, steps=5, global_batch=4, seed=3, data_seed=7, pause_at=2,
+                     timeouts=TIMEOUTS), **kw)
+
+
+def hetero_plan():
+    """Pipeline 0: TP2 on devices 0,1; pipeline 1: TP1 on device 2 (two rows each)."""
+    from hspmd_elastic.plan import Pipeline, Plan, Stage
+
+    return Plan((Pipeline((Stage((0, 1), (0, 2)),), 1, 2), Pipeline((Stage((2,), (0, 2)),), 1, 2)),
+                global_batch=4, num_layers=2)
+
+
 # ---------------------------------------------------------------------- reference
 def reference_params(payload: dict):
     from hspmd_elastic.graph.config import ModelConfig
@@ -191,19 +214,71 @@ def assemble(results: list[dict], payload: dict):
     return gather_full([r["final_state"] for r in results], shapes)
 
 
+def param_diffs(results, payload: dict) -> dict[str, float]:
+    """Per parameter, the largest |final value - fault-free reference| over its elements."""
+    got = assemble(list(results), payload)
+    return {n: (got[n] - ref.to(got[n].dtype)).abs().max().item()
+            for n, ref in reference_params(payload).items()}
+
+
 def max_param_diff(results, payload: dict) -> float:
     """Largest |final parameter - fault-free reference| over every parameter element."""
-    got = assemble(list(results), payload)
-    return max((got[n] - ref.to(got[n].dtype)).abs().max().item()
-               for n, ref in reference_params(payload).items())
+    return max(param_diffs(results, payload).values())
+
+
+def assert_matches_reference(results, payload: dict, tol: float = 1e-9) -> None:
+    for name, diff in param_diffs(results, payload).items():
+        assert diff <= tol, f"{name}: max |elastic - reference| = {diff:g}"
+
+
+def reference_payload(config, *, steps: int, global_batch: int, seed: int,
+                      data_seed: int) -> dict:
+    """What the reference needs of a run of ``tests/scripts/elastic_train.py`` with these
+    arguments (``config``: a ``ModelConfig``)."""
+    import dataclasses
+
+    return {"config": dataclasses.asdict(config), "data_seed": data_seed,
+            "global_batch": global_batch, "steps": steps, "seed": seed}
+
+
+def assert_recovered_in_memory(results: dict[str, dict], survivors: dict[str, int],
+                               payload: dict) -> float:
+    """Every worker (device -> its result) finished every step, no switch read a checkpoint,
+    each survivor (device -> pid) is the process it was before the faults, and the final
+    parameters equal the fault-free reference within 1e-9; the largest difference."""
+    assert set(survivors) <= set(results), sorted(results)
+    for dev, res in results.items():
+        assert res["state"] == "done" and res["steps_done"] == payload["steps"], \
+            (dev, res["state"])
+        assert all(s["source"] in ("init", "bsr") for s in res["switches"]), res["switches"]
+    for dev, pid in survivors.items():
+        assert results[dev]["pid"] == pid, f"{dev} was restarted"
+    diff = max_param_diff(results.values(), payload)
+    assert diff <= 1e-9, f"max |elastic - reference| = {diff:g}"
+    return diff
 
 
 # ---------------------------------------------------------------------- worker side
+class _DyingReporter:
+    """A progress reporter that sends its own process a signal (default SIGKILL) on entering
+    ``state`` of ``version``."""
+
+    def __init__(self, inner, die_in: dict):
+        self.inner, self.die_in = inner, die_in
+
+    def report(self, progress) -> None:
+        self.inner.report(progress)
+        if (progress.plan_version == self.die_in["version"]
+                and progress.state == self.die_in["state"]):
+            os.kill(os.getpid(), getattr(signal, self.die_in.get("signal", "SIGKILL")))
+
+
 def main(payload_path: str) -> int:
     import logging
 
     import torch
 
+    from hspmd_elastic.elastic.api import reporter_from_env
     from hspmd_elastic.graph.comm import CommTimeoutError
     from hspmd_elastic.graph.config import ModelConfig
     from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
@@ -225,13 +300,15 @@ def main(payload_path: str) -> int:
         if step == fault and waits[step] == waits.get(step - 1, -1):
             raise CommTimeoutError(f"injected failure of {what} in step {step}")
 
+    die_in = payload.get("die_in")
     try:
         result = run(config, sample=synthetic_sampler(config, payload["data_seed"]),
                      global_batch=payload["global_batch"], steps=payload["steps"],
                      seed=payload["seed"], checkpoint_dir=payload.get("checkpoint_dir"),
                      checkpoint_every=payload.get("checkpoint_every", 0),
                      timeouts=RuntimeTimeouts(**payload.get("timeouts", {})), on_step=on_step,
-                     fault_injector=fault_injector if fault is not None else None)
+                     fault_injector=fault_injector if fault is not None else None,
+                     reporter=_DyingReporter(reporter_from_env(), die_in) if die_in else None)
         out = {"ok": True, "pid": os.getpid(), "state": result.state.value,
                "steps_done": result.steps_done, "plan_version": result.plan_version,
                "rank": result.rank, "final_state": result.final_state,

@@ -11,17 +11,11 @@ import uuid
 import pytest
 import torch
 
+from _inject import injecting
 from inject_train import reference_params
-from launch_harness import (
-    SCRIPTS,
-    Launcher,
-    base_env,
-)
+from launch_harness import SCRIPTS, Launcher, base_env
 
-from hspmd_elastic.coord.client import EtcdClient
 from launcher.inject.api import RECOVERED, SURVIVED
-from launcher.inject.detect import FileProgress, JobObserver
-from launcher.inject.faults import InjectContext
 from launcher.inject.harness import Harness
 from launcher.inject.report import all_handled, render_table
 from launcher.inject.scenario import parse_scenario
@@ -56,21 +50,11 @@ def test_restart_mode_job_survives_five_faults(tmp_path, marker, etcd_server):
             {"at": {"step": 15}, "fault": "stop-worker",
              "target": {"node": "node-a", "local_rank": 0}, "escalate_after_s": 2},
         ]}, "five-faults")
-    client = EtcdClient(etcd_server.endpoints, timeout=5.0)
-    observer = JobObserver(client, job, FileProgress(str(progress / "*.jsonl"))).start()
-    ctx = InjectContext(client, job, etcd_members=etcd_server.members,
-                        log_dir=str(tmp_path / "inject"), env=env)
-    started = time.monotonic()
-    try:
+    with injecting(etcd_server, job, progress, tmp_path / "inject", env,
+                   [agent]) as (_client, observer, ctx):
+        started = time.monotonic()
         report = Harness(scenario, ctx, observer, wait_end_s=60).run()
         code = agent.wait(60)
-    finally:
-        observer.stop()
-        ctx.close()
-        if agent.proc.poll() is None:
-            agent.proc.kill()
-            agent.wait(10)
-        client.close()
     table = render_table(report)
     print(table, f"\n(run took {time.monotonic() - started:.1f}s)")
     assert code == 0, agent.stderr()[-3000:]
