@@ -9,54 +9,17 @@ from __future__ import annotations
 
 import pytest
 
-from _elastic import JOB, ElasticJob, assemble, reference_params, wait_until
+from _elastic import JOB, assert_matches_reference, hetero_plan, payload, wait_until
 from hspmd_elastic.coord import read_events
 from hspmd_elastic.elastic.checkpoint import latest_complete
 from hspmd_elastic.plan import Pipeline, Plan, Stage, simple_plan
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
-CONFIG = dict(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32, seq_len=8,
-              dtype="float64")
-TIMEOUTS = dict(plan_wait_s=40.0, comm_s=30.0, regroup_s=30.0, finish_s=40.0)
 
-
-def payload(**kw):
-    return dict(dict(config=CONFIG, steps=5, global_batch=4, seed=3, data_seed=7, pause_at=2,
-                     timeouts=TIMEOUTS), **kw)
-
-
-def hetero_plan() -> Plan:
-    """Pipeline 0: TP2 on devices 0,1; pipeline 1: TP1 on device 2 (two rows each)."""
-    return Plan((Pipeline((Stage((0, 1), (0, 2)),), 1, 2), Pipeline((Stage((2,), (0, 2)),), 1, 2)),
-                global_batch=4, num_layers=2)
-
-
-def assert_matches_reference(results, pl):
-    got = assemble(list(results), pl)
-    want = reference_params(pl)
-    for name, ref in want.items():
-        diff = (got[name] - ref.to(got[name].dtype)).abs().max().item()
-        assert diff <= 1e-9, f"{name}: max |elastic - reference| = {diff:g}"
-
-
-@pytest.fixture
-def job_factory(etcd_server, tmp_path):
-    jobs = []
-
-    def make(pl):
-        job = ElasticJob(etcd_server.endpoint_str, str(tmp_path), pl)
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.close()
-
-
-def test_sigkill_survivors_switch_in_process(job_factory):
+def test_sigkill_survivors_switch_in_process(elastic_job):
     pl = payload()
-    job = job_factory(pl)
+    job = elastic_job(pl)
     devices = ["n0:0", "n0:1", "n1:0"]
     procs = {d: job.spawn(d) for d in devices}
     job.publish(hetero_plan(), devices, reason="start")
@@ -78,10 +41,10 @@ def test_sigkill_survivors_switch_in_process(job_factory):
     assert_matches_reference(results.values(), pl)
 
 
-def test_failure_noticed_mid_step_then_plan(job_factory):
+def test_failure_noticed_mid_step_then_plan(elastic_job):
     """The survivors run into the dead peer first; the plan comes after one reported it."""
     pl = payload(global_batch=6)
-    job = job_factory(pl)
+    job = elastic_job(pl)
     devices = ["n0:0", "n1:0", "n2:0"]
     procs = {d: job.spawn(d) for d in devices}
     job.publish(simple_plan(dp=3, num_layers=2, global_batch=6), devices, reason="start")
@@ -101,9 +64,9 @@ def test_failure_noticed_mid_step_then_plan(job_factory):
     assert_matches_reference(results.values(), pl)
 
 
-def test_join_receives_state_through_bsr(job_factory):
+def test_join_receives_state_through_bsr(elastic_job):
     pl = payload()
-    job = job_factory(pl)
+    job = elastic_job(pl)
     first = ["n0:0", "n1:0"]
     procs = {d: job.spawn(d) for d in first}
     job.publish(simple_plan(dp=2, num_layers=2, global_batch=4), first, reason="start")
@@ -137,10 +100,10 @@ def _lose_a_stage(job):
     return devices
 
 
-def test_lost_stage_falls_back_to_checkpoint(job_factory, tmp_path):
+def test_lost_stage_falls_back_to_checkpoint(elastic_job, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     pl = payload(checkpoint_dir=ckpt, checkpoint_every=1)
-    job = job_factory(pl)
+    job = elastic_job(pl)
     _lose_a_stage(job)
     wait_until(lambda: latest_complete(ckpt) >= 2, 30, "the checkpoint of step 2")
     job.kill("n1:0")  # the only holder of layer 1 and the head
@@ -157,8 +120,8 @@ def test_lost_stage_falls_back_to_checkpoint(job_factory, tmp_path):
     assert_matches_reference([r], pl)
 
 
-def test_lost_stage_without_checkpoint_fails_with_root_cause(job_factory):
-    job = job_factory(payload())
+def test_lost_stage_without_checkpoint_fails_with_root_cause(elastic_job):
+    job = elastic_job(payload())
     _lose_a_stage(job)
     job.kill("n1:0")
     job.publish(simple_plan(num_layers=2, global_batch=4), ["n0:0"], reason="failure")
@@ -171,11 +134,11 @@ def test_lost_stage_without_checkpoint_fails_with_root_cause(job_factory):
     assert [e.type for e in read_events(job.client, JOB)][-1] == "switch-failed"
 
 
-def test_rank_one_step_ahead_rolls_back(job_factory):
+def test_rank_one_step_ahead_rolls_back(elastic_job):
     """n0:1 fails the last wait of step 3 (an injected fault) while the others complete that step:
     the survivors hold different steps, the switch resumes at step 3 and n0:0 rolls back."""
     pl = payload(pause_at=None, global_batch=6)
-    job = job_factory(pl)
+    job = elastic_job(pl)
     devices = ["n0:0", "n0:1", "n1:0"]
     for d in devices:
         job.spawn(d, fail_last_wait_of_step=3 if d == "n0:1" else None)
@@ -195,12 +158,12 @@ def test_rank_one_step_ahead_rolls_back(job_factory):
     assert_matches_reference(results.values(), pl)
 
 
-def test_plan_with_a_dead_device_is_superseded_during_regroup(job_factory):
+def test_plan_with_a_dead_device_is_superseded_during_regroup(elastic_job):
     """v2 still lists a dead device (a stale view): the survivors wait for it at the store
     barrier and move on to v3 as soon as it is published. A device left out of the newest plan
     while alive leaves cleanly."""
     pl = payload(global_batch=6)
-    job = job_factory(pl)
+    job = elastic_job(pl)
     devices = ["n0:0", "n1:0", "n2:0"]
     for d in devices:
         job.spawn(d)

@@ -12,37 +12,33 @@ sends: its connections stay open): one peer waits for its data, the others to cr
 groups; v3 without it must free both at once.
 
 Both end with the survivors' parameters equal to the dense reference within 1e-9 (float64).
-This file is also the workers' entry point (``main``): ``_elastic.main`` plus a progress reporter
-that can kill its own process when it enters a given state of a given plan version.
+The workers kill or stop themselves through ``_elastic``'s ``die_in``: a signal to their own
+process as they enter a given state of a given plan version.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import sys
 
 import pytest
 
-from _elastic import ElasticJob, assemble, reference_params, wait_until
+from _elastic import (
+    TIMEOUTS,
+    ElasticJob,
+    assert_matches_reference,
+    hetero_plan,
+    payload,
+    wait_until,
+)
 from hspmd_elastic.plan import Pipeline, Plan, Stage, simple_plan
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
 
-CONFIG = dict(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32, seq_len=8,
-              dtype="float64")
-TIMEOUTS = dict(plan_wait_s=40.0, comm_s=30.0, regroup_s=30.0, finish_s=40.0)
 # Communication timeouts far beyond the test's own deadline: a survivor that waits for one instead
 # of leaving on the newer plan (or any gloo group whose destructor waits for its abandoned
 # collective to time out) makes the survivors' join fail, with no wall-clock comparison.
 BEYOND_DEADLINE = dict(TIMEOUTS, comm_s=600.0, regroup_s=600.0)
 DEVICES = ["n0:0", "n0:1", "n1:0", "n1:1"]
-
-
-def payload(**kw):
-    return dict(dict(config=CONFIG, steps=5, global_batch=4, seed=3, data_seed=7, pause_at=2,
-                     timeouts=TIMEOUTS), **kw)
 
 
 def dp_plan(rows: list[int]) -> Plan:
@@ -52,37 +48,6 @@ def dp_plan(rows: list[int]) -> Plan:
 
 def tp2_dp2() -> Plan:
     return simple_plan(tp=2, dp=2, num_layers=2, global_batch=4)
-
-
-def hetero_plan() -> Plan:
-    """Pipeline 0: TP2 on devices 0,1; pipeline 1: TP1 on device 2 (two rows each)."""
-    return Plan((Pipeline((Stage((0, 1), (0, 2)),), 1, 2), Pipeline((Stage((2,), (0, 2)),), 1, 2)),
-                global_batch=4, num_layers=2)
-
-
-def assert_matches_reference(results, pl):
-    got = assemble(list(results), pl)
-    for name, ref in reference_params(pl).items():
-        diff = (got[name] - ref.to(got[name].dtype)).abs().max().item()
-        assert diff <= 1e-9, f"{name}: max |elastic - reference| = {diff:g}"
-
-
-@pytest.fixture
-def job(etcd_server, tmp_path):
-    jobs = []
-
-    def make(pl):
-        jobs.append(ElasticJob(etcd_server.endpoint_str, str(tmp_path), pl))
-        return jobs[-1]
-
-    yield make
-    for j in jobs:
-        j.close()
-
-
-def spawn(job: ElasticJob, device: str, **overrides):
-    return job.spawn(device, script=[os.path.abspath(__file__),
-                                     job._path(device, "payload.json")], **overrides)
 
 
 def state_of(job: ElasticJob, device: str) -> tuple[int, str]:
@@ -99,10 +64,10 @@ def check_survivors(job, results, procs, pl, version):
     assert_matches_reference(results.values(), pl)
 
 
-def test_two_failures_in_quick_succession(job):
+def test_two_failures_in_quick_succession(elastic_job):
     pl = payload()
-    j = job(pl)
-    procs = {d: spawn(j, d) for d in DEVICES}
+    j = elastic_job(pl)
+    procs = {d: j.spawn(d) for d in DEVICES}
     j.publish(tp2_dp2(), DEVICES, reason="start")
     j.wait_step(DEVICES, 2)
     j.kill("n1:1")
@@ -118,10 +83,10 @@ def test_two_failures_in_quick_succession(job):
     check_survivors(j, results, procs, pl, 3)
 
 
-def test_failure_during_a_switch(job):
+def test_failure_during_a_switch(elastic_job):
     pl = payload(timeouts=BEYOND_DEADLINE)
-    j = job(pl)
-    procs = {d: spawn(j, d, die_in={"version": 2, "state": "building"} if d == "n1:0" else None)
+    j = elastic_job(pl)
+    procs = {d: j.spawn(d, die_in={"version": 2, "state": "building"} if d == "n1:0" else None)
              for d in DEVICES}
     j.publish(tp2_dp2(), DEVICES, reason="start")
     j.wait_step(DEVICES, 2)
@@ -144,11 +109,11 @@ def test_failure_during_a_switch(job):
         assert [s["to_version"] for s in results[d]["switches"]] == [1, 3]
 
 
-def test_hung_peer_during_the_bsr(job):
+def test_hung_peer_during_the_bsr(elastic_job):
     pl = payload(timeouts=BEYOND_DEADLINE)
-    j = job(pl)
+    j = elastic_job(pl)
     hang = {"version": 2, "state": "resharding", "signal": "SIGSTOP"}
-    procs = {d: spawn(j, d, die_in=hang if d == "n0:1" else None) for d in DEVICES}
+    procs = {d: j.spawn(d, die_in=hang if d == "n0:1" else None) for d in DEVICES}
     j.publish(tp2_dp2(), DEVICES, reason="start")
     j.wait_step(DEVICES, 2)
     # v2 (DP4, e.g. after a slow-down verdict): n0:0 needs n0:1's TP half, n1:* swap theirs.
@@ -166,59 +131,3 @@ def test_hung_peer_during_the_bsr(job):
     check_survivors(j, results, procs, pl, 3)
     for d in survivors:
         assert [s["to_version"] for s in results[d]["switches"]] == [1, 3]
-
-
-# ---------------------------------------------------------------------- worker side
-class _DyingReporter:
-    """A ``FileReporter`` that sends its own process a signal (default SIGKILL) on entering
-    ``state`` of ``version``."""
-
-    def __init__(self, inner, die_in):
-        self.inner, self.die_in = inner, die_in
-
-    def report(self, progress) -> None:
-        self.inner.report(progress)
-        if (self.die_in and progress.plan_version == self.die_in["version"]
-                and progress.state == self.die_in["state"]):
-            os.kill(os.getpid(), getattr(signal, self.die_in.get("signal", "SIGKILL")))
-
-
-def main(payload_path: str) -> int:
-    import logging
-    import traceback
-
-    import torch
-
-    from hspmd_elastic.elastic.api import reporter_from_env
-    from hspmd_elastic.graph.config import ModelConfig
-    from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    with open(payload_path) as f:
-        pl = json.load(f)
-    config = ModelConfig(**pl["config"])
-
-    def on_step(info):
-        if pl.get("pause_at") == info.step + 1:
-            wait_until(lambda: os.path.exists(pl["release"]), 60.0, "the release file")
-
-    try:
-        result = run(config, sample=synthetic_sampler(config, pl["data_seed"]),
-                     global_batch=pl["global_batch"], steps=pl["steps"], seed=pl["seed"],
-                     timeouts=RuntimeTimeouts(**pl["timeouts"]), on_step=on_step,
-                     reporter=_DyingReporter(reporter_from_env(), pl.get("die_in")))
-        out = {"ok": True, "pid": os.getpid(), "state": result.state.value,
-               "steps_done": result.steps_done, "plan_version": result.plan_version,
-               "rank": result.rank, "final_state": result.final_state,
-               "switches": [t.as_dict() for t in result.switches]}
-        code = 0
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        out = {"ok": False, "pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}",
-               "traceback": traceback.format_exc()}
-        code = 1
-    torch.save(out, pl["out"])
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
