@@ -1,10 +1,12 @@
-"""BSR planner properties: exact reconstruction, one source per element, minimal bytes, locality,
-determinism, loud missing data, and near-optimal load balance on constructed cases."""
+"""BSR planner properties: exact reconstruction, one source per element, minimal bytes,
+determinism, loud missing data, and near-optimal load balance on constructed cases.
+
+(The makespan of senders chosen by time against a lower bound is in test_reshard_scale_makespan.)
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import numpy as np
@@ -21,7 +23,7 @@ from hspmd_elastic.reshard import (
     fused_bsr_schedule,
     plan_tensor,
 )
-from hspmd_elastic.reshard.balance import min_makespan
+from hspmd_elastic.reshard.links import DEFAULT_LINKS, LinkModel
 
 POOL = 8  # device ids 0..7
 
@@ -141,15 +143,6 @@ def test_schedule_reconstructs_every_shard_from_exactly_one_source(case):
         wire = sum(t.nbytes for t in schedule.transfers if t.tensor == spec.name)
         assert wire == moved[spec.name]
     assert all(t.src != t.dst for t in schedule.transfers)
-    # bandwidth first: a cross-node send only when no live owner sits on the receiver's node
-    for t in schedule.transfers:
-        dst_node = nodes.get(t.dst)
-        if dst_node is None or nodes.get(t.src) == dst_node:
-            continue
-        spec = schedule.spec(t.tensor)
-        for owner, box in spec.old.shards(spec.shape).items():
-            if owner in alive and nodes.get(owner) == dst_node:
-                assert _intersection_numel(box, t.ranges) == 0
 
 
 @settings(max_examples=40, deadline=None)
@@ -190,35 +183,17 @@ def test_both_ends_derive_the_same_messages(case, solo_bytes):
     assert sorted(carried, key=repr) == sorted(schedule.transfers, key=repr)
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    st.dictionaries(
-        st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True).map(lambda l: tuple(sorted(l))),
-        st.integers(1, 1000),
-        min_size=1,
-        max_size=5,
-    )
-)
-def test_min_makespan_matches_the_hall_bound(loads):
-    # The optimum of splittable restricted assignment is max over class subsets S of
-    # ceil(load(S) / |senders of S|); the flow solution must reach it exactly.
-    classes = list(loads)
-    bound = 0
-    for r in range(1, len(classes) + 1):
-        for subset in itertools.combinations(classes, r):
-            senders = set().union(*subset)
-            bound = max(bound, -(-sum(loads[c] for c in subset) // len(senders)))
-    assert min_makespan(loads) == bound
-
-
 # -- constructed load-balance cases -------------------------------------------------------------
 
 ROWS, COLS = 6000, 8
 FULL = ROWS * COLS * 4  # bytes of one float32 tensor
+# These cases are about balance, on tensors of a few hundred KB: without a message start-up
+# cost, so shares are split as finely as balance asks.
+FLUID = dataclasses.replace(DEFAULT_LINKS, cross_host_latency=0.0)
 
 
 def _max_sent(specs, alive, nodes=None):
-    return fused_bsr_schedule(specs, alive, nodes or {}).link_stats().max_bytes_sent
+    return fused_bsr_schedule(specs, alive, nodes or {}, FLUID).link_stats().max_bytes_sent
 
 
 def _spec(name, old, new):
@@ -228,7 +203,7 @@ def _spec(name, old, new):
 def test_joiner_pulls_a_replica_from_all_live_owners():
     old = TensorAnnotation.single_group([0, 1, 2, 3], {-1: 4})
     new = TensorAnnotation.single_group([0, 1, 4], {-1: 3})
-    schedule = plan_tensor("w", (ROWS, COLS), old, new, {0, 1, 2}, {})
+    schedule = plan_tensor("w", (ROWS, COLS), old, new, {0, 1, 2}, {}, links=FLUID)
     assert sorted(t.src for t in schedule.transfers) == [0, 1, 2]
     assert schedule.link_stats().max_bytes_sent <= 1.1 * FULL / 3
 
@@ -245,7 +220,7 @@ def test_two_joiners_spread_over_every_link():
     old = TensorAnnotation.single_group([0, 1, 2, 3], {-1: 4})
     new = TensorAnnotation.single_group([0, 4, 5], {-1: 3})
     specs = [_spec(f"w{i}", old, new) for i in range(4)]
-    stats = fused_bsr_schedule(specs, {0, 1, 2}, {}).link_stats()
+    stats = fused_bsr_schedule(specs, {0, 1, 2}, {}, FLUID).link_stats()
     assert set(stats.bytes_per_link) == {(s, d) for s in (0, 1, 2) for d in (4, 5)}
     assert max(stats.bytes_per_link.values()) <= 1.1 * 4 * FULL / 3
     assert stats.max_bytes_sent <= 1.1 * 8 * FULL / 3
@@ -274,11 +249,20 @@ def test_fused_tensors_balance_jointly():
     assert _max_sent(specs, {0, 1, 2}) <= 1.1 * 5 * FULL / 3
 
 
-def test_same_node_owner_is_preferred():
+def test_same_host_owner_serves_most_and_a_remote_owner_helps():
+    # Owner 1 shares receiver 2's host, owner 0 is on another: the fastest split sends from
+    # both, in proportion to the NVLink port and the NIC (450 : 400 GB/s by default).
     old = TensorAnnotation.single_group([0, 1], {-1: 2})
     new = TensorAnnotation.single_group([2], {})
-    schedule = plan_tensor("w", (ROWS, COLS), old, new, {0, 1}, {0: "a", 1: "b", 2: "b"})
-    assert {t.src for t in schedule.transfers} == {1}
+    nodes = {0: "a", 1: "b", 2: "b"}
+    links = LinkModel(same_device=1e12, same_host=450e9, nic=400e9, cross_host_latency=0.0)
+    sent = plan_tensor("w", (ROWS, COLS), old, new, {0, 1}, nodes, links=links).link_stats().bytes_sent
+    assert set(sent) == {0, 1}
+    assert abs(sent[1] - FULL * 450 / 850) <= COLS * 4
+    # With a NIC ten times slower than the port, the remote owner sends a tenth as much.
+    slow = LinkModel(same_device=1e12, same_host=100e9, nic=10e9, cross_host_latency=0.0)
+    sent = plan_tensor("w", (ROWS, COLS), old, new, {0, 1}, nodes, links=slow).link_stats().bytes_sent
+    assert abs(sent[0] - FULL / 11) <= COLS * 4
 
 
 # -- errors -------------------------------------------------------------------------------------

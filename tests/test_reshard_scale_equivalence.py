@@ -1,12 +1,17 @@
-"""Item 1 of the scaling work changes no schedule: the indexed, class-reusing planner against a
-frozen copy of the planner as it was before (byte-balanced senders, same node first).
+"""The indexed, class-reusing planner against a frozen copy of the planner as it was before
+(per-tensor slicing, a scan of every owner per cell, byte-balanced senders, same node first).
 
-The reference below is that planner's code, verbatim, kept only here.
+The reference below is that planner's code, verbatim, kept only here. When per-class reuse and
+the owner index landed, whole schedules were compared and equal. Senders are now chosen by
+estimated time, so the comparison covers everything but the choice of sender: the local copies
+(exactly), the elements every receiver gets from other ranks, and the errors (missing slices,
+refused requests).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -391,7 +396,12 @@ def _outcome(plan, specs, alive, nodes):
         return ("missing", exc.missing)
     except ReshardPlanError as exc:
         return ("refused", str(exc))
-    return ("planned", tuple(schedule.local), tuple(schedule.transfers))
+    received: dict[tuple[str, int], set] = defaultdict(set)
+    for t in schedule.transfers:
+        elements = set(itertools.product(*(range(lo, hi) for lo, hi in t.ranges)))
+        assert not elements & received[(t.tensor, t.dst)], "an element arrives twice"
+        received[(t.tensor, t.dst)] |= elements
+    return ("planned", tuple(schedule.local), dict(received))
 
 
 def _compare(specs, alive, nodes):

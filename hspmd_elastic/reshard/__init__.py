@@ -9,6 +9,7 @@ from hspmd_elastic.reshard.api import (
     ExchangeStats,
     FusedSchedule,
     LinkStats,
+    LocalCopies,
     Message,
     ReshardCommError,
     ReshardError,
@@ -18,13 +19,17 @@ from hspmd_elastic.reshard.api import (
     TensorSpec,
     Transfer,
 )
+from hspmd_elastic.reshard.links import DEFAULT_LINKS, LinkModel, exchange_time
 from hspmd_elastic.reshard.planner import clear_plan_cache, fused_bsr_schedule, plan_tensor
 
 __all__ = [
     "BSRError",
+    "DEFAULT_LINKS",
     "ExchangeStats",
     "FusedSchedule",
+    "LinkModel",
     "LinkStats",
+    "LocalCopies",
     "Message",
     "ReshardCommError",
     "ReshardError",
@@ -34,6 +39,7 @@ __all__ = [
     "TensorSpec",
     "Transfer",
     "clear_plan_cache",
+    "exchange_time",
     "fused_bsr_schedule",
     "plan_tensor",
 ]

@@ -1,9 +1,10 @@
 """Resharding by fused Batched-Send-Receive (BSR): the values and errors of the subsystem.
 
 A reshard moves tensors from an old annotation to a new one. The planner (``planner.py``) is pure:
-from the annotations, the devices whose old data still exists (``alive``) and the node of every
-device, it computes a ``FusedSchedule`` that every rank derives alone, identically. The executor
-(``executor.py``) runs one schedule over torch.distributed.
+from the annotations, the devices whose old data still exists (``alive``), the node (host) of
+every device and a link model (``links.py``), it computes a ``FusedSchedule`` that every rank
+derives alone, identically. The executor (``executor.py``) runs one schedule over
+torch.distributed.
 
 Device ids in both annotations are ranks of the process group that runs the exchange. A device that
 died carries an id that no alive rank uses, and is simply absent from ``alive``.
@@ -11,8 +12,9 @@ died carries an id that no alive rank uses, and is simply absent from ``alive``.
 Promises of a schedule:
 * every element of every new shard comes from exactly one source (a local copy or one sender);
 * bytes on the wire equal the lower bound: the elements a receiver needs and does not hold itself;
-* senders on the receiver's node are preferred; among the allowed senders the bytes are spread to
-  minimise the largest amount any rank sends;
+* any live owner may send; the bytes are split over owners to minimise the estimated finish time
+  of the exchange (same-device, same-host and cross-host links, each host's NIC shared by its
+  devices; ``links.exchange_time``);
 * a slice with no live owner is never silently skipped: planning raises ``ReshardError`` naming
   every tensor and index range that is lost.
 """

@@ -1,29 +1,24 @@
-"""Pure BSR planning: tensor classes, what moves (``slicing``), sender choice, fused schedule.
+"""Pure BSR planning: tensor classes, what moves (``slicing``), senders by time, fused schedule.
 
 Every function here is a function of its arguments only (no torch, no I/O, no randomness, no
 dependence on set or dict iteration order), so every rank computes the same schedule alone.
 
 1. **Classes**: tensors that share shape and both annotations move alike; ``slicing.class_plan``
    computes their local copies, demands and missing boxes once (owners found through a per-cell
-   index, never by scanning every owner), and each tensor of the class reuses the result. Allowed
-   senders of a demand are the owners on the receiver's node if any (bandwidth first), else all.
-2. **Load balance** (all tensors of the fused schedule together): demands that share an allowed
-   sender set form a class; a parametric max-flow finds the per-sender quotas that minimise the
-   largest number of bytes any rank sends; each receiver of a class takes from every sender of
-   the class in proportion to that sender's quota (so one receiver's bytes spread over all its
-   links, not over the first sender's), and its boxes are dealt to meet those shares, cutting a
-   box along its outermost dimension when a share ends inside it.
+   index, never by scanning every owner), and each tensor of the class reuses the result.
+2. **Senders** (all tensors of the fused schedule together, ``senders.choose_senders``): every
+   owner of a demanded box may serve it, wherever it sits; shares are chosen to minimise the
+   estimated finish time of the exchange under a ``LinkModel`` (same device, same host, cross
+   host with each host's NIC shared), splitting a receiver's demand over several owners when
+   that finishes sooner.
 3. **Local copies** stay per class (``LocalCopies``): a rank expands only its own.
 
-Unknown nodes (a device missing from ``node_of``) share no node with anyone.
+Results are cached by their inputs (specs, alive set, node map, link model).
 """
 
 from __future__ import annotations
 
 import functools
-import heapq
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from hspmd_elastic.annotations import AnnotationError, Ranges, TensorAnnotation
@@ -34,20 +29,10 @@ from hspmd_elastic.reshard.api import (
     ReshardPlanError,
     Schedule,
     TensorSpec,
-    Transfer,
 )
-from hspmd_elastic.reshard.balance import balanced_quotas
-from hspmd_elastic.reshard.slicing import class_plan, numel as _numel
-
-
-@dataclass(frozen=True)
-class _Demand:
-    """A box a receiver needs from one of ``senders``."""
-
-    spec_index: int
-    dst: int
-    box: Ranges
-    senders: tuple[int, ...]
+from hspmd_elastic.reshard.links import DEFAULT_LINKS, LinkModel
+from hspmd_elastic.reshard.senders import choose_senders
+from hspmd_elastic.reshard.slicing import class_plan
 
 
 def _check_spec(spec: TensorSpec) -> None:
@@ -63,60 +48,6 @@ def _check_spec(spec: TensorSpec) -> None:
             raise ReshardPlanError(f"tensor {spec.name!r}, {which} annotation: {exc}") from exc
 
 
-def _cut(box: Ranges, nbytes: int, itemsize: int) -> tuple[Ranges, Ranges] | None:
-    """Split ``box`` along its outermost dimension of extent > 1 near ``nbytes`` for the head."""
-    for d, (lo, hi) in enumerate(box):
-        if hi - lo > 1:
-            row = _numel(box) // (hi - lo) * itemsize
-            rows = min(max((2 * nbytes + row) // (2 * row), 1), hi - lo - 1)
-            head = box[:d] + ((lo, lo + rows),) + box[d + 1 :]
-            tail = box[:d] + ((lo + rows, hi),) + box[d + 1 :]
-            return head, tail
-    return None
-
-
-def _assign_senders(specs: tuple[TensorSpec, ...], demands: list[_Demand]) -> list[Transfer]:
-    """Choose a sender for every demanded box so the busiest sender sends as little as possible
-    and each receiver's bytes spread over its senders' links in proportion to their quotas."""
-    by_class: dict[tuple[int, ...], list[tuple[int, _Demand]]] = defaultdict(list)
-    for dem in demands:
-        by_class[dem.senders].append((_numel(dem.box) * specs[dem.spec_index].itemsize, dem))
-
-    loads = {c: sum(size for size, _ in ds) for c, ds in by_class.items()}
-    quotas = balanced_quotas(loads)
-    out: list[Transfer] = []
-    for senders in sorted(by_class):
-        load = loads[senders]
-        per_dst: dict[int, list[tuple[int, _Demand]]] = defaultdict(list)
-        for item in by_class[senders]:
-            per_dst[item[1].dst].append(item)
-        for dst in sorted(per_dst):
-            # This receiver's share of every sender's quota: its links carry proportional bytes.
-            need = sum(size for size, _ in per_dst[dst])
-            remaining = {s: need * quotas[senders][s] // load for s in senders}
-            short = need - sum(remaining.values())  # < len(senders): floor rounding
-            for s in sorted(senders, key=lambda s: (-quotas[senders][s], s))[:short]:
-                remaining[s] += 1
-            # The sender with the most bytes left (lowest id on ties) serves the next box.
-            heap = [(-left, s) for s, left in remaining.items()]
-            heapq.heapify(heap)
-            for size, dem in sorted(per_dst[dst],
-                                    key=lambda it: (-it[0], it[1].spec_index, it[1].box)):
-                itemsize = specs[dem.spec_index].itemsize
-                name = specs[dem.spec_index].name
-                box: Ranges | None = dem.box
-                while box is not None:
-                    left, src = heap[0]
-                    left = -left
-                    cut = _cut(box, left, itemsize) if 0 < left < size else None
-                    head, box = (cut[0], cut[1]) if cut else (box, None)
-                    head_bytes = _numel(head) * itemsize if cut else size
-                    out.append(Transfer(name, src, dem.dst, head, head_bytes))
-                    heapq.heapreplace(heap, (-(left - head_bytes), src))
-                    size -= head_bytes
-    return out
-
-
 class _Request:
     """The cache key of a request: specs, alive set and node map.
 
@@ -126,12 +57,25 @@ class _Request:
     """
 
     def __init__(self, specs: tuple[TensorSpec, ...], alive: frozenset[int],
-                 node_items: tuple[tuple[int, str], ...]) -> None:
-        self.specs, self.alive, self.node_items = specs, alive, node_items
+                 node_items: tuple[tuple[int, str], ...], links: LinkModel) -> None:
+        self.specs, self.alive, self.node_items, self.links = specs, alive, node_items, links
         memo: dict[int, int] = {}
         self.ann_hash = lambda ann: memo.get(id(ann)) or memo.setdefault(id(ann), hash(ann))
         self._hash = hash((tuple((s.name, s.shape, s.dtype, self.ann_hash(s.old),
-                                  self.ann_hash(s.new)) for s in specs), alive, node_items))
+                                  self.ann_hash(s.new)) for s in specs), alive, node_items,
+                           links))
+
+        self._equal: dict[tuple[int, int], bool] = {}
+
+    def same(self, a: TensorAnnotation, b: TensorAnnotation) -> bool:
+        """``a == b``, identity first, each pair of distinct objects compared once."""
+        if a is b:
+            return True
+        key = (id(a), id(b))
+        found = self._equal.get(key)
+        if found is None:
+            found = self._equal[key] = a == b
+        return found
 
     def __hash__(self) -> int:
         return self._hash
@@ -139,7 +83,7 @@ class _Request:
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, _Request) and self._hash == other._hash
                 and self.specs == other.specs and self.alive == other.alive
-                and self.node_items == other.node_items)
+                and self.node_items == other.node_items and self.links == other.links)
 
 
 def _classes(request: _Request) -> list[list[int]]:
@@ -150,7 +94,7 @@ def _classes(request: _Request) -> list[list[int]]:
         key = (spec.shape, request.ann_hash(spec.old), request.ann_hash(spec.new))
         for members in buckets.setdefault(key, []):
             first = specs[members[0]]
-            if first.old == spec.old and first.new == spec.new:  # identity first, then value
+            if request.same(first.old, spec.old) and request.same(first.new, spec.new):
                 members.append(i)
                 break
         else:
@@ -169,13 +113,13 @@ def _plan(request: _Request) -> FusedSchedule:
     for members in classes:
         _check_spec(specs[members[0]])  # the first spec that fails is named, as a loop would
     parts = []
-    demands: list[_Demand] = []
+    demands: list[tuple[int, int, Ranges, tuple[int, ...]]] = []
     missing_of: dict[int, tuple[Ranges, ...]] = {}
     for members in classes:
         first = specs[members[0]]
-        moves = class_plan(first.shape, first.old, first.new, alive, node_of, near_first=True)
+        moves = class_plan(first.shape, first.old, first.new, alive)
         for i in members:
-            demands.extend(_Demand(i, dst, box, owners) for dst, box, owners in moves.demands)
+            demands.extend((i, dst, box, owners) for dst, box, owners in moves.demands)
             if moves.missing:
                 missing_of[i] = moves.missing
         parts.append((tuple((i, specs[i].name, specs[i].itemsize) for i in members), moves.local))
@@ -185,7 +129,7 @@ def _plan(request: _Request) -> FusedSchedule:
     order = {s.name: i for i, s in enumerate(specs)}
     dtype = {s.name: s.dtype for s in specs}
     transfers = sorted(
-        _assign_senders(specs, demands),
+        choose_senders(specs, demands, node_of, request.links),
         key=lambda t: (t.src, t.dst, dtype[t.tensor], order[t.tensor], t.ranges),
     )
     return FusedSchedule(specs, LocalCopies(parts), tuple(transfers))
@@ -195,16 +139,17 @@ _plan_cached = functools.lru_cache(maxsize=32)(_plan)
 
 
 def fused_bsr_schedule(
-    tensors: Iterable[TensorSpec], alive: Iterable[int], node_of: Mapping[int, str]
+    tensors: Iterable[TensorSpec], alive: Iterable[int], node_of: Mapping[int, str],
+    links: LinkModel = DEFAULT_LINKS,
 ) -> FusedSchedule:
     """One schedule moving every tensor from its old to its new annotation.
 
-    ``alive``: devices whose old shards still exist. ``node_of``: node name of each device.
-    Raises ``ReshardError`` listing every slice without a live owner, ``ReshardPlanError`` for a
+    ``alive``: devices whose old shards still exist. ``node_of``: node name (host) of each device.
+    ``links``: bandwidths of the link classes (default: ``links.DEFAULT_LINKS``). Raises ``ReshardError`` listing every slice without a live owner, ``ReshardPlanError`` for a
     request that cannot be planned. Results are cached by their inputs.
     """
     key_nodes = tuple(sorted((int(d), str(n)) for d, n in node_of.items()))
-    return _plan_cached(_Request(tuple(tensors), frozenset(alive), key_nodes))
+    return _plan_cached(_Request(tuple(tensors), frozenset(alive), key_nodes, links))
 
 
 def plan_tensor(
@@ -215,9 +160,11 @@ def plan_tensor(
     alive: Iterable[int],
     node_of: Mapping[int, str],
     dtype: str = "float32",
+    links: LinkModel = DEFAULT_LINKS,
 ) -> Schedule:
     """The BSR plan of a single tensor (balanced on its own)."""
-    fused = fused_bsr_schedule([TensorSpec(name, tuple(shape), dtype, old, new)], alive, node_of)
+    fused = fused_bsr_schedule([TensorSpec(name, tuple(shape), dtype, old, new)], alive, node_of,
+                               links)
     return Schedule(fused.specs[0].name, fused.specs[0].shape, tuple(fused.local),
                     fused.transfers)
 

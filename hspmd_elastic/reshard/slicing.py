@@ -151,28 +151,19 @@ def class_plan(
     old: TensorAnnotation,
     new: TensorAnnotation,
     alive: frozenset[int],
-    node_of: Mapping[int, str],
-    near_first: bool,
 ) -> ClassPlan:
     """Local copies, demands and missing boxes of every tensor of shape ``shape`` moving from
-    ``old`` to ``new``. ``near_first``: a demand's owners are only those on the receiver's node
-    when there are any."""
+    ``old`` to ``new``; every live owner of a demanded box is listed."""
     old_shards = {d: r for d, r in old.shards(shape).items() if numel(r) > 0}
     new_shards = {d: r for d, r in new.shards(shape).items() if numel(r) > 0}
     grid = _grid(shape, list(old_shards.values()) + list(new_shards.values()))
     live = sorted(d for d in old_shards if d in alive)
     index = _OwnerIndex(grid, live, old_shards)
-    node_masks: dict[str, int] = defaultdict(int)
-    if near_first:
-        for o in live:
-            if o in node_of:
-                node_masks[node_of[o]] |= index.bit[o]
     local: dict[int, tuple[Ranges, ...]] = {}
     demands: list[tuple[int, Ranges, tuple[int, ...]]] = []
     missing: set[Ranges] = set()
     for dst in sorted(new_shards):
         dst_bit = index.bit.get(dst, 0)
-        near_mask = node_masks.get(node_of[dst], 0) if near_first and dst in node_of else 0
         keyed: list[tuple[object, Ranges]] = []
         for slices, cell in _cells(new_shards[dst], grid):
             mask = index.mask(slices)
@@ -181,7 +172,7 @@ def class_plan(
             elif not mask:
                 missing.add(cell)  # one report per region, however many need it
             else:
-                keyed.append((index.decode(mask & near_mask or mask), cell))
+                keyed.append((index.decode(mask), cell))
         mine = []
         for key, box in merge_boxes(keyed):
             if key == _LOCAL:
