@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Simulated node agents and one real leader, as OS processes for ``scripts/bench_scale`` and
+``tests/test_scale_small.py``.
+
+    python scripts/_scale_agents.py agents --endpoints E --job J --first I --count M --ttl T
+    python scripts/_scale_agents.py leader --endpoints E --job J --ttl T --model M \
+        --global-batch B --min-nodes N [--debounce S]
+
+``agents``: ``M`` agents named ``agent-<I..I+M-1>`` on one shared ``EtcdClient``. Each is what an
+elastic node agent puts in etcd, without workers: its own ``LeasedSession`` (real lease, real
+keep-alive every TTL/3), its node record (``launcher.node.devices.node_record``, 8 ``H100``
+devices, a loopback store endpoint that nothing dials), its device verdicts through the real
+``VerdictPublisher`` (re-published after a lease re-grant), a ``PrefixWatch`` on ``plan/current``
+of its own, and a switch ack (``launcher.node.acks.ack_state``: ``joined``, no worker ever
+reports) under its lease for each plan that uses it, old acks deleted as a real agent does.
+Every agent receives every plan on its own stream; the JSON of one revision is decoded once per
+process (a real agent decodes on its own host; 1,000 decodes on a 2-core machine would measure
+the machine, not etcd).
+
+``leader``: one ``launcher.leader.Leader`` with the real planner (``planner.plan_for``) on its
+own session; it has no node record (it plans over the agents only).
+
+Both speak JSON lines on stdout: ``{"ready": ...}`` once started; agents then ``{"seen":
+[[node, version, wall time], ...]}`` and ``{"status": {"losses": n, ...}}``; the leader
+``{"cpu": ...}`` samples and one ``{"published": ...}`` per plan with its timings and the CPU
+its loop thread and its process had used by then. A process exits when its stdin closes (its
+parent is gone), on SIGTERM, or after ``--max-s`` seconds: every loop is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from hspmd_elastic.coord import schema  # noqa: E402
+from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent  # noqa: E402
+from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
+from hspmd_elastic.coord.contract import node_of  # noqa: E402
+from hspmd_elastic.coord.lease import LeasedSession  # noqa: E402
+from hspmd_elastic.coord.watch import PrefixWatch  # noqa: E402
+from launcher.health.api import Verdict  # noqa: E402
+from launcher.health.verdicts import VerdictPublisher  # noqa: E402
+from launcher.node.acks import ACK_KEEP, ack_state  # noqa: E402
+from launcher.node.devices import node_record  # noqa: E402
+
+DEVICES_PER_AGENT = 8
+DEVICE_TYPE = "H100"
+DEVICE_MEMORY = 80 << 30
+STORE_PORT_BASE = 20000  # advertised store ports: strings in records, nothing listens
+START_S = 60.0
+REPORT_S = 0.05
+STATUS_S = 1.0
+
+_out_lock = threading.Lock()
+
+
+def emit(obj: dict) -> None:
+    line = json.dumps(obj, separators=(",", ":"))
+    with _out_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def agent_name(i: int) -> str:
+    return f"agent-{i:05d}"
+
+
+class PlanCache:
+    """One decode per ``plan/current`` revision per process, and who the plan uses."""
+
+    def __init__(self, job: str):
+        self._key = schema.plan_current_key(job)
+        self._lock = threading.Lock()
+        self._rev = -1
+        self._plan = None
+        self._nodes: dict[str, list[int]] = {}
+
+    def get(self, ev: WatchEvent):
+        with self._lock:
+            if ev.revision != self._rev:
+                plan = schema.decode(self._key, ev.value)
+                nodes: dict[str, list[int]] = {}
+                for dev in plan.devices:
+                    node, _, index = dev.rpartition(":")
+                    nodes.setdefault(node, []).append(int(index))
+                self._rev, self._plan, self._nodes = ev.revision, plan, nodes
+            return self._plan, self._nodes
+
+
+class SimAgent:
+    """One simulated node agent (see the module docstring)."""
+
+    def __init__(self, client: EtcdClient, job: str, index: int, ttl: float, cache: PlanCache,
+                 seen: list, seen_lock: threading.Lock):
+        self.client, self.job, self.index = client, job, index
+        self.node = agent_name(index)
+        self.cache, self._seen, self._seen_lock = cache, seen, seen_lock
+        self.session = LeasedSession(client, ttl, name=self.node)
+        self.publisher = VerdictPublisher(client, job, self.node,
+                                          lease=lambda: self.session.lease_id or 0)
+        self.republish = threading.Event()
+        self.session.add_listener(on_regranted=lambda _id: self.republish.set())
+        self.version = 0
+        self.acks: set[int] = set()
+        self.ack_errors = 0
+        self.watch = None
+
+    def start(self) -> None:
+        devices = [schema.DeviceInfo(index=i, type=DEVICE_TYPE, memory_bytes=DEVICE_MEMORY,
+                                     uuid=f"GPU-sim-{self.index:05d}-{i}")
+                   for i in range(DEVICES_PER_AGENT)]
+        rec = node_record("127.0.0.1", devices, "ready", time.time(),
+                          f"127.0.0.1:{STORE_PORT_BASE + self.index % 40000}")
+        self.session.put(schema.node_key(self.job, self.node), schema.encode(rec))
+        self.publish_verdicts()
+        self.watch = PrefixWatch(self.client, schema.plan_current_key(self.job), self._on_plan,
+                                 initial=True, name=f"{self.node} plan")
+        self.watch.start(START_S)
+
+    def publish_verdicts(self) -> None:
+        self.publisher.publish({i: Verdict.healthy() for i in range(DEVICES_PER_AGENT)})
+
+    def _on_plan(self, ev: WatchEvent) -> None:
+        if ev.type is not EventType.PUT:
+            return
+        now = time.time()
+        plan, nodes = self.cache.get(ev)
+        if plan.version <= self.version:
+            return
+        self.version = plan.version
+        with self._seen_lock:
+            self._seen.append([self.node, plan.version, now])
+        slots = nodes.get(self.node)
+        try:
+            if slots:
+                state = ack_state(plan.version, slots, {}, {}, (), ())
+                ack = schema.SwitchAckRecord(node=self.node, plan_version=plan.version,
+                                             state=state, at=now)
+                self.session.put(schema.switch_ack_key(self.job, plan.version, self.node),
+                                 schema.encode(ack))
+                self.acks.add(plan.version)
+            for old in sorted(v for v in self.acks if v < plan.version - ACK_KEEP):
+                self.session.delete(schema.switch_ack_key(self.job, old, self.node))
+                self.acks.discard(old)
+        except CoordinationError as exc:
+            self.ack_errors += 1
+            logging.getLogger(__name__).warning("%s: ack of v%d: %s", self.node,
+                                                plan.version, exc)
+
+    def stop(self) -> None:
+        if self.watch is not None:
+            self.watch.stop(2.0)
+        self.session.stop(revoke=True, timeout=2.0)
+
+
+def _watch_parent(stop: threading.Event) -> None:
+    """Our parent holds our stdin: when it closes, the parent is gone, and so are we."""
+    def run():
+        try:
+            sys.stdin.read()
+        finally:
+            stop.set()
+            time.sleep(2.0)
+            os._exit(0)
+    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+
+
+def run_agents(args, stop: threading.Event) -> int:
+    client = EtcdClient(args.endpoints, timeout=args.etcd_timeout)
+    cache, seen, seen_lock = PlanCache(args.job), [], threading.Lock()
+    agents = [SimAgent(client, args.job, i, args.ttl, cache, seen, seen_lock)
+              for i in range(args.first, args.first + args.count)]
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda a: a.start(), agents))
+    emit({"ready": len(agents), "pid": os.getpid(), "first": args.first,
+          "start_s": round(time.monotonic() - t0, 3)})
+    deadline = time.monotonic() + args.max_s
+    next_status = 0.0
+    while not stop.wait(REPORT_S) and time.monotonic() < deadline:
+        with seen_lock:
+            batch, seen[:] = list(seen), []
+        if batch:
+            emit({"seen": batch})
+        for a in agents:
+            if a.republish.is_set():
+                a.republish.clear()
+                a.publisher.republish_all()
+                a.publish_verdicts()
+        if time.monotonic() >= next_status:
+            next_status = time.monotonic() + STATUS_S
+            emit({"status": {"losses": sum(a.session.losses for a in agents),
+                             "ack_errors": sum(a.ack_errors for a in agents),
+                             "threads": threading.active_count()}})
+    for a in agents:
+        a.stop()
+    client.close()
+    return 0
+
+
+def _thread_cpu(name: str) -> float:
+    for t in threading.enumerate():
+        if t.name == name and t.ident is not None:
+            try:
+                return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except OSError:
+                return 0.0
+    return 0.0
+
+
+def run_leader(args, stop: threading.Event) -> int:
+    from hspmd_elastic.planner import plan_for, preset
+    from launcher.leader import Leader, LeaderState
+
+    client = EtcdClient(args.endpoints, timeout=args.etcd_timeout)
+    session = LeasedSession(client, args.ttl, name="leader")
+    leader = Leader(client, session, args.job, "leader", plan_for, preset(args.model),
+                    args.global_batch, debounce_s=args.debounce, min_nodes=args.min_nodes)
+    leader.start()
+    thread = f"leader-{leader.node}"
+    emit({"ready": 1, "pid": os.getpid()})
+
+    def cpu() -> dict:
+        return {"thread": round(_thread_cpu(thread), 4), "proc": round(time.process_time(), 4),
+                "t": time.time()}
+
+    done, deadline, next_cpu = 0, time.monotonic() + args.max_s, 0.0
+    while not stop.wait(0.01) and time.monotonic() < deadline:
+        if len(leader.publications) > done:
+            settle = time.monotonic() + 10.0  # the journal writes end the replan
+            while leader.state is LeaderState.PUBLISHING and time.monotonic() < settle:
+                time.sleep(0.005)
+            for pub in leader.publications[done:]:
+                emit({"published": {"version": pub.version, "reason": pub.reason[:200],
+                                    "devices": len(pub.devices), "planner": pub.planner,
+                                    "timings": pub.timings, "cpu": cpu()}})
+            done = len(leader.publications)
+        if time.monotonic() >= next_cpu:
+            next_cpu = time.monotonic() + 0.25
+            emit({"cpu": cpu()})
+    leader.stop(5.0)
+    session.stop()
+    client.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("role", choices=("agents", "leader"))
+    p.add_argument("--endpoints", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--ttl", type=float, default=10.0)
+    p.add_argument("--first", type=int, default=0)
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--model", default="llama-32b")
+    p.add_argument("--global-batch", type=int, default=8192)
+    p.add_argument("--min-nodes", type=int, default=1)
+    p.add_argument("--debounce", type=float, default=0.25)
+    p.add_argument("--etcd-timeout", type=float, default=5.0)
+    p.add_argument("--max-s", type=float, default=1800.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(process)d %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    _watch_parent(stop)
+    return (run_agents if args.role == "agents" else run_leader)(args, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
