@@ -81,6 +81,7 @@ class RendezvousSettings:
     last_call_timeout_s: float = 30.0  # torchrun's default
     close_timeout_s: float = 60.0
     lease_ttl_s: float = 10.0
+    etcd_outage_limit_s: float = 120.0  # --hspmd-etcd-outage-limit (launcher.node.outage)
     exit_barrier_timeout_s: float = 300.0  # torchrun agent's default
     node_rank: Optional[int] = None  # --node-rank when given: orders nodes in a round
     standalone: bool = False  # the agent runs the embedded etcd

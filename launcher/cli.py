@@ -143,6 +143,10 @@ def _opt(*names: str, **kw):
             help="Device health source for hspmd-aware jobs: none, nvml or scripted:<file>.")
 @_opt("--hspmd-lease-ttl", type=click.FloatRange(min=1.0), default=None,
             help="TTL of the node's etcd lease in seconds (default 10).")
+@_opt("--hspmd-etcd-outage-limit", type=click.FloatRange(min=1.0), default=None,
+            help="Seconds the workers keep running while etcd cannot be reached (default "
+                 "120; at least 3 lease TTLs): training does not need etcd; past the limit "
+                 "the agent stops its workers and exits 1 naming the outage.")
 @_opt("--hspmd-elastic", is_flag=True,
             help="Live elasticity for hspmd-aware scripts (hspmd_elastic.runtime): a worker "
                  "failure, node loss or join makes the elected leader publish a new plan and "
@@ -340,6 +344,8 @@ def _rendezvous(params: dict, min_nodes: int, max_nodes: int) -> RendezvousSetti
     conf = parse_rdzv_conf(params["rdzv_conf"])
     if params["hspmd_lease_ttl"] is not None:
         conf["lease_ttl_s"] = params["hspmd_lease_ttl"]
+    if params["hspmd_etcd_outage_limit"] is not None:
+        conf["etcd_outage_limit_s"] = params["hspmd_etcd_outage_limit"]
     return RendezvousSettings(
         backend=backend, endpoints=endpoints, run_id=run_id, min_nodes=min_nodes,
         max_nodes=max_nodes, node_rank=node_rank, standalone=standalone, host_etcd=host_etcd,

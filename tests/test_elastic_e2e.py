@@ -297,6 +297,42 @@ def test_agent_sigterm_leaves_and_the_job_continues(job):
     assert any(e.type == "leave" and e.node == "node-b" for e in job.events())
 
 
+def test_an_etcd_stall_of_three_lease_ttls_switches_nothing(job):
+    """etcd frozen (SIGSTOP) for three lease TTLs while the workers wait at a step: every
+    lease expires and every agent re-creates its records under a new lease; the leader holds
+    its replan while the cluster reconciles, so no plan is published, nobody switches or
+    restarts, and the parameters equal the fault-free run."""
+    job.start("node-a")
+    job.start("node-b")
+    pids = job.wait_paused(["node-a:0", "node-a:1", "node-b:0", "node-b:1"])
+    prefix = schema.nodes_prefix(job.name)
+    leases = {kv.key[len(prefix):]: kv.lease for kv in job.client.get_prefix(prefix)}
+    assert sorted(leases) == ["node-a", "node-b"]
+    etcd = job.etcd.members[0].proc
+    os.kill(etcd.pid, signal.SIGSTOP)
+    try:
+        time.sleep(3 * 2.0)  # the fault's length (3 x --hspmd-lease-ttl), not a synchronisation
+    finally:
+        os.kill(etcd.pid, signal.SIGCONT)
+
+    def re_registered():
+        now = {kv.key[len(prefix):]: kv.lease for kv in job.client.get_prefix(prefix)}
+        return sorted(now) == sorted(leases) and all(now[n] not in (0, leases[n]) for n in now)
+
+    wait_for(re_registered, 30, "both nodes re-registered under new leases")
+    job.release.touch()
+    finish(job)
+    results = job.results()
+    _elastic.assert_recovered_in_memory(results, pids, REFERENCE)
+    assert all(r["plan_version"] == 1 and len(r["switches"]) == 1 for r in results.values()), \
+        {d: (r["plan_version"], len(r["switches"])) for d, r in results.items()}
+    types = [e.type for e in job.events()]
+    assert "replan" in types and types.count("replan") == 1, types  # only the first plan
+    assert not {"leave", "failure", "restart", "switch-failed"} & set(types), types
+    for node, agent in job.agents.items():
+        assert "etcd unreachable, workers keep running" in agent.stderr(), node
+
+
 def test_join_mid_run_receives_state(job):
     job.start("node-a", nnodes="2:3")  # room for a third node: it joins, it is no spare
     job.start("node-b", nnodes="2:3")

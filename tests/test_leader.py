@@ -167,6 +167,39 @@ def test_lease_expiry_replans_without_the_node(cluster):
     assert cluster.versions() == [1, 2]
 
 
+def test_a_replan_waits_while_held_and_is_decided_again_after(cluster):
+    """``hold`` (the agent's etcd-outage policy reconciling) keeps a due replan back; a node
+    whose record vanished and came back meanwhile switches nothing, one that stays gone is
+    planned away once the hold ends."""
+    held = threading.Event()
+    held.set()
+    a = cluster.agent("a").up()
+    b = cluster.agent("b").up()
+    leader = a.lead(min_nodes=2, hold=held.is_set)
+    # The first plan is held back as well: the hold is about any replan.
+    assert wait_for(lambda: leader.state is LeaderState.DEBOUNCING and leader._held, WAIT)
+    held.clear()
+    cluster.wait_plan(1)
+    held.set()
+    cluster.client.delete(schema.node_key(JOB, "b"))  # as if b's lease expired in an outage
+    assert wait_for(lambda: leader.pending is not None and leader._held, WAIT)
+    assert leader.pending.reason == "leave b"
+    b.up()  # b's agent re-creates its record under its lease
+    assert wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT)
+    held.clear()
+    leader.poke()
+    assert wait_for(lambda: leader.state is LeaderState.WATCHING and leader.pending is None,
+                    WAIT)
+    held.set()
+    cluster.client.delete(schema.node_key(JOB, "b"))
+    assert wait_for(lambda: leader.pending is not None and leader._held, WAIT)
+    assert read_plan(cluster.client, JOB)[0].version == 1
+    held.clear()  # b stayed gone: now it is a node that left
+    v2 = cluster.wait_plan(2)
+    assert v2.devices == ["a:0", "a:1"] and v2.reason == "leave b"
+    assert cluster.versions() == [1, 2]
+
+
 def test_failed_verdict_is_excluded_and_degraded_reaches_the_planner(cluster):
     inventories = []
 

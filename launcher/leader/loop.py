@@ -7,7 +7,10 @@ the pure ``decide``. Promises:
 
 * changes are debounced: a replan waits until the decision has been stable for ``debounce_s``
   (at most ``max_debounce_s`` after the first change), on the injected ``clock``; a storm of
-  failures yields one publication, or a few;
+  failures yields one publication, or a few; while the injected ``hold()`` is true (the agent's
+  etcd-outage policy reconciling: records that expired with their leases during an outage are
+  being re-created) a due replan waits, and is decided again once it ends, so an etcd outage
+  alone switches nothing;
 * each replan re-reads ``plan/current``, decides again from it, plans (``make_layout``: the
   planner, else the fallback DP plan) and publishes version+1 with ``coord.publish_plan`` (one
   transaction fenced on leadership and on the revision decided from); a conflict re-reads and
@@ -176,7 +179,8 @@ class Leader:
                  max_debounce_s: float = DEFAULT_MAX_DEBOUNCE_S, min_nodes: int = 1,
                  max_nodes: Optional[int] = None,
                  planner_options: Optional[PlannerOptions] = None,
-                 wall_clock: Clock = time.time, election_recheck_s: float = 1.0):
+                 wall_clock: Clock = time.time, election_recheck_s: float = 1.0,
+                 hold: Optional[Callable[[], bool]] = None):
         if debounce_s < 0 or max_debounce_s < debounce_s:
             raise ValueError(f"need 0 <= debounce_s ({debounce_s}) <= max_debounce_s "
                              f"({max_debounce_s})")
@@ -189,6 +193,9 @@ class Leader:
         self.planner_options = planner_options
         self.debounce_s, self.max_debounce_s, self.min_nodes = debounce_s, max_debounce_s, min_nodes
         self.max_nodes = max_nodes
+        # ``hold()`` true: a due replan waits (the agent's etcd-outage policy while records
+        # that expired with their leases are re-created); the decision is made again after.
+        self.hold, self._held = hold, False
         self._clock, self._wall = clock, wall_clock
         self.election = Election(client, session, job, node, on_change=self._on_leadership,
                                  recheck_s=election_recheck_s, wall_clock=wall_clock)
@@ -301,6 +308,13 @@ class Leader:
         due = min(self._last_at + self.debounce_s, self._first_at + self.max_debounce_s)
         if now < due:
             return TICK_S
+        if self.hold is not None and self.hold():
+            if not self._held:
+                log.info("[%s] leader %s: holding the replan (%s) while the cluster reconciles "
+                         "after an etcd outage", self.job, self.node, decision.reason)
+            self._held = True
+            return TICK_S
+        self._held = False
         self._replan(self._first_at)
         return TICK_S
 

@@ -50,7 +50,7 @@ class NodeAgent:
         host = hostname or socket.getfqdn()
         session = LeasedSession(client, ttl=config.rdzv.lease_ttl_s,
                                 name=f"agent-{config.node_id}")
-        outage = EtcdOutagePolicy(config.rdzv.lease_ttl_s,
+        outage = EtcdOutagePolicy(config.rdzv.lease_ttl_s, config.rdzv.etcd_outage_limit_s,
                                   label=f"[{config.rdzv.run_id}] node {config.node_id}: ",
                                   clock=clock)
         self.ctx = AgentContext(config, client, session, host,

@@ -228,7 +228,7 @@ class ElasticMode:
         leader = Leader(self.client, self.session, self.job, self.node_id, plan_for,
                         self.settings.model_profile, self.settings.global_batch,
                         debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes,
-                        max_nodes=cfg.rdzv.max_nodes)
+                        max_nodes=cfg.rdzv.max_nodes, hold=ctx.outage.reconciling)
         store_host = cfg.local_addr or ("localhost" if cfg.rdzv.standalone else ctx.host)
         try:
             monitor = ProgressMonitor(hang_detector_from_env(os.environ))
@@ -247,9 +247,10 @@ class ElasticMode:
 
     # ------------------------------------------------------------------ one tick
     def _tick(self) -> None:
+        started = self.clock()
         try:
             self.node.tick()
-            self.ctx.outage.reachable()
+            self.ctx.outage.reachable(started)
         except CoordinationError as exc:
             self.ctx.outage.unreachable(RendezvousConnectionError(str(exc)))
         self._collect_exits()
@@ -288,14 +289,17 @@ class ElasticMode:
 
     # ------------------------------------------------------------------ the job's end
     def _judge(self) -> tuple[str, str]:
+        started = self.clock()
         try:
             view = self._view()
             outcome, reason = judge(view)
             if outcome != "running" and view.ended is None:
                 outcome, reason = self._declare(outcome, reason)
-        except CoordinationError as exc:
-            self.ctx.outage.unreachable(RendezvousConnectionError(str(exc)))
+        except (CoordinationError, RendezvousConnectionError) as exc:
+            self.ctx.outage.unreachable(exc if isinstance(exc, RendezvousConnectionError)
+                                        else RendezvousConnectionError(str(exc)))
             return "running", ""
+        self.ctx.outage.reachable(started)
         return outcome, reason
 
     def _view(self) -> JobView:

@@ -13,7 +13,10 @@ RUNNING -> RESTARTING/EXIT_BARRIER -> ... -> SUCCEEDED/FAILED/INTERRUPTED), run 
 * a worker failure restarts every worker through a new round and counts against
   ``--max-restarts``; a node joining or leaving bumps the round without counting; when the
   restarts are used up the agent prints torchrun's failure summary and fails;
-* while workers run, an etcd outage is ridden out as the agent's ``EtcdOutagePolicy`` says;
+* while workers run, an etcd outage is ridden out as the agent's ``EtcdOutagePolicy`` says:
+  the workers keep running, and a node whose records vanished with an expired lease during
+  the outage is not taken for a node that left while it reconciles (its agent re-creates them
+  under a new lease); only a round that really moved on stops this node's workers;
 * each non-terminal state is bounded: RENDEZVOUS by ``join_timeout`` (and the master wait by
   ``close_timeout``), RESTARTING by the shutdown grace plus the SIGKILL wait, EXIT_BARRIER by
   ``exit_barrier_timeout``; RUNNING lasts as long as the workers do.
@@ -30,7 +33,7 @@ import time
 from typing import Optional
 
 from hspmd_elastic.coord import schema
-from hspmd_elastic.coord.api import CoordinationError
+from hspmd_elastic.coord.api import CoordinationError, LeaseLostError
 from hspmd_elastic.coord.lifecycle import StateMachine
 from launcher.api import LaunchError, RendezvousConnectionError
 from launcher.logs import WorkerLogPaths
@@ -200,13 +203,20 @@ class RestartMode:
         if self.ctx.clock() < self._next_check:
             return
         self._next_check = self.ctx.clock() + ETCD_CHECK_S
+        started = self.ctx.clock()
         try:
             what, st = self.rdzv.observe(self.round)
         except RendezvousConnectionError as exc:
             self.ctx.outage.unreachable(exc)
             return
-        self.ctx.outage.reachable()
+        self.ctx.outage.reachable(started)
         if what == "ok" or what == SUCCEEDED:
+            return
+        if what.startswith("left:") and self.ctx.outage.reconciling():
+            # After an etcd outage, leases that expired are being re-granted: a node whose
+            # record is missing now is not a node that left until the window is over.
+            log.debug("[%s] node %s: %s missing while reconciling after an etcd outage",
+                      self.job, self.node_id, what[5:])
             return
         if what == FAILED:
             log.error("[%s] node %s: job failed (%s); stopping workers", self.job, self.node_id,
@@ -338,10 +348,17 @@ class RestartMode:
 
     # ------------------------------------------------------------------ etcd
     def _put(self, key: str, value: bytes) -> None:
+        """Write an owned key. While the lease is being replaced the session writes it once a
+        new lease exists; while etcd is away the outage policy decides how long that is fine."""
         try:
             self.ctx.session.put(key, value)
+        except LeaseLostError:
+            log.debug("[%s] node %s: %s is written when the lease is re-granted", self.job,
+                      self.node_id, key)
         except CoordinationError as exc:
-            raise RendezvousConnectionError(f"write {key}: {exc}") from exc
+            if self.state is not RestartState.RUNNING:
+                raise RendezvousConnectionError(f"write {key}: {exc}") from exc
+            self.ctx.outage.unreachable(RendezvousConnectionError(f"write {key}: {exc}"))
 
     def _put_node(self, state: str) -> None:
         rec = schema.NodeRecord(host=self.ctx.host, agent_pid=os.getpid(), devices=[],

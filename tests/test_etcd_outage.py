@@ -1,0 +1,165 @@
+"""The etcd-outage policy: training does not need etcd, so an etcd stall longer than the lease
+TTL restarts nothing, and only an outage past ``--hspmd-etcd-outage-limit`` ends the agent.
+
+The pure policy (limit, slow answers, the reconcile window) on an injected clock; then restart
+mode against a real etcd frozen with SIGSTOP for three lease TTLs: the leases expire, every agent
+re-creates its records under a new lease, the workers' pids never change and no round or
+restart is counted; and an outage past the limit: exit 1 with the one-line root cause, no
+process left. (Elastic mode's case is in ``test_elastic_e2e.py``.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+
+from _clock import FakeClock
+from launch_harness import SCRIPTS, Launcher, base_env, wait_for
+
+from hspmd_elastic.coord import schema
+from hspmd_elastic.coord.client import EtcdClient
+from launcher.api import RendezvousConnectionError
+from launcher.node.outage import EtcdOutagePolicy
+
+TTL = 2.0
+
+
+# ------------------------------------------------------------------------------ pure policy
+def test_policy_tolerates_an_outage_up_to_the_limit_and_names_it_past_it():
+    clock = FakeClock(100.0)
+    policy = EtcdOutagePolicy(lease_ttl_s=TTL, limit_s=10.0, label="[j] node n: ", clock=clock)
+    assert policy.limit_s == 10.0 and not policy.reconciling()
+    policy.unreachable(RuntimeError("connection refused"))
+    assert policy.in_outage and policy.reconciling()
+    clock.advance(10.0)
+    policy.unreachable(RuntimeError("connection refused"))  # exactly the limit: still fine
+    clock.advance(0.5)
+    with pytest.raises(RendezvousConnectionError,
+                       match=r"etcd unreachable for more than 10s \(--hspmd-etcd-outage-limit\)"
+                             r": connection refused"):
+        policy.unreachable(RuntimeError("connection refused"))
+
+
+def test_policy_limit_is_at_least_three_lease_ttls():
+    assert EtcdOutagePolicy(lease_ttl_s=10.0, limit_s=5.0).limit_s == 30.0
+
+
+def test_reconcile_window_follows_an_outage_and_a_slow_answer():
+    clock = FakeClock(0.0)
+    policy = EtcdOutagePolicy(lease_ttl_s=TTL, limit_s=60.0, clock=clock)
+    policy.reachable(started_at=clock())
+    assert not policy.reconciling() and policy.outages == 0
+    policy.unreachable(RuntimeError("timeout"))
+    clock.advance(5.0)
+    policy.reachable(started_at=clock())
+    assert policy.reconciling() and policy.outages == 1 and not policy.in_outage
+    clock.advance(policy.reconcile_s)
+    assert not policy.reconciling()
+    # A call that succeeded, but only after more than half a TTL: etcd may have expired leases.
+    started = clock()
+    clock.advance(TTL / 2 + 0.1)
+    policy.reachable(started_at=started)
+    assert policy.reconciling() and policy.outages == 2
+    # A quick answer starts no window.
+    clock.advance(policy.reconcile_s)
+    started = clock()
+    clock.advance(0.1)
+    policy.reachable(started_at=started)
+    assert not policy.reconciling() and policy.outages == 2
+
+
+# ------------------------------------------------------------------------------ restart mode
+def _agent(etcd, tmp, env, job: str, node: str, *extra: str) -> Launcher:
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+            "--rdzv-endpoint", etcd.endpoint_str, "--rdzv-id", job, "--hspmd-node-id", node,
+            "--rdzv-conf", "last_call_timeout=0.5,join_timeout=60",
+            "--hspmd-lease-ttl", str(TTL), "--shutdown-timeout", "5", *extra,
+            str(SCRIPTS / "outage_worker.py")]
+    return Launcher(args, env, tmp, node)
+
+
+def _node_leases(client: EtcdClient, job: str) -> dict[str, int]:
+    prefix = schema.nodes_prefix(job)
+    return {kv.key[len(prefix):]: kv.lease for kv in client.get_prefix(prefix)}
+
+
+def _pids(pid_dir) -> dict[str, list[int]]:
+    return {p.stem: [int(x) for x in p.read_text().split()] for p in pid_dir.glob("*.pids")}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_restart_mode_rides_out_an_etcd_stall_of_three_lease_ttls(tmp_path, marker,
+                                                                   etcd_server):
+    job, pid_dir, go = f"out-{uuid.uuid4().hex[:8]}", tmp_path / "pids", tmp_path / "go"
+    pid_dir.mkdir()
+    env = base_env(marker, PID_DIR=str(pid_dir), GO_FILE=str(go))
+    agents = [_agent(etcd_server, tmp_path, env, job, n) for n in ("node-a", "node-b")]
+    etcd = etcd_server.members[0].proc
+    with EtcdClient(etcd_server.endpoints, timeout=5.0) as client:
+        try:
+            wait_for(lambda: len(_pids(pid_dir)) == 2, 60, "both workers running",
+                     proc=agents[0].proc)
+            before = _pids(pid_dir)
+            leases = wait_for(lambda: (lambda ls: ls if len(ls) == 2 else None)(
+                _node_leases(client, job)), 10, "both node records")
+            os.kill(etcd.pid, signal.SIGSTOP)  # every member of the cluster: no etcd at all
+            try:
+                time.sleep(3 * TTL)  # the fault's length, not a synchronisation
+            finally:
+                os.kill(etcd.pid, signal.SIGCONT)
+            # The leases expired during the stall: each agent re-creates its records under a
+            # new lease (the moment a missing record could be taken for a node that left).
+            wait_for(lambda: (lambda ls: len(ls) == 2 and all(
+                ls[n] not in (0, leases[n]) for n in ls))(_node_leases(client, job)), 30,
+                "both nodes re-registered under new leases")
+            go.write_text("go")
+            for a in agents:
+                assert a.wait(60) == 0, a.stderr()[-4000:]
+        finally:
+            os.kill(etcd.pid, signal.SIGCONT)
+            for a in agents:
+                if a.proc.poll() is None:
+                    a.proc.kill()
+        assert _pids(pid_dir) == before, "a worker was restarted"
+        kv = client.get(schema.rdzv_state_key(job))
+        state = schema.decode(kv.key, kv.value)
+        assert (state.round, state.restart_count, state.state) == (0, 0, "succeeded"), state
+    for a in agents:
+        err = a.stderr()
+        assert "etcd unreachable, workers keep running" in err, err[-3000:]
+        assert "re-rendezvous" not in err and "restart 1/" not in err, err[-3000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_an_outage_past_the_limit_ends_the_agent_with_one_line(tmp_path, marker, etcd_server):
+    job, pid_dir, go = f"out-{uuid.uuid4().hex[:8]}", tmp_path / "pids", tmp_path / "go"
+    pid_dir.mkdir()
+    env = base_env(marker, PID_DIR=str(pid_dir), GO_FILE=str(go))
+    agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
+                      "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
+                      "--hspmd-node-id", "solo", "--hspmd-lease-ttl", str(TTL),
+                      "--hspmd-etcd-outage-limit", "6", "--shutdown-timeout", "5",
+                      str(SCRIPTS / "outage_worker.py")], env, tmp_path, "solo")
+    etcd = etcd_server.members[0].proc
+    try:
+        wait_for(lambda: len(_pids(pid_dir)) == 2, 60, "the workers running", proc=agent.proc)
+        workers = [pid for pids in _pids(pid_dir).values() for pid in pids]
+        os.kill(etcd.pid, signal.SIGSTOP)
+        code = agent.wait(60)
+    finally:
+        os.kill(etcd.pid, signal.SIGCONT)
+        if agent.proc.poll() is None:
+            agent.proc.kill()
+    assert code == 1
+    lines = [ln for ln in agent.stderr().splitlines() if ln.startswith("hspmd-launch: error:")]
+    assert len(lines) == 1 and "etcd unreachable for more than 6s" in lines[0], lines
+    assert "--hspmd-etcd-outage-limit" in lines[0]
+    for pid in workers:  # the agent stopped its workers before it exited
+        assert not os.path.exists(f"/proc/{pid}") or \
+            open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
