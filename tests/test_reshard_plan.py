@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hspmd_elastic.annotations import DistState, TensorAnnotation
+from _reshard_cases import annotations
+from hspmd_elastic.annotations import TensorAnnotation
 from hspmd_elastic.reshard import (
     ReshardError,
     ReshardPlanError,
@@ -28,31 +29,9 @@ from hspmd_elastic.reshard.links import DEFAULT_LINKS, LinkModel
 POOL = 8  # device ids 0..7
 
 
-@st.composite
-def annotation_for(draw, ndim: int):
+def annotation_for(ndim: int):
     """A random annotation over some of the pool: 1-3 sub-groups, uneven weights, any order."""
-    hsize = draw(st.integers(1, 3))
-    states = []
-    for _ in range(hsize):
-        s = {}
-        for key in [-1] + list(range(ndim)):
-            c = draw(st.sampled_from([1, 1, 2, 3]))
-            if c > 1 and math.prod(s.values()) * c <= 4:
-                s[key] = c
-        order = tuple(draw(st.permutations(sorted(s)))) if s else None
-        states.append(DistState(s, order))
-    while sum(s.device_num for s in states) > POOL:
-        states.pop()
-    hdim = draw(st.sampled_from([-1] + list(range(ndim)))) if len(states) > 1 else -1
-    weights = None
-    if hdim >= 0 and draw(st.booleans()):
-        weights = tuple(draw(st.lists(st.integers(1, 3), min_size=len(states), max_size=len(states))))
-    devices = draw(st.permutations(range(POOL)))
-    groups, at = [], 0
-    for s in states:
-        groups.append(tuple(devices[at : at + s.device_num]))
-        at += s.device_num
-    return TensorAnnotation.heterogeneous(groups, states, hdim, weights)
+    return annotations(ndim, POOL)
 
 
 @st.composite

@@ -17,7 +17,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from hspmd_elastic.annotations import AnnotationError, Ranges, TensorAnnotation
+from hspmd_elastic.annotations import AnnotationError, Ranges
 from hspmd_elastic.reshard.api import (
     FusedSchedule,
     ReshardError,
@@ -337,36 +337,14 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hspmd_elastic.annotations import DistState  # noqa: E402
+from _reshard_cases import annotations  # noqa: E402
 from hspmd_elastic.reshard import clear_plan_cache, fused_bsr_schedule  # noqa: E402
 
 POOL = 10
 
 
-@st.composite
-def _annotation(draw, ndim: int):
-    hsize = draw(st.integers(1, 3))
-    states = []
-    for _ in range(hsize):
-        s = {}
-        for key in [-1] + list(range(ndim)):
-            c = draw(st.sampled_from([1, 1, 2, 3, 4]))
-            if c > 1 and math.prod(s.values()) * c <= 4:
-                s[key] = c
-        order = tuple(draw(st.permutations(sorted(s)))) if s else None
-        states.append(DistState(s, order))
-    while sum(s.device_num for s in states) > POOL:
-        states.pop()
-    hdim = draw(st.sampled_from([-1] + list(range(ndim)))) if len(states) > 1 else -1
-    weights = None
-    if hdim >= 0 and draw(st.booleans()):
-        weights = tuple(draw(st.lists(st.integers(1, 3), min_size=len(states), max_size=len(states))))
-    devices = draw(st.permutations(range(POOL)))
-    groups, at = [], 0
-    for s in states:
-        groups.append(tuple(devices[at : at + s.device_num]))
-        at += s.device_num
-    return TensorAnnotation.heterogeneous(groups, states, hdim, weights)
+def _annotation(ndim: int):
+    return annotations(ndim, POOL, counts=(1, 1, 2, 3, 4))
 
 
 @st.composite

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linprog
 
-from hspmd_elastic.annotations import DistState, TensorAnnotation
+from _reshard_cases import annotations
+from hspmd_elastic.annotations import TensorAnnotation
 from hspmd_elastic.reshard import TensorSpec, fused_bsr_schedule
 from hspmd_elastic.reshard.links import LinkModel, exchange_time, host_of, route
 
@@ -27,30 +28,9 @@ POOL = 8
 RATIO = 1.25
 
 
-@st.composite
-def _annotation(draw, ndim: int):
+def _annotation(ndim: int):
     """1-3 sub-groups over some of the pool; splits of the leading dims, uneven weights."""
-    states = []
-    for _ in range(draw(st.integers(1, 3))):
-        s = {}
-        for key in [-1] + list(range(ndim)):
-            c = draw(st.sampled_from([1, 1, 2, 3, 4]))
-            if c > 1 and math.prod(s.values()) * c <= 4:
-                s[key] = c
-        states.append(DistState(s, tuple(draw(st.permutations(sorted(s)))) if s else None))
-    while sum(s.device_num for s in states) > POOL:
-        states.pop()
-    hdim = draw(st.sampled_from([-1] + list(range(ndim)))) if len(states) > 1 else -1
-    weights = None
-    if hdim >= 0 and draw(st.booleans()):
-        weights = tuple(draw(st.lists(st.integers(1, 3), min_size=len(states),
-                                      max_size=len(states))))
-    devices = draw(st.permutations(range(POOL)))
-    groups, at = [], 0
-    for s in states:
-        groups.append(tuple(devices[at:at + s.device_num]))
-        at += s.device_num
-    return TensorAnnotation.heterogeneous(groups, states, hdim, weights)
+    return annotations(ndim, POOL, counts=(1, 1, 2, 3, 4))
 
 
 @st.composite
