@@ -53,15 +53,24 @@ def group_shape(devices: Sequence[Device], nxt: Optional[Sequence[Device]],
         both = list(devices) + list(nxt)
         one_node = len({d.node for d in both}) == 1
         link = min(d.spec.intra_node_gbps if one_node else d.spec.inter_node_gbps for d in both)
-    return StageShape(
-        tp=len(devices),
-        flops=min(d.flops for d in devices),
-        memory=int(min(d.spec.memory_bytes for d in devices) * memory_fraction),
-        intra_gbps=min(d.spec.intra_node_gbps for d in devices),
-        next_gbps=link,
-        overhead_s=max(d.spec.microbatch_overhead_s * d.slowdown for d in devices),
-        latency_s=max(d.spec.link_latency_s for d in devices),
-    )
+    # One pass over the group (this runs for every stage of every candidate: thousands of
+    # times for a plan over thousands of devices); the same minima and maxima as min()/max().
+    if not devices:
+        raise ValueError("group_shape: a TP group needs at least one device")
+    first = devices[0]
+    spec = first.spec
+    flops, memory, intra = first.flops, spec.memory_bytes, spec.intra_node_gbps
+    overhead, latency = spec.microbatch_overhead_s * first.slowdown, spec.link_latency_s
+    for d in devices[1:]:
+        spec = d.spec
+        if spec is not first.spec or d.slowdown != first.slowdown:
+            flops = min(flops, d.flops)
+            memory = min(memory, spec.memory_bytes)
+            intra = min(intra, spec.intra_node_gbps)
+            overhead = max(overhead, spec.microbatch_overhead_s * d.slowdown)
+            latency = max(latency, spec.link_latency_s)
+    return StageShape(tp=len(devices), flops=flops, memory=int(memory * memory_fraction),
+                      intra_gbps=intra, next_gbps=link, overhead_s=overhead, latency_s=latency)
 
 
 # ---- time ----------------------------------------------------------------------------------
@@ -190,9 +199,10 @@ def _pipeline_stage_times(plan: Plan, pi: int, devs: dict, profile: ModelProfile
     pipe = plan.pipelines[pi]
     n, m, b = len(pipe.stages), pipe.num_microbatches, pipe.microbatch_size
     times = []
+    groups = [[devs[d] for d in stage.devices] for stage in pipe.stages]
     for si, stage in enumerate(pipe.stages):
-        group = [devs[d] for d in stage.devices]
-        nxt = [devs[d] for d in pipe.stages[si + 1].devices] if si + 1 < n else None
+        group = groups[si]
+        nxt = groups[si + 1] if si + 1 < n else None
         shape = group_shape(group, nxt, options.memory_fraction)
         layers = stage.layers[1] - stage.layers[0]
         first, last = si == 0, si == n - 1
@@ -259,6 +269,20 @@ def _holdings(plan: Plan) -> dict[int, tuple[int, int, int, int, bool, bool]]:
     return out
 
 
+_last_holdings: tuple = (None, {})  # (plan, its holdings): the current plan is compared with
+# every candidate of a search; one tuple, swapped whole, so threads never mix two plans
+
+
+def _holdings_of(plan: Plan) -> dict:
+    """``_holdings(plan)``, remembered for the last plan asked (plans are immutable)."""
+    global _last_holdings
+    cached, holdings = _last_holdings
+    if cached is not plan:
+        holdings = _holdings(plan)
+        _last_holdings = (plan, holdings)
+    return holdings
+
+
 def _shard_overlap(tp_a: int, rank_a: int, tp_b: int, rank_b: int) -> float:
     lo = max(rank_a / tp_a, rank_b / tp_b)
     hi = min((rank_a + 1) / tp_a, (rank_b + 1) / tp_b)
@@ -269,10 +293,14 @@ def switch_bytes(old: Plan, new: Plan, profile: ModelProfile) -> int:
     """Bytes of weights and optimizer state that devices of ``new`` must receive: every slice a
     device holds in ``new`` and did not hold in ``old``."""
     per_param = profile.param_bytes + profile.optimizer_bytes
-    before = _holdings(old) if old.num_layers == new.num_layers else {}
+    before = _holdings_of(old) if old.num_layers == new.num_layers else {}
     total = 0.0
+    params_of: dict[tuple, float] = {}  # one stage_params per stage shape, not per device
     for d, (a, b, tp, rank, emb, head) in _holdings(new).items():
-        params = stage_params(profile, b - a, emb, head) / tp
+        shape = (a, b, tp, emb, head)
+        params = params_of.get(shape)
+        if params is None:
+            params = params_of[shape] = stage_params(profile, b - a, emb, head) / tp
         kept = 0.0
         if d in before:
             c, e, tp0, rank0, emb0, head0 = before[d]

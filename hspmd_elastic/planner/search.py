@@ -277,13 +277,15 @@ def _refine(drafts, solver: Solver, inventory: Inventory, profile: ModelProfile,
         except PlanError:
             continue
         cand = candidate(plan, "", inventory, profile, options, current_plan)
-        if cand is not None and plan.to_json() not in seen:
-            seen.add(plan.to_json())
+        text = plan.to_json() if cand is not None else None
+        if cand is not None and text not in seen:
+            seen.add(text)
             out.append(cand)
     if current_plan is not None:
         for cand in from_current(current_plan, solver, inventory, profile, options):
-            if cand.plan.to_json() not in seen:
-                seen.add(cand.plan.to_json())
+            text = cand.plan.to_json()
+            if text not in seen:
+                seen.add(text)
                 out.append(cand)
     return out
 

@@ -112,27 +112,38 @@ def decide(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
     usable = snapshot.usable()
     if not usable:
         return None
-    planned, spares = select_nodes(snapshot, current, max_nodes)
+    # Without a maximum every candidate is planned: no spares, no need to rank nodes.
+    planned, spares = select_nodes(snapshot, current, max_nodes) if max_nodes is not None \
+        else ((), ())
     if spares:
         usable = {k: d for k, d in usable.items() if d.node in planned}
     store_node, store = snapshot.store_for(snapshot.self_node)
-    ordered = tuple(usable[d] for d in sorted(usable, key=device_sort_key))
     if current is None:
-        if len(snapshot.alive_nodes()) < min_nodes:
+        alive = snapshot.alive_nodes()
+        if len(alive) < min_nodes:
             return None
-        changes = tuple(Change(ChangeKind.JOIN, n, tuple(d.id for d in ordered if d.node == n))
-                        for n in snapshot.alive_nodes() if n not in spares)
+        ordered = _ordered(usable)
+        by_node: dict[str, list[str]] = {}
+        for d in ordered:
+            by_node.setdefault(d.node, []).append(d.id)
+        changes = tuple(Change(ChangeKind.JOIN, n, tuple(by_node.get(n, ())))
+                        for n in alive if n not in spares)
         return PlanDecision(1, "start", changes, ordered, store_node, store)
     changes = _changes(snapshot, assumed_inventory(current), usable, spares)
     store_lost = current.store_endpoint not in {
         v.store_endpoint for v in snapshot.nodes.values() if v.alive and v.store_endpoint}
     if not changes and not (store_lost and store):
         return None
+    ordered = _ordered(usable)
     reasons = [c.describe() for c in changes]
     if store_lost and store:
         reasons.append(f"store {current.store_endpoint or '(none)'} -> {store}")
     return PlanDecision(current.version + 1, "; ".join(reasons), changes, ordered, store_node,
                         store)
+
+
+def _ordered(usable: Mapping[str, DeviceView]) -> tuple[DeviceView, ...]:
+    return tuple(usable[d] for d in sorted(usable, key=device_sort_key))
 
 
 def _changes(snapshot: ClusterSnapshot, assumed: Mapping[str, float],
@@ -165,11 +176,13 @@ def _changes(snapshot: ClusterSnapshot, assumed: Mapping[str, float],
     for dev in sorted(set(usable) - set(assumed), key=device_sort_key):
         node = usable[dev].node
         add(ChangeKind.RECOVER if node in assumed_nodes else ChangeKind.JOIN, dev)
-    for dev in sorted(set(usable) & set(assumed), key=device_sort_key):
+    # Only the devices whose speed changed are sorted (all of them are compared).
+    moved = [dev for dev in usable.keys() & assumed.keys()
+             if abs(assumed[dev] - usable[dev].speed) > 1e-9]
+    for dev in sorted(moved, key=device_sort_key):
         old, new = assumed[dev], usable[dev].speed
-        if abs(old - new) > 1e-9:
-            kind = ChangeKind.DEGRADE if new < old else ChangeKind.RECOVER
-            add(kind, dev, f"speed {old:.0%} -> {new:.0%}")
+        kind = ChangeKind.DEGRADE if new < old else ChangeKind.RECOVER
+        add(kind, dev, f"speed {old:.0%} -> {new:.0%}")
     order = {k: i for i, k in enumerate(ChangeKind)}
     keys = sorted(groups, key=lambda k: (order[k[0]], k[1], k[2]))
     return tuple(Change(k[0], k[1], tuple(groups[k]), k[2], k[3]) for k in keys)

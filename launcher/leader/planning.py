@@ -123,13 +123,19 @@ def _inventory(universe: Sequence[str], usable: Mapping[str, DeviceView],
     from hspmd_elastic.planner import Device, Health, Inventory, spec_for_device
 
     devs = []
+    specs: dict[tuple, object] = {}  # one spec per (type, memory): thousands of devices share it
+
+    def spec_of(type_name: str, memory: Optional[int]):
+        if (type_name, memory) not in specs:
+            specs[type_name, memory] = spec_for_device(type_name, memory)
+        return specs[type_name, memory]
+
     for dev in universe:
         view = usable.get(dev)
         if view is None:
-            devs.append(Device(ids[dev], node_of(dev), spec_for_device(lost_type),
-                               Health.FAILED))
+            devs.append(Device(ids[dev], node_of(dev), spec_of(lost_type, None), Health.FAILED))
             continue
-        spec = spec_for_device(view.type, view.memory_bytes or None)
+        spec = spec_of(view.type, view.memory_bytes or None)
         health = Health.DEGRADED if view.state == "degraded" else Health.HEALTHY
         devs.append(Device(ids[dev], view.node, spec, health, 1.0 / max(view.speed, 1e-6)))
     return Inventory(tuple(devs))
