@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -101,11 +102,13 @@ class SimAgent:
     """One simulated node agent (see the module docstring)."""
 
     def __init__(self, client: EtcdClient, job: str, index: int, ttl: float, cache: PlanCache,
-                 seen: list, seen_lock: threading.Lock):
+                 seen: list, seen_lock: threading.Lock,
+                 session: Optional[LeasedSession] = None):
         self.client, self.job, self.index = client, job, index
         self.node = agent_name(index)
         self.cache, self._seen, self._seen_lock = cache, seen, seen_lock
-        self.session = LeasedSession(client, ttl, name=self.node)
+        self.own_session = session is None
+        self.session = session or LeasedSession(client, ttl, name=self.node)
         self.publisher = VerdictPublisher(client, job, self.node,
                                           lease=lambda: self.session.lease_id or 0)
         self.republish = threading.Event()
@@ -160,7 +163,8 @@ class SimAgent:
     def stop(self) -> None:
         if self.watch is not None:
             self.watch.stop(2.0)
-        self.session.stop(revoke=True, timeout=2.0)
+        if self.own_session:
+            self.session.stop(revoke=True, timeout=2.0)
 
 
 def _watch_parent(stop: threading.Event) -> None:
@@ -178,10 +182,12 @@ def _watch_parent(stop: threading.Event) -> None:
 def run_agents(args, stop: threading.Event) -> int:
     client = EtcdClient(args.endpoints, timeout=args.etcd_timeout)
     cache, seen, seen_lock = PlanCache(args.job), [], threading.Lock()
-    agents = [SimAgent(client, args.job, i, args.ttl, cache, seen, seen_lock)
+    shared = (LeasedSession(client, args.ttl, name=f"agents-{args.first}")
+              if args.lease == "process" else None)
+    agents = [SimAgent(client, args.job, i, args.ttl, cache, seen, seen_lock, shared)
               for i in range(args.first, args.first + args.count)]
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:
         list(pool.map(lambda a: a.start(), agents))
     emit({"ready": len(agents), "pid": os.getpid(), "first": args.first,
           "start_s": round(time.monotonic() - t0, 3)})
@@ -199,11 +205,14 @@ def run_agents(args, stop: threading.Event) -> int:
                 a.publish_verdicts()
         if time.monotonic() >= next_status:
             next_status = time.monotonic() + STATUS_S
-            emit({"status": {"losses": sum(a.session.losses for a in agents),
+            sessions = {id(a.session): a.session for a in agents}.values()
+            emit({"status": {"losses": sum(x.losses for x in sessions),
                              "ack_errors": sum(a.ack_errors for a in agents),
                              "threads": threading.active_count()}})
     for a in agents:
         a.stop()
+    if shared is not None:
+        shared.stop(revoke=True, timeout=2.0)
     client.close()
     return 0
 
@@ -266,6 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--global-batch", type=int, default=8192)
     p.add_argument("--min-nodes", type=int, default=1)
     p.add_argument("--debounce", type=float, default=0.25)
+    p.add_argument("--lease", choices=("agent", "process"), default="agent",
+                   help="one lease per agent (real), or one per process shared by its agents")
     p.add_argument("--etcd-timeout", type=float, default=5.0)
     p.add_argument("--max-s", type=float, default=1800.0)
     args = p.parse_args(argv)

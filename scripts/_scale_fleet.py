@@ -76,8 +76,9 @@ class Fleet:
 
     def __init__(self, groups: list[int], ttl: float = 10.0, model: str = "llama-32b",
                  global_batch: int = 8192, debounce: float = 0.25,
-                 base_dir: Optional[str] = None, max_s: float = 1800.0):
-        self.groups, self.ttl, self.model = groups, ttl, model
+                 base_dir: Optional[str] = None, max_s: float = 1800.0,
+                 lease: str = "agent"):
+        self.groups, self.ttl, self.model, self.lease = groups, ttl, model, lease
         self.global_batch, self.debounce, self.max_s = global_batch, debounce, max_s
         self.n = sum(groups)
         self._own_dir = base_dir is None
@@ -107,14 +108,16 @@ class Fleet:
                                                  "--global-batch", str(self.global_batch),
                                                  "--min-nodes", str(self.n),
                                                  "--debounce", str(self.debounce)])
-            first = 0
+            # One process at a time: a thousand agents registering at once is a start-up storm
+            # that says nothing about the steady state or a failure.
+            first, deadline = 0, time.monotonic() + timeout
             for g, count in enumerate(self.groups):
                 child = self._spawn(f"agents{g}", ["agents", *common, "--first", str(first),
-                                                   "--count", str(count)])
+                                                   "--count", str(count), "--lease", self.lease])
                 child.first, child.count = first, count
                 first += count
-            self.wait_for(lambda: all(c.ready for c in self.children), timeout,
-                          "every process ready")
+                self.wait_for(lambda: all(c.ready for c in self.children),
+                              max(deadline - time.monotonic(), 0.0), f"{child.name} ready")
         except BaseException:
             self.close()
             raise
