@@ -139,8 +139,14 @@ def _opt(*names: str, **kw):
                  "host act as separate nodes.")
 @_opt("--hspmd-etcd-endpoints", default=None,
             help="etcd endpoints for coordination (overrides --rdzv-endpoint).")
-@_opt("--hspmd-health-source", default="none", show_default=True,
-            help="Device health source for hspmd-aware jobs: none, nvml or scripted:<file>.")
+@_opt("--hspmd-health-source", default="auto", show_default=True,
+            help="Where GPU verdicts come from: auto (NVML when the NVIDIA driver loads, "
+                 "otherwise none, said once in the log), nvml, none, scripted:<file> or "
+                 "scripted:etcd. In restart mode a GPU with a fatal verdict makes the job "
+                 "restart without it (fewer workers, CUDA_VISIBLE_DEVICES and WORLD_SIZE "
+                 "follow); a script that calls hspmd_elastic.heartbeat(step) each step is "
+                 "also watched for hangs (HSPMD_HANG_TIMEOUT_S, HSPMD_HANG_MULTIPLE, "
+                 "HSPMD_HANG_STARTUP_S).")
 @_opt("--hspmd-lease-ttl", type=click.FloatRange(min=1.0), default=None,
             help="TTL of the node's etcd lease in seconds (default 10).")
 @_opt("--hspmd-etcd-outage-limit", type=click.FloatRange(min=1.0), default=None,
@@ -367,11 +373,7 @@ def build_config(params: dict) -> LaunchConfig:
         local_ranks_filter=parse_ranks_filter(params["local_ranks_filter"]),
     )
     node_id = _check_id("--hspmd-node-id", params["hspmd_node_id"] or default_node_id())
-    health = params["hspmd_health_source"]
-    if not (health in ("none", "nvml") or health.startswith("scripted:")):
-        raise ConfigError(
-            f"invalid --hspmd-health-source {health!r}: use none, nvml or scripted:<file>"
-        )
+    health = _health_source(params["hspmd_health_source"])
     signals = _signals(params["signals_to_handle"])
     # MASTER_ADDR/PORT: torchrun's static backend fixes them; on several nodes the port serves
     # the rendezvous etcd, so the workers' store takes a free port on that address.
@@ -442,6 +444,25 @@ def _elastic(params: dict) -> Optional[ElasticSettings]:
     extra = {} if debounce is None else {"debounce_s": debounce}
     return ElasticSettings(model_profile=parse_model(model), global_batch=batch,
                            model_spec=str(model), **extra)
+
+
+def _health_source(value: str) -> str:
+    """``--hspmd-health-source``: auto, nvml, none, scripted:<file> or scripted:etcd."""
+    from launcher.health.api import HealthError, parse_health_source
+    from launcher.health.progress import hang_detector_from_env
+
+    try:
+        kind, target = parse_health_source(value)
+    except HealthError as exc:
+        raise ConfigError(f"invalid --hspmd-health-source: {exc}") from None
+    try:
+        hang_detector_from_env(os.environ)  # HSPMD_HANG_*: refused here, not in the agent
+    except HealthError as exc:
+        raise ConfigError(f"invalid hang limit: {exc}") from None
+    if kind == "scripted" and target != "etcd" and not os.path.isfile(target):
+        raise ConfigError(f"invalid --hspmd-health-source {value!r}: fault script {target!r} "
+                          "is not a readable file")
+    return value.strip()
 
 
 def _signals(value: str) -> tuple[str, ...]:

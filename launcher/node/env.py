@@ -3,11 +3,13 @@
 This is one of the contracts between the planes (with the etcd schema, ``coord.contract`` and
 the progress file). Restart mode gives torchrun's variables (``worker_env``: ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of the store node 0's agent hosts, ...) plus
-ours. Elastic mode gives no rank (the plan gives it, and it changes per plan), only who the
-worker is and where etcd is (``elastic_worker_env``): ``HSPMD_ETCD_ENDPOINTS``,
-``HSPMD_JOB_ID``, ``HSPMD_NODE_ID``, ``LOCAL_RANK``, ``HSPMD_PLAN_VERSION`` (the plan that
-started it) and ``HSPMD_PROGRESS_FILE``; the agent adds ``TORCHELASTIC_ERROR_FILE`` for the
-failure summary. ``hspmd_elastic.elastic.api.WorkerIdentity.from_env`` reads it back.
+ours, among them ``HSPMD_PROGRESS_FILE`` (the opt-in to hang detection) and, once the health
+source failed a device, ``CUDA_VISIBLE_DEVICES`` naming the usable ones. Elastic mode gives
+no rank (the plan gives it, and it changes per plan), only who the worker is and where etcd
+is (``elastic_worker_env``): ``HSPMD_ETCD_ENDPOINTS``, ``HSPMD_JOB_ID``, ``HSPMD_NODE_ID``,
+``LOCAL_RANK``, ``HSPMD_PLAN_VERSION`` (the plan that started it) and
+``HSPMD_PROGRESS_FILE``; the agent adds ``TORCHELASTIC_ERROR_FILE`` for the failure summary.
+``hspmd_elastic.elastic.api.WorkerIdentity.from_env`` reads it back.
 """
 
 from __future__ import annotations
@@ -27,8 +29,15 @@ def worker_argv(entrypoint: Sequence[str], local_rank: int) -> tuple[str, ...]:
 
 
 def worker_env(base: dict[str, str], config: LaunchConfig, info: RoundInfo, local_rank: int,
-               master: tuple[str, int], error_file: str, endpoints: tuple[str, ...]) -> dict:
-    """The environment of one worker (ARCHITECTURE.md, CONTRACT: worker environment)."""
+               master: tuple[str, int], error_file: str, endpoints: tuple[str, ...],
+               progress_file: Optional[str] = None,
+               visible_devices: Optional[Sequence[str]] = None) -> dict:
+    """The environment of one worker (ARCHITECTURE.md, CONTRACT: worker environment).
+
+    ``progress_file``: the worker's ``HSPMD_PROGRESS_FILE`` (``hspmd_elastic.heartbeat``
+    writes there: the opt-in to hang detection). ``visible_devices``: the node's usable
+    devices once a health source failed some (``CUDA_VISIBLE_DEVICES``: local rank ``i`` runs
+    on the ``i``-th usable device); None leaves the variable as the agent had it."""
     a = info.assignment
     env = dict(base)
     env.update({
@@ -58,6 +67,10 @@ def worker_env(base: dict[str, str], config: LaunchConfig, info: RoundInfo, loca
     })
     if "OMP_NUM_THREADS" in base:
         env["OMP_NUM_THREADS"] = base["OMP_NUM_THREADS"]
+    if progress_file:
+        env[PROGRESS_FILE_ENV] = progress_file
+    if visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
     env.update(config.extra_env)
     return env
 

@@ -17,6 +17,14 @@ RUNNING -> RESTARTING/EXIT_BARRIER -> ... -> SUCCEEDED/FAILED/INTERRUPTED), run 
   the workers keep running, and a node whose records vanished with an expired lease during
   the outage is not taken for a node that left while it reconciles (its agent re-creates them
   under a new lease); only a round that really moved on stops this node's workers;
+* the health source (``--hspmd-health-source``) is polled while workers run: a device with a
+  fatal verdict stops the workers and the node joins the next round without it (fewer local
+  workers, ``CUDA_VISIBLE_DEVICES`` naming the usable devices; counted as a restart); with no
+  usable device left the node leaves (when the other nodes still meet ``--nnodes`` MIN) or the
+  job fails, the verdict being the root cause (``restart_health.py``);
+* a worker that calls ``hspmd_elastic.heartbeat(step)`` is watched for hangs
+  (``HSPMD_HANG_*`` limits): a hung worker gets a ``stall`` event, is SIGKILLed and counts as a
+  worker failure; without heartbeats restart mode has no hang rule;
 * each non-terminal state is bounded: RENDEZVOUS by ``join_timeout`` (and the master wait by
   ``close_timeout``), RESTARTING by the shutdown grace plus the SIGKILL wait, EXIT_BARRIER by
   ``exit_barrier_timeout``; RUNNING lasts as long as the workers do.
@@ -28,17 +36,21 @@ import enum
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import Optional
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import CoordinationError, LeaseLostError
+from hspmd_elastic.coord.contract import device_id
 from hspmd_elastic.coord.lifecycle import StateMachine
 from launcher.api import LaunchError, RendezvousConnectionError
+from launcher.health.api import HealthConfigError, HealthSource
 from launcher.logs import WorkerLogPaths
 from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
 from launcher.node.env import worker_argv, worker_env
+from launcher.node.hangs import ProgressMonitor
 from launcher.node.rendezvous import (
     CLOSED,
     FAILED,
@@ -48,8 +60,17 @@ from launcher.node.rendezvous import (
     RoundMoved,
     append_event,
 )
+from launcher.node.restart_health import (
+    FAIL,
+    LEAVE,
+    DeviceWatch,
+    HeartbeatWatch,
+    Slot,
+    after_device_loss,
+    node_slots,
+)
 from launcher.node.store import StoreServer
-from launcher.node.workers import Worker, WorkerGroup, WorkerGroupState
+from launcher.node.workers import KILL_WAIT_S, Worker, WorkerGroup, WorkerGroupState
 from launcher.summary import WorkerFailure, format_summary
 
 log = logging.getLogger(__name__)
@@ -104,6 +125,10 @@ class RestartMode:
         self._next_check = 0.0
         self._barrier_deadline = 0.0
         self._error = ""
+        self.health: Optional[HealthSource] = None
+        self.devices: Optional[DeviceWatch] = None
+        self.heartbeats: Optional[HeartbeatWatch] = None
+        self._running: list[Slot] = []  # the slots the current workers run on
 
     @property
     def state(self) -> RestartState:
@@ -116,6 +141,7 @@ class RestartMode:
 
     # ------------------------------------------------------------------ the Mode protocol
     def start(self) -> None:
+        self._start_watches()
         self._put_node("joining")
         self.transition(RestartState.RENDEZVOUS, "start")
 
@@ -142,7 +168,11 @@ class RestartMode:
                         self.node_id, signal.Signals(signum).name)
         elif cause is not None:
             log.error("[%s] node %s: %s", self.job, self.node_id, cause.error)
-        self._stop_workers(signum or signal.SIGTERM)
+        try:
+            self._stop_workers(signum or signal.SIGTERM)
+        finally:
+            if self.health is not None:
+                self.health.stop()
         if cause is not None and self.state not in TERMINAL_STATES:
             outcome = cause.outcome()
             self.transition(RestartState.INTERRUPTED if signum is not None
@@ -163,6 +193,8 @@ class RestartMode:
 
     # ------------------------------------------------------------------ steps
     def _step_rendezvous(self) -> None:
+        if not self._fit_slots():
+            return
         self._put_node("joining")
         try:
             info = self.rdzv.next_round(fresh=self._fresh)
@@ -192,6 +224,8 @@ class RestartMode:
         state = self.group.poll()
         if state is WorkerGroupState.FAILED:
             self._on_worker_failure()
+            return
+        if state is WorkerGroupState.HEALTHY and self._check_watches():
             return
         if state is WorkerGroupState.SUCCEEDED:
             log.info("[%s] node %s: worker group successfully finished; waiting for the other "
@@ -235,7 +269,7 @@ class RestartMode:
                              self.node_id, {"round": self.round.round, "reason": reason})
         self.transition(RestartState.RESTARTING, what)
 
-    def _on_worker_failure(self) -> None:
+    def _on_worker_failure(self, cause: str = "") -> None:
         info = self.round
         self.failures = [
             WorkerFailure(local_rank=w.local_rank, global_rank=w.global_rank, pid=w.pid,
@@ -243,9 +277,12 @@ class RestartMode:
                           observed_at=w.exited_at or time.time())
             for w in self.group.failed_workers()
         ]
-        first = min(self.failures, key=lambda f: (f.timestamp, f.global_rank))
-        reason = (f"worker failure on {self.node_id}: rank {first.global_rank} "
-                  f"exitcode {first.exitcode}")
+        if cause:
+            reason = cause
+        else:
+            first = min(self.failures, key=lambda f: (f.timestamp, f.global_rank))
+            reason = (f"worker failure on {self.node_id}: rank {first.global_rank} "
+                      f"exitcode {first.exitcode}")
         for f in self.failures:  # torchrun's line, for log scrapers that know it
             log.error("failed (exitcode: %d) local_rank: %d (pid: %d) of binary: %s",
                       f.exitcode, f.local_rank, f.pid, self.config.entrypoint[0])
@@ -268,6 +305,8 @@ class RestartMode:
             return
         summary = format_summary(self.config.entrypoint_name, self.failures, self.ctx.host)
         print(summary, file=sys.stderr, flush=True)
+        if cause:
+            self._error = cause
         self.transition(RestartState.FAILED, reason)
 
     def _step_restarting(self) -> None:
@@ -297,6 +336,150 @@ class RestartMode:
             return
         self.ctx.wait(0.1)
 
+    # ------------------------------------------------------------------ health and hangs
+    def _start_watches(self) -> None:
+        """The health source (``--hspmd-health-source``), the slots it watches, the verdict
+        publisher and the hang detector (``HSPMD_HANG_*``)."""
+        from launcher.health.progress import hang_detector_from_env
+        from launcher.health.verdicts import VerdictPublisher, select_health_source
+
+        cfg, session = self.config, self.ctx.session
+        try:
+            detector = hang_detector_from_env(os.environ, clock=self.ctx.clock)
+            self.health = select_health_source(cfg.health_source, node=self.node_id,
+                                               devices=cfg.nproc_per_node, job=self.job,
+                                               etcd=self.client, clock=self.ctx.clock)
+        except HealthConfigError as exc:
+            raise LaunchError(str(exc)) from exc
+        self.health.start()
+        publisher = VerdictPublisher(self.client, self.job, self.node_id,
+                                     lease=lambda: session.lease_id or 0, clock=self.ctx.clock)
+        leases = [0]
+
+        def publish(verdicts) -> None:
+            lease = session.lease_id or 0
+            if not lease:
+                return  # device records live under the node's lease
+            if lease != leases[0]:
+                leases[0] = lease
+                publisher.republish_all()
+            publisher.publish(verdicts)
+
+        slots = node_slots(cfg.nproc_per_node, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                           self.health.devices())
+        self.devices = DeviceWatch(self.health, slots, publish=publish, clock=self.ctx.clock)
+        self.heartbeats = HeartbeatWatch(ProgressMonitor(detector, clock=self.ctx.clock))
+
+    def _fit_slots(self) -> bool:
+        """Before joining a round: join with the usable slots only. False when none is left
+        (the mode has then ended)."""
+        self.devices.refresh()
+        usable = len(self.devices.usable())
+        if usable == self.rdzv.local_world_size:
+            return True
+        if usable >= 1:
+            log.warning("[%s] node %s: joining with %d of %d device(s): %s", self.job,
+                        self.node_id, usable, self.config.nproc_per_node,
+                        self.devices.root_cause(self.devices.out()))
+            self.rdzv.local_world_size = usable
+            return True
+        participants = len(self.round.participants) if self.round is not None else 1
+        self._no_device_left(self.devices.root_cause(self.devices.out()), participants)
+        return False
+
+    def _check_watches(self) -> bool:
+        """While the workers run: a failed device they use, or a hung worker, ends the round
+        (True)."""
+        self.devices.refresh()
+        bad = [s for s in self._running if s.position in self.devices.failed]
+        if bad:
+            self._on_device_failure(bad)
+            return True
+        live = {w.local_rank: w.pid for w in self.group.workers if w.exitcode is None}
+        hangs = self.heartbeats.check(live)
+        if hangs:
+            self._on_hang(hangs)
+            return True
+        return False
+
+    def _on_device_failure(self, bad: list[Slot]) -> None:
+        info, cfg = self.round, self.config
+        reason = f"{self.devices.root_cause(bad)} on node {self.node_id}"
+        log.error("[%s] node %s: %s; stopping workers", self.job, self.node_id, reason)
+        append_event(self.client, self.job, "failure", self.node_id, {
+            "round": info.round, "reason": reason,
+            "devices": [device_id(self.node_id, s.position) for s in bad]})
+        self._stop_workers()
+        usable = len(self.devices.usable())
+        if usable == 0:
+            self._no_device_left(reason, len(info.participants))
+            return
+        self.rdzv.local_world_size = usable
+        st, ours = self.rdzv.read_state(), False
+        if st is not None and st.round == info.round and st.state == CLOSED:
+            st, ours = self.rdzv.move_on(st, reason, count_restart=True,
+                                         max_restarts=cfg.max_restarts)
+        if st is not None and st.round > info.round:
+            log.warning("[%s] node %s: restarting without %s: %d worker(s) here; restart %d/%d",
+                        self.job, self.node_id, ", ".join(f"GPU {s.token}" for s in bad),
+                        usable, st.restart_count, cfg.max_restarts)
+            if ours:
+                append_event(self.client, self.job, "restart", self.node_id,
+                             {"round": st.round, "restart_count": st.restart_count,
+                              "reason": reason})
+            self.transition(RestartState.RESTARTING, reason)
+            return
+        used = f" (restarts used up: {st.restart_count}/{cfg.max_restarts})" if st else ""
+        self._error = reason + used
+        self.transition(RestartState.FAILED, reason)
+
+    def _no_device_left(self, reason: str, participants: int) -> None:
+        """Every slot of this node failed: leave the job to the other nodes when ``--nnodes``
+        MIN allows, else fail the job; the verdict is the root cause either way."""
+        decision = after_device_loss(0, participants, self.config.rdzv.min_nodes)
+        if decision == LEAVE:
+            self._error = f"{reason}; no usable device left: this node leaves the job"
+        else:
+            assert decision == FAIL
+            self._error = f"{reason}; no usable device left"
+            st = self.rdzv.read_state()
+            if st is not None and st.state not in (SUCCEEDED, FAILED):
+                self.rdzv.move_on(st, self._error, count_restart=True, max_restarts=0)
+        self.transition(RestartState.FAILED, reason)
+
+    def _on_hang(self, hangs: list) -> None:
+        """Hung workers: a ``stall`` event each, SIGKILL (a frozen process never exits by
+        itself), then a worker failure like any other (counted)."""
+        workers = {w.local_rank: w for w in self.group.workers}
+        causes = []
+        for hang in hangs:
+            w = workers[hang.worker]
+            cause = (f"hang on {self.node_id}: local rank {w.local_rank} (rank {w.global_rank}, "
+                     f"pid {w.pid}) made no progress for {hang.stalled_s:.1f}s at step "
+                     f"{hang.step} (limit {hang.limit_s:.1f}s)")
+            causes.append(cause)
+            log.error("[%s] node %s: %s; killing it", self.job, self.node_id, cause)
+            append_event(self.client, self.job, "stall", self.node_id, {
+                "round": self.round.round, "local_rank": w.local_rank, "pid": w.pid,
+                "step": hang.step, "stalled_s": round(hang.stalled_s, 3), "reason": cause,
+                "device": device_id(self.node_id, w.local_rank)})
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.kill()
+                try:
+                    w.proc.wait(timeout=KILL_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    log.warning("[%s] node %s: hung pid %d not reaped after SIGKILL", self.job,
+                                self.node_id, w.pid)
+        self.group.poll()
+        self._on_worker_failure(cause=causes[0])
+
+    def _progress_files(self, info: RoundInfo, count: int) -> dict[int, str]:
+        """Where each worker of the round writes its heartbeats (``HSPMD_PROGRESS_FILE``)."""
+        folder = os.path.join(self.ctx.logdir.run_dir, "progress")
+        os.makedirs(folder, exist_ok=True)
+        return {lr: os.path.join(folder, f"round{info.round}_local{lr}.json")
+                for lr in range(count)}
+
     # ------------------------------------------------------------------ workers
     def _master(self, info: RoundInfo) -> tuple[str, int]:
         self._drop_store()
@@ -322,12 +505,18 @@ class RestartMode:
 
     def _start_workers(self, info: RoundInfo, master: tuple[str, int]) -> None:
         cfg = self.config
-        paths = self.ctx.logdir.attempt(info.restart_count, cfg.nproc_per_node)
+        count = info.assignment.local_world_size
+        paths = self.ctx.logdir.attempt(info.restart_count, count)
+        progress = self._progress_files(info, count)
+        self._running = self.devices.running(count)
+        visible = [s.token for s in self._running] if self.devices.failed else None
+        self.heartbeats.watch(progress)
         base = dict(os.environ)
         workers = []
-        for lr in range(cfg.nproc_per_node):
+        for lr in range(count):
             p: WorkerLogPaths = paths[lr]
-            env = worker_env(base, cfg, info, lr, master, p.error_file, self.client.endpoints)
+            env = worker_env(base, cfg, info, lr, master, p.error_file, self.client.endpoints,
+                             progress_file=progress[lr], visible_devices=visible)
             workers.append(Worker(local_rank=lr, global_rank=info.assignment.global_rank(lr),
                                   argv=worker_argv(cfg.entrypoint, lr), env=env, logs=p))
         self.group = WorkerGroup(role=cfg.role, workers=workers)
