@@ -13,8 +13,11 @@ etcd is one line and exit 1; after the run the report is printed (a table, or JS
 detected and recovered (or, for faults a job rides through, survived), 1 otherwise.
 ``--progress`` names the job's progress files (JSON lines: ``step``, ``round``, ``rank``,
 ``t``, ``batch``); without it, progress is read from the job's ``workers/`` records.
-``etcd-restart`` needs etcd members the harness owns, so from the command line it is reported
-``not injected`` (the programmatic ``Harness`` takes ``EtcdMember`` handles).
+``etcd-restart`` runs ``--etcd-restart-cmd`` when given (``/bin/sh -c``, bounded by
+``--etcd-restart-timeout``; the target endpoint, how and how long come in ``HSPMD_ETCD_*``);
+without it, it restarts the etcd process proven to serve the job's endpoint on this host
+(``launcher.inject.etcd_restart``); the report's note says which way, or the one reason it
+could not.
 """
 
 from __future__ import annotations
@@ -61,11 +64,20 @@ def _check_job(job: str) -> str:
 @click.option("--progress", default=None,
               help="Glob or directory of the job's progress files (default: workers/ records).")
 @click.option("--log-dir", default=None, help="Where started agents (join) write their output.")
+@click.option("--etcd-restart-cmd", default=None,
+              help="Shell command that restarts the job's etcd for etcd-restart faults "
+                   "(env: HSPMD_ETCD_ENDPOINT, HSPMD_ETCD_HOW, HSPMD_ETCD_DOWN_S, ...). "
+                   "Default: restart the etcd process serving the job's endpoint on this "
+                   "host, once proven to be the job's.")
+@click.option("--etcd-restart-timeout", type=click.FloatRange(min=0.0, min_open=True),
+              default=60.0, show_default=True,
+              help="Seconds --etcd-restart-cmd may run before it is killed.")
 @click.option("--wait-end", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="Seconds to wait after the last fault for the job to end (totals cover the "
                    "whole run).")
 def command(scenario_path: str, job: str, etcd_endpoints: str, report_path: Optional[str],
             as_json: bool, progress: Optional[str], log_dir: Optional[str],
+            etcd_restart_cmd: Optional[str], etcd_restart_timeout: float,
             wait_end: float) -> int:
     """Inject the faults of a scenario into a running job; report detection and recovery."""
     try:
@@ -79,7 +91,8 @@ def command(scenario_path: str, job: str, etcd_endpoints: str, report_path: Opti
         raise click.BadParameter(str(exc), param_hint="--etcd-endpoints") from None
     client = EtcdClient(endpoints, timeout=ETCD_TIMEOUT_S)
     try:
-        return _run(client, scenario, job, report_path, as_json, progress, log_dir, wait_end)
+        return _run(client, scenario, job, report_path, as_json, progress, log_dir, wait_end,
+                    etcd_restart_cmd, etcd_restart_timeout)
     except (CoordinationError, InjectError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
@@ -87,14 +100,16 @@ def command(scenario_path: str, job: str, etcd_endpoints: str, report_path: Opti
 
 
 def _run(client: EtcdClient, scenario, job: str, report_path: Optional[str], as_json: bool,
-         progress: Optional[str], log_dir: Optional[str], wait_end: float) -> int:
+         progress: Optional[str], log_dir: Optional[str], wait_end: float,
+         etcd_restart_cmd: Optional[str] = None, etcd_restart_timeout: float = 60.0) -> int:
     try:
         client.revision()
     except CoordinationError as exc:
         raise click.ClickException(f"cannot reach the job's etcd at "
                                    f"{','.join(client.endpoints)}: {exc}") from None
     observer = JobObserver(client, job, default_progress(progress)).start()
-    ctx = InjectContext(client, job, log_dir=log_dir)
+    ctx = InjectContext(client, job, log_dir=log_dir, etcd_restart_cmd=etcd_restart_cmd,
+                        etcd_restart_timeout_s=etcd_restart_timeout, etcd_by_pid=True)
     harness = Harness(scenario, ctx, observer, wait_end_s=wait_end)
     previous = signal.signal(signal.SIGINT, lambda *_: harness.stop())
     try:

@@ -11,8 +11,11 @@
 * device faults append to the node's fault script at ``faults/<node>``, the key a
   ``ScriptedHealthSource`` (``--hspmd-health-source scripted:etcd``) reads, with a
   compare-and-set so that concurrent writers never drop each other's faults;
-* ``etcd-restart`` kills (or stops) an etcd member the harness owns (``EtcdMember``), keeps it
-  down ``down_s`` and starts it again on the same ports and data;
+* ``etcd-restart`` kills (or stops) an etcd member, keeps it down ``down_s`` and starts it
+  again on the same ports and data: through the user's ``--etcd-restart-cmd`` when given, else
+  a member the harness owns (``EtcdMember``), else (``etcd_by_pid``, as the CLI sets it) the
+  process proven to serve the job's endpoint on this host (``etcd_restart.py``);
+  ``detail["by"]`` says which;
 * ``join`` starts another ``hspmd-launch`` agent with the job's rendezvous id.
 
 Promises: a target that matches no live process of the job raises ``TargetNotFound`` naming
@@ -69,6 +72,9 @@ class InjectContext:
     client: EtcdClient
     job: str
     etcd_members: Sequence[Any] = ()
+    etcd_restart_cmd: Optional[str] = None  # etcd-restart through the user's command
+    etcd_restart_timeout_s: float = 60.0
+    etcd_by_pid: bool = False  # etcd-restart may act on the process proven to serve the job
     log_dir: Optional[str] = None  # output of started agents (a temporary directory if None)
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     launcher_argv: list[str] = field(default_factory=_launcher_argv)
@@ -312,8 +318,10 @@ class EtcdRestart(FaultAction):
         raise TargetNotFound(f"etcd member {want!r} is not one of the harness's: {names}")
 
     def inject(self, ctx: InjectContext) -> Injection:
-        member = self.member(ctx)
         how, down = self.spec.params["how"], self.spec.params["down_s"]
+        if ctx.etcd_restart_cmd or (ctx.etcd_by_pid and not ctx.etcd_members):
+            return self._inject_unowned(ctx, how, down)
+        member = self.member(ctx)
         (member.kill if how == "kill" else member.stop)()
         log.info("[%s] etcd member %s %s; down for %.1fs", ctx.job, member.name,
                  "killed" if how == "kill" else "stopped", down)
@@ -327,7 +335,32 @@ class EtcdRestart(FaultAction):
         log.info("[%s] etcd member %s is back at %s", ctx.job, member.name, member.endpoint)
         return Injection(Injected(self.spec.fault, {"member": member.name}, ended_at=back),
                          {"member": member.name, "how": how, "down_s": down,
-                          "endpoint": member.endpoint})
+                          "endpoint": member.endpoint, "by": "owned",
+                          "done_by": f"etcd member {member.name} the harness owns: "
+                                     f"{'killed' if how == 'kill' else 'stopped'}, down "
+                                     f"{down:g}s, started again"})
+
+    def _inject_unowned(self, ctx: InjectContext, how: str, down: float) -> Injection:
+        """Through ``--etcd-restart-cmd``, or the etcd process proven to serve the job."""
+        from launcher.inject import etcd_restart as er
+
+        endpoint = er.target_endpoint(list(ctx.client.endpoints),
+                                      self.spec.target.get("member"))
+        if ctx.etcd_restart_cmd:
+            env = dict(ctx.env, HSPMD_ETCD_ENDPOINT=endpoint, HSPMD_ETCD_ENDPOINTS=ctx.endpoints,
+                       HSPMD_ETCD_MEMBER=str(self.spec.target.get("member", "")),
+                       HSPMD_ETCD_HOW=how, HSPMD_ETCD_DOWN_S=f"{down:g}", HSPMD_JOB_ID=ctx.job)
+            detail = er.run_restart_command(ctx.etcd_restart_cmd, ctx.etcd_restart_timeout_s,
+                                            env)
+        else:
+            found = er.find_member(endpoint, ctx.job)
+            log_dir = ctx.log_dir or tempfile.mkdtemp(prefix="hspmd-inject-")
+            detail = er.restart_found(found, how, down, log_dir, ctx.stopped)
+        er.wait_answering(ctx.client)
+        back = time.time()
+        log.info("[%s] etcd restart done: %s", ctx.job, detail["done_by"])
+        return Injection(Injected(self.spec.fault, {"member": endpoint}, ended_at=back),
+                         {"endpoint": endpoint, **detail})
 
 
 class Join(FaultAction):

@@ -124,6 +124,7 @@ class Harness:
             return row, None, None
         row.injected_at, row.target, row.detail = self._rel(base.at), inj.injected.target, \
             inj.detail
+        row.note = str(inj.detail.get("done_by", ""))  # how it was done, when it has a choice
         det = self._wait_detection(spec, base, inj, row)
         rec: Optional[Recovery] = None
         reaction = expects_reaction(inj.injected.fault, inj.injected.xid)
