@@ -3,7 +3,10 @@
 Used by ``hspmd-launch --standalone``, by ``scripts/demo`` and by the test fixtures. Promises:
 
 * a server listens only on loopback ports chosen from port 0, with its own temporary data dir, so
-  several instances (and several test sessions) run side by side;
+  several instances (and several test sessions) run side by side; a cluster given ``hosts``
+  (one address per member) listens on those addresses instead, at etcd's ports 2379/2380, and
+  ``command_prefixes`` start each member under a wrapper (``ip netns exec NS``: the members of
+  the multi-host tests, each in its own network namespace);
 * ``start()`` returns only once the member answers ``/health`` (or raises ``EtcdStartError`` with
   the tail of etcd's log);
 * ``stop()`` sends SIGTERM, then SIGKILL after a grace period, reaps the process and removes the
@@ -30,7 +33,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import psutil
 
@@ -114,19 +117,21 @@ class EtcdMember:
     binary: str = field(default_factory=find_etcd_binary)
     proc: subprocess.Popen | None = None
     log_path: str = ""
+    host: str = "127.0.0.1"  # the address the member listens on and advertises
+    command_prefix: tuple[str, ...] = ()  # e.g. ("ip", "netns", "exec", NS): exec'd, same pid
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"http://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
 
     @property
     def endpoint(self) -> str:
         """``host:port`` as taken by ``--rdzv-endpoint`` and the coordination client."""
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     def command(self) -> list[str]:
         cluster = self.initial_cluster or f"{self.name}={self.peer_url}"
@@ -155,7 +160,7 @@ class EtcdMember:
         env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
         # Own session: a Ctrl-C at the terminal reaches us, and we stop etcd in order.
         self.proc = subprocess.Popen(
-            self.command(), stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            [*self.command_prefix, *self.command()], stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         logf.close()
 
@@ -215,16 +220,23 @@ class EtcdMember:
 
 
 class EtcdCluster:
-    """``size`` etcd members on loopback (1 for the embedded single server, 3 or 5 for tests)."""
+    """``size`` etcd members on loopback (1 for the embedded single server, 3 or 5 for tests);
+    with ``hosts``, member ``i`` listens on ``hosts[i]`` at ports 2379/2380 (its own address,
+    e.g. in its own network namespace), started under ``command_prefixes[i]`` if given."""
 
-    def __init__(self, size: int = 1, base_dir: str | None = None, binary: str | None = None):
+    def __init__(self, size: int = 1, base_dir: str | None = None, binary: str | None = None,
+                 hosts: Optional[Sequence[str]] = None,
+                 command_prefixes: Optional[Sequence[Sequence[str]]] = None):
         if size < 1:
             raise ValueError(f"etcd cluster size must be >= 1, got {size}")
+        for what, given in (("hosts", hosts), ("command_prefixes", command_prefixes)):
+            if given is not None and len(given) != size:
+                raise ValueError(f"{what} must name {size} members, got {len(given)}")
         self._own_dir = base_dir is None
         self.base_dir = base_dir or tempfile.mkdtemp(prefix="hspmd-etcd-")
         os.makedirs(self.base_dir, exist_ok=True)
         binary = binary or find_etcd_binary()
-        ports = free_ports(2 * size)
+        ports = [2379, 2380] * size if hosts else free_ports(2 * size)
         self.members = [
             EtcdMember(
                 name=f"m{i}",
@@ -233,6 +245,8 @@ class EtcdCluster:
                 data_dir=os.path.join(self.base_dir, f"m{i}.etcd"),
                 binary=binary,
                 cluster_token=os.path.basename(self.base_dir),
+                host=hosts[i] if hosts else "127.0.0.1",
+                command_prefix=tuple(command_prefixes[i]) if command_prefixes else (),
             )
             for i in range(size)
         ]

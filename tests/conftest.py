@@ -69,6 +69,16 @@ def elastic_job(etcd_server, tmp_path):
         job.close()
 
 
+@pytest.fixture
+def netns(tmp_path):
+    """``netns(nodes=(...), etcd_members=3)``: a multi-host topology on network namespaces
+    (``tests/_netns.py``), torn down after the test even when it fails."""
+    from _netns import topologies
+
+    with topologies(tmp_path) as make:
+        yield make
+
+
 def _drop_dead_handlers(logger: logging.Logger) -> None:
     for h in logger.handlers[:]:
         stream = getattr(h, "stream", None)

@@ -58,6 +58,7 @@ from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
 from launcher.node.devices import device_table
 from launcher.node.elastic_node import ElasticNode
 from launcher.node.elastic_workers import ElasticWorkers
+from launcher.node.env import node_address_env
 from launcher.node.hangs import ProgressMonitor
 from launcher.node.judge import JobView, judge
 from launcher.node.rendezvous import FAILED, SUCCEEDED, TERMINAL, RoundState
@@ -221,7 +222,9 @@ class ElasticMode:
         os.makedirs(progress_dir, exist_ok=True)
         gpus = (health.devices()[:cfg.nproc_per_node] if isinstance(health, NvmlHealthSource)
                 else None)
-        base = dict(os.environ, HSPMD_HEALTH_SOURCE=cfg.health_source, **cfg.extra_env)
+        base = dict(os.environ, HSPMD_HEALTH_SOURCE=cfg.health_source,
+                    **node_address_env(cfg.local_addr, os.environ))
+        base.update(cfg.extra_env)
         workers = ElasticWorkers(self.job, self.node_id, cfg.entrypoint, self.client.endpoints,
                                    lambda version, lr: attempts(version)[lr], base_env=base,
                                    role=cfg.role, progress_dir=progress_dir)

@@ -10,17 +10,45 @@ is (``elastic_worker_env``): ``HSPMD_ETCD_ENDPOINTS``, ``HSPMD_JOB_ID``, ``HSPMD
 ``LOCAL_RANK``, ``HSPMD_PLAN_VERSION`` (the plan that started it) and
 ``HSPMD_PROGRESS_FILE``; the agent adds ``TORCHELASTIC_ERROR_FILE`` for the failure summary.
 ``hspmd_elastic.elastic.api.WorkerIdentity.from_env`` reads it back.
+
+Both modes: with ``--local-addr`` (the address other nodes reach this node at), the workers'
+gloo binds the interface that holds that address (``GLOO_SOCKET_IFNAME``, ``node_address_env``)
+unless the user set it. Without it gloo takes the address the hostname resolves to, and a
+hostname that resolves to loopback (``127.0.1.1 myhost`` in ``/etc/hosts`` is common) makes every
+rank advertise 127.0.0.1 to its peers on other hosts: the group never forms.
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
+import psutil
+
 from hspmd_elastic.coord.contract import PROGRESS_FILE_ENV
 from launcher.api import LaunchConfig
 from launcher.node.rendezvous import RoundInfo
 
 LOCAL_RANK_MACRO = "${local_rank}"
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
+
+def interface_of(address: str) -> Optional[str]:
+    """The name of this host's network interface that holds ``address`` (None: none does)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def node_address_env(local_addr: Optional[str],
+                     base: Mapping[str, str] = {}) -> dict[str, str]:  # noqa: B006 - read only
+    """What the worker environment gets from ``--local-addr``: gloo on the interface that
+    holds it (``GLOO_SOCKET_IFNAME``), unless ``base`` sets one or no interface holds it (a
+    name, not an address: gloo then resolves the hostname as before)."""
+    if not local_addr or base.get(GLOO_IFNAME_ENV):
+        return {}
+    name = interface_of(local_addr)
+    return {GLOO_IFNAME_ENV: name} if name else {}
 
 
 def worker_argv(entrypoint: Sequence[str], local_rank: int) -> tuple[str, ...]:
@@ -71,6 +99,7 @@ def worker_env(base: dict[str, str], config: LaunchConfig, info: RoundInfo, loca
         env[PROGRESS_FILE_ENV] = progress_file
     if visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
+    env.update(node_address_env(config.local_addr, base))
     env.update(config.extra_env)
     return env
 

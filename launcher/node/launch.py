@@ -128,7 +128,9 @@ def launch(config: LaunchConfig) -> int:
         except (EtcdNotFoundError, EtcdStartError) as exc:
             raise LaunchError(str(exc)) from exc
         client = _connect(config, endpoints, pending)
-        agent = NodeAgent(config, client)
+        # --local-addr names this node to the others (its records, stores and workers' gloo);
+        # the hostname may resolve to loopback or to another network's address.
+        agent = NodeAgent(config, client, hostname=config.local_addr)
         _install_signals(config, agent.on_signal)
         for signum in pending:
             agent.on_signal(signum)
