@@ -35,13 +35,15 @@ ONE_OF_EACH = [
     {"fault": "etcd-restart", "target": {"member": "m0"}, "down_s": 1, "how": "stop"},
     {"fault": "join", "target": {"node": "c"}, "args": ["--nproc-per-node", "1", "t.py"],
      "env": {"X": "1"}, "detect_timeout_s": 5, "comment": "a third node"},
+    {"fault": "partition", "target": {"node": "b"}, "links": "data", "duration_s": 3},
 ]
 
 
 def test_every_fault_kind_parses():
     sc = parse_scenario(scenario(*ONE_OF_EACH, defaults={"recover_timeout_s": 7}))
     assert [f.fault for f in sc.faults] == list(FAULT_NAMES)
-    kill, stop, hang, _, freeze, xid, ecc, thermal, etcd, join = sc.faults
+    kill, stop, hang, _, freeze, xid, ecc, thermal, etcd, join, cut = sc.faults
+    assert cut.params == {"links": "data", "duration_s": 3.0} and cut.target == {"node": "b"}
     assert (kill.at_step, kill.at_s, kill.target) == (3, None, {"node": "a", "local_rank": 1})
     assert (stop.at_s, stop.params) == (1.5, {"resume_after_s": 2.0})
     assert hang.target == {} and hang.params == {"escalate_after_s": 5.0}

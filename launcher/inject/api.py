@@ -23,7 +23,9 @@ SCENARIO_KIND = "fault_scenario"
 WORKER_FAULTS = ("kill-worker", "stop-worker", "hang")
 AGENT_FAULTS = ("kill-agent", "freeze-agent")
 DEVICE_FAULTS = ("xid", "ecc", "thermal")
-FAULT_NAMES = (*WORKER_FAULTS, *AGENT_FAULTS, *DEVICE_FAULTS, "etcd-restart", "join")
+NETWORK_FAULTS = ("partition",)
+FAULT_NAMES = (*WORKER_FAULTS, *AGENT_FAULTS, *DEVICE_FAULTS, "etcd-restart", "join",
+               *NETWORK_FAULTS)
 
 # What a report row's ``outcome`` may say.
 RECOVERED = "recovered"  # detected (when a reaction is expected) and training went on

@@ -4,7 +4,7 @@ Usage::
 
     hspmd-launch inject --scenario examples/scenarios/five-faults.json --job my-job \\
         --etcd-endpoints 127.0.0.1:2379 [--progress 'run/progress/*.jsonl'] \\
-        [--report report.json] [--json]
+        [--report report.json] [--json] [--topology topology.json]
 
 Also runnable as ``python -m launcher.inject.command``. Promises: a bad scenario, job id or
 endpoint is one line naming the bad value and exit 2 (click's usage errors); an unreachable
@@ -17,7 +17,9 @@ detected and recovered (or, for faults a job rides through, survived), 1 otherwi
 ``--etcd-restart-timeout``; the target endpoint, how and how long come in ``HSPMD_ETCD_*``);
 without it, it restarts the etcd process proven to serve the job's endpoint on this host
 (``launcher.inject.etcd_restart``); the report's note says which way, or the one reason it
-could not.
+could not. ``partition`` needs ``--topology FILE``: each node's (and etcd member's) network
+namespace and link devices (``launcher.inject.topology``); without it the fault is reported
+``not injected`` with that reason, and a bad file is one line and exit 2.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from launcher.inject.faults import InjectContext
 from launcher.inject.harness import Harness
 from launcher.inject.report import all_handled, render_json, render_table
 from launcher.inject.scenario import load_scenario
+from launcher.inject.topology import NetTopology, TopologyError, load_topology
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +75,28 @@ def _check_job(job: str) -> str:
 @click.option("--etcd-restart-timeout", type=click.FloatRange(min=0.0, min_open=True),
               default=60.0, show_default=True,
               help="Seconds --etcd-restart-cmd may run before it is killed.")
+@click.option("--topology", "topology_path", default=None,
+              help="Network topology file (JSON: each node's network namespace and link "
+                   "devices) for partition faults.")
 @click.option("--wait-end", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="Seconds to wait after the last fault for the job to end (totals cover the "
                    "whole run).")
 def command(scenario_path: str, job: str, etcd_endpoints: str, report_path: Optional[str],
             as_json: bool, progress: Optional[str], log_dir: Optional[str],
             etcd_restart_cmd: Optional[str], etcd_restart_timeout: float,
-            wait_end: float) -> int:
+            topology_path: Optional[str], wait_end: float) -> int:
     """Inject the faults of a scenario into a running job; report detection and recovery."""
     try:
         scenario = load_scenario(scenario_path)
     except ScenarioError as exc:
         raise click.BadParameter(str(exc), param_hint="--scenario") from None
     _check_job(job)
+    topology = None
+    if topology_path:
+        try:
+            topology = load_topology(topology_path)
+        except TopologyError as exc:
+            raise click.BadParameter(str(exc), param_hint="--topology") from None
     try:
         endpoints = parse_endpoints(etcd_endpoints)
     except ValueError as exc:
@@ -92,7 +104,7 @@ def command(scenario_path: str, job: str, etcd_endpoints: str, report_path: Opti
     client = EtcdClient(endpoints, timeout=ETCD_TIMEOUT_S)
     try:
         return _run(client, scenario, job, report_path, as_json, progress, log_dir, wait_end,
-                    etcd_restart_cmd, etcd_restart_timeout)
+                    etcd_restart_cmd, etcd_restart_timeout, topology)
     except (CoordinationError, InjectError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
@@ -101,7 +113,8 @@ def command(scenario_path: str, job: str, etcd_endpoints: str, report_path: Opti
 
 def _run(client: EtcdClient, scenario, job: str, report_path: Optional[str], as_json: bool,
          progress: Optional[str], log_dir: Optional[str], wait_end: float,
-         etcd_restart_cmd: Optional[str] = None, etcd_restart_timeout: float = 60.0) -> int:
+         etcd_restart_cmd: Optional[str] = None, etcd_restart_timeout: float = 60.0,
+         topology: Optional[NetTopology] = None) -> int:
     try:
         client.revision()
     except CoordinationError as exc:
@@ -109,7 +122,8 @@ def _run(client: EtcdClient, scenario, job: str, report_path: Optional[str], as_
                                    f"{','.join(client.endpoints)}: {exc}") from None
     observer = JobObserver(client, job, default_progress(progress)).start()
     ctx = InjectContext(client, job, log_dir=log_dir, etcd_restart_cmd=etcd_restart_cmd,
-                        etcd_restart_timeout_s=etcd_restart_timeout, etcd_by_pid=True)
+                        etcd_restart_timeout_s=etcd_restart_timeout, etcd_by_pid=True,
+                        topology=topology)
     harness = Harness(scenario, ctx, observer, wait_end_s=wait_end)
     previous = signal.signal(signal.SIGINT, lambda *_: harness.stop())
     try:

@@ -10,8 +10,9 @@ observations, so they are unit-tested without a job:
   target: a ``failure``/``stall`` event for a worker fault (by pid when the event lists pids),
   a ``leave`` event about the node, or a ``failure`` of its peers, for an agent fault; a
   failed/degraded verdict under ``devices/<node>/<device>`` (or a ``failure``/``degrade``
-  event) for a device fault; a ``join`` event for a join; an etcd restart and an
-  informational Xid expect no reaction;
+  event) for a device fault; a ``join`` event for a join; a ``partition`` of a node is matched
+  like an agent fault; an etcd restart, a partition of an etcd member and an informational
+  Xid expect no reaction;
 * ``match_recovery``: the ``switch-done`` event of the plan that handled the fault (elastic jobs:
   the first ``replan`` whose ``reason`` names the target, ``replan_changes``), else the first
   progress in a newer round or plan than the one the fault hit (restart-mode jobs); for faults
@@ -39,7 +40,17 @@ from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.contract import device_id, parse_device_id
 from hspmd_elastic.coord.watch import PrefixWatch
 from launcher.health.rules import classify_xid
-from launcher.inject.api import AGENT_FAULTS, DEVICE_FAULTS, WORKER_FAULTS, ProgressPoint
+from launcher.inject.api import (
+    AGENT_FAULTS,
+    DEVICE_FAULTS,
+    NETWORK_FAULTS,
+    WORKER_FAULTS,
+    ProgressPoint,
+)
+
+# Faults that take a node away as a whole, as far as detection goes: its agent (killed, frozen)
+# or its links (a partition: its lease expires, or its peers' collectives fail).
+NODE_FAULTS = (*AGENT_FAULTS, *NETWORK_FAULTS)
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +108,13 @@ class Injected:
     ended_at: Optional[float] = None  # wall clock the fault stopped acting (thaw, etcd back)
 
 
-def expects_reaction(fault: str, xid: Optional[int] = None) -> bool:
+def expects_reaction(fault: str, xid: Optional[int] = None,
+                     target: Optional[dict[str, Any]] = None) -> bool:
     """False for faults a job should ride through without reacting."""
     if fault == "etcd-restart":
         return False
+    if fault in NETWORK_FAULTS and target is not None and "node" not in target:
+        return False  # an etcd member cut off: the clients fail over
     if fault == "xid" and xid is not None:
         return classify_xid(xid).fatal
     return True
@@ -172,7 +186,7 @@ def switch_started(events: Sequence[schema.EventRecord], after_seq: int) -> Opti
 def match_detection(inj: Injected, base: Baseline, events: Sequence[schema.EventRecord],
                     verdicts: Sequence[DeviceVerdictSeen] = ()) -> Optional[Detection]:
     """The job's first reaction to the fault after ``base``, or None (not detected)."""
-    if not expects_reaction(inj.fault, inj.xid):
+    if not expects_reaction(inj.fault, inj.xid, inj.target):
         return None
     later = [e for e in events if e.seq > base.last_seq]
     fault = inj.fault
@@ -185,7 +199,7 @@ def match_detection(inj: Injected, base: Baseline, events: Sequence[schema.Event
     for ev in later:
         if fault in WORKER_FAULTS:
             hit = _worker_event(ev, inj)
-        elif fault in AGENT_FAULTS:
+        elif fault in NODE_FAULTS:
             hit = _agent_event(ev, inj.target["node"])
         elif fault in DEVICE_FAULTS:
             hit = _device_event(ev, inj)
@@ -225,7 +239,7 @@ def _names_fault(inj: Injected, kind: str, targets: tuple[str, ...]) -> bool:
         return kind in ("failure", "stall", "leave") and any(
             d == node or (slot is not None and d == device_id(node, slot)) or
             (slot is None and _split_target(d)[0] == node) for d in targets)
-    if inj.fault in AGENT_FAULTS:
+    if inj.fault in NODE_FAULTS:
         return kind in ("leave", "failure", "stall") and any(
             d == node or _split_target(d)[0] == node for d in targets)
     if inj.fault in DEVICE_FAULTS:
@@ -280,7 +294,7 @@ def match_recovery(inj: Injected, base: Baseline, detection: Optional[Detection]
             return Recovery(first.t, f"progress in round {first.round} (step {first.step})",
                             first.round)
         return None
-    if expects_reaction(inj.fault, inj.xid):
+    if expects_reaction(inj.fault, inj.xid, inj.target):
         return None
     return progress_after(inj, base, points)
 

@@ -16,12 +16,15 @@
   a member the harness owns (``EtcdMember``), else (``etcd_by_pid``, as the CLI sets it) the
   process proven to serve the job's endpoint on this host (``etcd_restart.py``);
   ``detail["by"]`` says which;
-* ``join`` starts another ``hspmd-launch`` agent with the job's rendezvous id.
+* ``join`` starts another ``hspmd-launch`` agent with the job's rendezvous id;
+* ``partition`` brings a node's links (all, control or data; or an etcd member's) down for
+  ``duration_s`` and up again, through the topology file (``launcher.inject.topology``).
 
 Promises: a target that matches no live process of the job raises ``TargetNotFound`` naming
-the target and what the job has; every process the harness stopped is resumed, and every agent
-it started is stopped and reaped, by ``InjectContext.close`` (no stopped or orphan process is
-left behind); every wait is bounded.
+the target and what the job has; every process the harness stopped is resumed, every link it
+cut is brought up again, and every agent it started is stopped and reaped, by
+``InjectContext.close`` (no stopped or orphan process, no cut link is left behind); every wait
+is bounded.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from launcher.health.verdicts import fault_script_key
 from launcher.inject.api import InjectError, NotOwnedError, TargetNotFound
 from launcher.inject.detect import Injected
 from launcher.inject.scenario import FaultSpec
+from launcher.inject.topology import NetTopology, set_link
 from launcher.standalone import EtcdStartError
 
 log = logging.getLogger(__name__)
@@ -66,8 +70,8 @@ def _launcher_argv() -> list[str]:
 @dataclass
 class InjectContext:
     """What faults act through: the job's etcd, the etcd members the harness owns (for
-    ``etcd-restart``), and the processes the harness started or stopped (cleaned up by
-    ``close``)."""
+    ``etcd-restart``), the network topology (for ``partition``), and the processes the harness
+    started or stopped and the links it cut (cleaned up by ``close``)."""
 
     client: EtcdClient
     job: str
@@ -80,6 +84,15 @@ class InjectContext:
     launcher_argv: list[str] = field(default_factory=_launcher_argv)
     spawned: dict[str, subprocess.Popen] = field(default_factory=dict)
     stopped: set[int] = field(default_factory=set)
+    topology: Optional[NetTopology] = None
+    cut: set[tuple[str, str]] = field(default_factory=set)  # (netns, device) links down
+
+    def set_links(self, netns: str, devices: Sequence[str], up: bool) -> None:
+        for dev in devices:
+            set_link(netns, dev, up)
+            (self.cut.discard if up else self.cut.add)((netns, dev))
+        log.info("[%s] links %s of %s %s", self.job, ",".join(devices), netns,
+                 "up (healed)" if up else "down (cut)")
 
     @property
     def endpoints(self) -> str:
@@ -103,7 +116,13 @@ class InjectContext:
             proc.poll()
 
     def close(self, timeout: float = STOP_GRACE_S) -> None:
-        """Resume what the harness stopped; stop and reap the agents it started."""
+        """Heal the links it cut, resume what it stopped; stop and reap the agents it
+        started."""
+        for netns, dev in sorted(self.cut):
+            try:
+                self.set_links(netns, [dev], up=True)
+            except InjectError as exc:
+                log.warning("[%s] healing a cut link: %s", self.job, exc)
         for pid in sorted(self.stopped):
             try:
                 os.kill(pid, signal.SIGCONT)
@@ -392,6 +411,32 @@ class Join(FaultAction):
                          {"pid": proc.pid, "argv": argv})
 
 
+class Partition(FaultAction):
+    """Cut a node's links (all, control or data), or an etcd member's, for ``duration_s``."""
+
+    def inject(self, ctx: InjectContext) -> Injection:
+        if ctx.topology is None:
+            raise NotOwnedError("partition needs the job's network topology: give hspmd-launch "
+                                "inject --topology FILE (each node's network namespace and "
+                                "link devices)")
+        t, p = self.spec.target, self.spec.params
+        host = ctx.topology.host(node=t.get("node"), member=t.get("member"))
+        devices = host.devices(p["links"])
+        ctx.set_links(host.netns, devices, up=False)
+        duration = p["duration_s"]
+
+        def heal() -> None:
+            try:
+                ctx.set_links(host.netns, devices, up=True)
+            except InjectError as exc:
+                log.warning("[%s] healing %s: %s", ctx.job, self.spec.describe(), exc)
+
+        return Injection(Injected(self.spec.fault, dict(t)),
+                         {"netns": host.netns, "devices": devices, "links": p["links"],
+                          "duration_s": duration},
+                         [Timer(duration, "links up (healed)", heal, ends_fault=True)])
+
+
 def _has_flag(args: list[str], flag: str) -> bool:
     spellings = (flag, "--" + flag[2:].replace("-", "_"))
     return any(a in spellings or a.startswith(tuple(s + "=" for s in spellings)) for a in args)
@@ -415,6 +460,7 @@ FAULT_CLASSES: dict[str, type[FaultAction]] = {
     "kill-worker": KillWorker, "stop-worker": StopWorker, "hang": StopWorker,
     "kill-agent": KillAgent, "freeze-agent": FreezeAgent, "xid": DeviceFault,
     "ecc": DeviceFault, "thermal": DeviceFault, "etcd-restart": EtcdRestart, "join": Join,
+    "partition": Partition,
 }
 
 

@@ -127,7 +127,7 @@ class Harness:
         row.note = str(inj.detail.get("done_by", ""))  # how it was done, when it has a choice
         det = self._wait_detection(spec, base, inj, row)
         rec: Optional[Recovery] = None
-        reaction = expects_reaction(inj.injected.fault, inj.injected.xid)
+        reaction = expects_reaction(inj.injected.fault, inj.injected.xid, inj.injected.target)
         if det is not None or not reaction:
             rec = self._wait_recovery(spec, base, inj, det, row)
         self._finish_timers(inj, base, det, row)
@@ -230,7 +230,7 @@ class Harness:
 
     def _wait_detection(self, spec: FaultSpec, base: Baseline, inj: Injection,
                         row: FaultRow) -> Optional[Detection]:
-        if not expects_reaction(inj.injected.fault, inj.injected.xid):
+        if not expects_reaction(inj.injected.fault, inj.injected.xid, inj.injected.target):
             return None
         deadline = time.monotonic() + spec.detect_timeout_s
         while True:

@@ -26,7 +26,16 @@ ecc            node, device                            count (default 1: the bur
 thermal        node, device                            slowdown in (0, 1] (required)
 etcd-restart   member (name or index, optional)        down_s (default 0.5), how: kill | stop
 join           node                                    args (hspmd-launch flags + script), env
+partition      node, or member (an etcd member)        links: all | control | data (default
+                                                       all; a member has control only),
+                                                       duration_s (default 10)
 ============== ======================================= ==========================================
+
+``partition`` cuts links for ``duration_s`` and then heals them; it needs the job's network
+topology (``hspmd-launch inject --topology FILE``, ``launcher.inject.topology``). A partition of a
+node expects the job to react (a ``leave`` when the control link is cut past the lease TTL, a
+``failure`` or ``stall`` when the data link is); one of an etcd member, like ``etcd-restart``,
+expects the job to ride through it.
 
 Every entry may also give ``detect_timeout_s``, ``recover_timeout_s`` and ``comment``.
 Promises: a scenario is validated as a whole; the first problem raises ``ScenarioError`` naming
@@ -42,6 +51,7 @@ from typing import Any, Optional
 
 from launcher.inject.api import (
     AGENT_FAULTS,
+    NETWORK_FAULTS,
     DEVICE_FAULTS,
     FAULT_NAMES,
     SCENARIO_KIND,
@@ -55,6 +65,8 @@ DEFAULT_RECOVER_TIMEOUT_S = 60.0
 DEFAULT_TRIGGER_TIMEOUT_S = 300.0
 DEFAULT_FREEZE_S = 10.0
 DEFAULT_ETCD_DOWN_S = 0.5
+DEFAULT_PARTITION_S = 10.0
+PARTITION_LINKS = ("all", "control", "data")
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # node ids, as in coord.schema
 _TOP_FIELDS = {"schema", "kind", "name", "description", "defaults", "faults"}
@@ -67,6 +79,7 @@ _TARGETS: dict[str, set[str]] = {
     **{f: {"node", "device"} for f in DEVICE_FAULTS},
     "etcd-restart": {"member"},
     "join": {"node"},
+    **{f: {"node", "member"} for f in NETWORK_FAULTS},
 }
 _REQUIRED_TARGET: dict[str, tuple[str, ...]] = {
     **{f: ("node",) for f in AGENT_FAULTS},
@@ -84,6 +97,7 @@ _PARAMS: dict[str, set[str]] = {
     "thermal": {"slowdown"},
     "etcd-restart": {"down_s", "how"},
     "join": {"args", "env"},
+    "partition": {"links", "duration_s"},
 }
 
 
@@ -167,6 +181,8 @@ def _target(fault: str, body: Any, where: str) -> dict[str, Any]:
         if name not in body:
             raise ScenarioError(where, f"{fault} needs target.{name}")
     out: dict[str, Any] = {}
+    if fault in NETWORK_FAULTS and ("node" in body) == ("member" in body):
+        raise ScenarioError(where, f"{fault} needs target.node or target.member (one of them)")
     for name, value in body.items():
         if name == "node":
             out[name] = _ident(value, "target.node", where)
@@ -187,6 +203,13 @@ def _params(fault: str, entry: dict, where: str) -> dict[str, Any]:
             p[name] = _number(entry[name], name, where, positive=True)
     if fault == "freeze-agent":
         p.setdefault("duration_s", DEFAULT_FREEZE_S)
+    if fault == "partition":
+        p.setdefault("duration_s", DEFAULT_PARTITION_S)
+        links = entry.get("links", "all")
+        if links not in PARTITION_LINKS:
+            raise ScenarioError(where, f"links must be one of {', '.join(PARTITION_LINKS)}, "
+                                       f"got {links!r}")
+        p["links"] = links
     if fault == "xid":
         if "xid" not in entry:
             raise ScenarioError(where, "xid needs an xid number (e.g. 79: GPU fell off the bus)")
