@@ -277,11 +277,16 @@ def main(argv=None) -> int:
     p.add_argument("--debounce", type=float, default=0.25)
     p.add_argument("--lease", choices=("agent", "process"), default="agent",
                    help="one lease per agent (real), or one per process shared by its agents")
+    p.add_argument("--nice", type=int, default=0,
+                   help="lower this process's CPU priority (simulated agents on a machine "
+                        "shared with etcd and the leader)")
     p.add_argument("--etcd-timeout", type=float, default=5.0)
     p.add_argument("--max-s", type=float, default=1800.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s: %(message)s")
+    if args.nice:
+        os.nice(args.nice)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     _watch_parent(stop)

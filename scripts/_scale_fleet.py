@@ -77,8 +77,9 @@ class Fleet:
     def __init__(self, groups: list[int], ttl: float = 10.0, model: str = "llama-32b",
                  global_batch: int = 8192, debounce: float = 0.25,
                  base_dir: Optional[str] = None, max_s: float = 1800.0,
-                 lease: str = "agent"):
+                 lease: str = "agent", nice: int = 0):
         self.groups, self.ttl, self.model, self.lease = groups, ttl, model, lease
+        self.nice = nice
         self.global_batch, self.debounce, self.max_s = global_batch, debounce, max_s
         self.n = sum(groups)
         self._own_dir = base_dir is None
@@ -113,7 +114,8 @@ class Fleet:
             first, deadline = 0, time.monotonic() + timeout
             for g, count in enumerate(self.groups):
                 child = self._spawn(f"agents{g}", ["agents", *common, "--first", str(first),
-                                                   "--count", str(count), "--lease", self.lease])
+                                                   "--count", str(count), "--lease", self.lease,
+                                                   "--nice", str(self.nice)])
                 child.first, child.count = first, count
                 first += count
                 self.wait_for(lambda: all(c.ready for c in self.children),
