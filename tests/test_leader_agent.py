@@ -181,6 +181,47 @@ def test_elastic_workers_start_new_slots_only_and_report_each_exit_once(tmp_path
     assert workers.running() == {}
 
 
+# Reports that the newest plan excludes it, then dies by SIGABRT (as a crash in the
+# interpreter's teardown after leaving would).
+EXCLUDED_WORKER = (
+    "import json, os, signal\n"
+    "from hspmd_elastic.coord.contract import WorkerProgress, write_progress\n"
+    "write_progress(os.environ['HSPMD_PROGRESS_FILE'], WorkerProgress(\n"
+    "    pid=os.getpid(), global_rank=0, local_rank=int(os.environ['LOCAL_RANK']),\n"
+    "    plan_version=int(os.environ['HSPMD_PLAN_VERSION']), step=2, last_progress_at=0.0,\n"
+    "    steps_per_s=0.0, state='excluded'))\n"
+    "os.kill(os.getpid(), signal.SIGABRT)\n")
+
+
+def test_a_worker_that_left_an_excluding_plan_is_no_failure_and_its_slot_comes_back(
+        etcd_server, tmp_path):
+    client = EtcdClient(etcd_server.endpoints, timeout=1.0)
+    session = LeasedSession(client, ttl=2, name="agent n")
+    workers = ElasticWorkers(JOB, "n", [sys.executable, "-c", EXCLUDED_WORKER],
+                             etcd_server.endpoints, log_paths(tmp_path))
+    node = ElasticNode(client, session, JOB, "n", "127.0.0.1", device_table("n", 1), workers)
+    try:
+        node.start()
+        client.put(schema.plan_current_key(JOB), plan(1, ["n:0"]).to_json())
+        assert wait_for(lambda: node.tick() or (node.plan_version == 1
+                                                and workers.exits), WAIT, 0.05)
+        ex, _, final = workers.exits[0]
+        assert (ex.signal, final) == (signal.SIGABRT, "excluded")
+        node.tick()
+        assert node.slots.failed() == {} and node.succeeded == set()
+        assert [e.type for e in read_events(client, JOB)] == []  # no failure journaled
+        verdict = client.get(schema.device_key(JOB, "n", 0))
+        assert verdict is None or schema.decode(verdict.key, verdict.value).state == "healthy"
+        # A later plan that uses the device again (a healed partition) starts a new worker.
+        client.put(schema.plan_current_key(JOB), plan(2, ["n:0"]).to_json())
+        assert wait_for(lambda: node.tick() or len(workers.exits) == 2, WAIT, 0.05)
+        assert workers.exits[1][0].pid != ex.pid
+    finally:
+        node.stop(grace_s=2.0, timeout=3.0)
+        session.stop(timeout=3.0)
+        client.close()
+
+
 def test_a_node_runs_its_plan_and_reports_an_exit_and_a_hang(etcd_server, tmp_path):
     client = EtcdClient(etcd_server.endpoints, timeout=1.0)
     session = LeasedSession(client, ttl=2, name="agent n")

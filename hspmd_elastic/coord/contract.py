@@ -80,6 +80,9 @@ TRAINED_STATES = frozenset({WorkerState.TRAINING.value, WorkerState.FINISHING.va
                             WorkerState.DONE.value})
 # Final states of a worker that finished the job.
 DONE_STATES = frozenset({WorkerState.DONE.value})
+# Final states of a worker that left by itself because the newest plan does not use its device:
+# the device is not at fault, and a later plan may use it again.
+LEFT_STATES = frozenset({WorkerState.EXCLUDED.value})
 
 
 @dataclass

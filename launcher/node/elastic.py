@@ -42,7 +42,7 @@ from typing import Optional
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp, RecordError
-from hspmd_elastic.coord.contract import DONE_STATES, node_of
+from hspmd_elastic.coord.contract import DONE_STATES, LEFT_STATES, node_of
 from hspmd_elastic.coord.lifecycle import StateMachine
 from hspmd_elastic.coord.plans import read_plan
 from launcher.api import (
@@ -274,6 +274,8 @@ class ElasticMode:
     def _collect_exits(self) -> None:
         exits = self.node.workers.exits
         for ex, worker, final in exits[self._seen_exits:]:
+            if final in LEFT_STATES:  # not a failure, whatever the code (see elastic_node)
+                continue
             if ex.ok:
                 if final in DONE_STATES and not self._finished_worker:
                     self._finished_worker = f"{self.node_id}:{ex.local_rank} {final}"

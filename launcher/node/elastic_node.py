@@ -13,7 +13,9 @@ workers can switch. ``ElasticNode`` bundles the small pieces beside it into one 
   failed verdict with ``leader.STALL_PREFIX``, and is SIGKILLed (its exit is not journaled
   again); slot verdicts override the health source's (worst wins) and go to
   ``devices/<node>/<index>`` through the ``VerdictPublisher``;
-* surviving workers are never restarted (``elastic_workers.py``);
+* surviving workers are never restarted (``elastic_workers.py``); a worker that left because
+  the newest plan does not use its device (final report ``excluded``) is no failure: no event,
+  no failed verdict, and a later plan may use the slot again;
 * the agent acks every plan that uses its node (``acks.py``) in ``switch/<version>/<node>``,
   under its lease, level-triggered: a state is remembered only once etcd took it;
 * every etcd call has the client's deadline; ``tick`` raises ``CoordinationError`` when etcd
@@ -30,7 +32,7 @@ from typing import Callable, Optional
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.contract import WorkerProgress, device_id, read_progress
+from hspmd_elastic.coord.contract import LEFT_STATES, WorkerProgress, device_id, read_progress
 from hspmd_elastic.coord.journal import append_event
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.plans import read_plan
@@ -110,13 +112,16 @@ class ElasticNode:
                         ex.local_rank)
             self.records.pop(ex.local_rank, None)
             self._final_report(ex)
-            if ex.ok:
+            if self._left(ex):
+                log.info("[%s] node %s: slot %d left plan v%d, which does not use it", self.job,
+                         self.node, ex.local_rank, self.plan_version)
+            elif ex.ok:
                 self.succeeded.add(ex.local_rank)
             else:
                 self.slots.fail(ex.local_rank, ex.verdict(self._clock()))
         for ex in exits:
             self.session.delete(schema.worker_key(self.job, self.node, ex.local_rank))
-            if not ex.ok and ex.pid not in self._killed_hung:  # a hang is journaled already
+            if not ex.ok and ex.pid not in self._killed_hung and not self._left(ex):
                 report_worker_exit(self.client, self.job, self.node, ex, self.plan_version,
                                    self._wall)
         self._relay_progress()
@@ -175,6 +180,13 @@ class ElasticNode:
             record = report.to_worker_record()
             if record != self.records.get(lr):
                 self._put_record(record)
+
+    def _left(self, ex: WorkerExit) -> bool:
+        """The worker left by itself because the newest plan does not use its device (its
+        final report says ``excluded``): not a failure, whatever its exit code (a worker may
+        crash in its interpreter's teardown after it left)."""
+        report = self.reports.get(ex.local_rank)
+        return report is not None and report.pid == ex.pid and report.state in LEFT_STATES
 
     def _final_report(self, ex: WorkerExit) -> None:
         """Keep what an exited worker reported last (it may have written it after our last

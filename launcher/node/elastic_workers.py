@@ -2,8 +2,10 @@
 
 ``ElasticWorkers.apply_plan`` starts workers only for this node's devices that a plan adds
 (``new_local_ranks``, pure), spawning through ``launcher.node.workers`` with the elastic worker
-environment (``launcher.node.env``); a slot whose worker exited (with any code) is not started
-again (a failed one is failed for the leader too). ``poll`` reports each exit once and keeps it
+environment (``launcher.node.env``); a slot whose worker exited is not started again (a failed
+one is failed for the leader too), unless the worker left because the newest plan did not use
+its device (its last report is ``excluded``, ``contract.LEFT_STATES``): a later plan that uses
+the device again (a healed partition) starts a new worker there. ``poll`` reports each exit once and keeps it
 in ``exits`` with the worker's final reported state, read from its progress file.
 """
 
@@ -16,7 +18,7 @@ import tempfile
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from hspmd_elastic.coord import schema
-from hspmd_elastic.coord.contract import device_id, parse_device_id, read_progress
+from hspmd_elastic.coord.contract import LEFT_STATES, device_id, parse_device_id, read_progress
 from launcher.logs import WorkerLogPaths
 from launcher.node.env import elastic_worker_env, worker_argv
 from launcher.node.exits import WorkerExit
@@ -107,8 +109,10 @@ class ElasticWorkers:
                 ex = WorkerExit.from_returncode(lr, w.pid, w.exitcode)
                 out.append(ex)
                 del self._running[lr]
-                self._ended.add(lr)
-                self.exits.append((ex, w, self.final_state(lr, w.pid)))
+                final = self.final_state(lr, w.pid)
+                if final not in LEFT_STATES:  # a slot a plan left may be used again later
+                    self._ended.add(lr)
+                self.exits.append((ex, w, final))
         self._groups = [g for g in self._groups
                         if any(w.local_rank in self._running and self._running[w.local_rank] is w
                                for w in g.workers)]
