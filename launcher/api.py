@@ -144,7 +144,7 @@ class LaunchConfig:
     logs: LogSettings = field(default_factory=LogSettings)
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     signals: tuple[str, ...] = tuple(DEFAULT_SIGNALS.split(","))
-    health_source: str = "none"
+    health_source: str = "auto"  # launcher.health.select_health_source
     extra_env: dict[str, str] = field(default_factory=dict)
     elastic: Optional[ElasticSettings] = None  # None: restart mode (torchrun's semantics)
 

@@ -109,9 +109,17 @@ def _linger(client: EtcdClient, config: LaunchConfig) -> None:
                 LINGER_S)
 
 
+def _preload_store() -> None:
+    """Import torch's TCPStore now: both modes host one, and importing torch takes seconds on
+    a busy host. Done before the lease exists, the import cannot starve its keep-alive, nor
+    delay a rendezvous or a recovery that needs the store."""
+    from torch.distributed import TCPStore  # noqa: F401
+
+
 def launch(config: LaunchConfig) -> int:
     """Run one node agent to the end; returns torchrun's exit code. Raises LaunchError."""
     _omp_default(config)
+    _preload_store()
     embedded = hosted = client = None
     pending: list[int] = []
     previous = _install_signals(config, lambda signum, _f: pending.append(signum))
