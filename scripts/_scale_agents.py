@@ -2,7 +2,8 @@
 """Simulated node agents and one real leader, as OS processes for ``scripts/bench_scale`` and
 ``tests/test_scale_small.py``.
 
-    python scripts/_scale_agents.py agents --endpoints E --job J --first I --count M --ttl T
+    python scripts/_scale_agents.py agents --endpoints E --job J --first I --count M --ttl T \
+        [--lease agent|process] [--nice K]
     python scripts/_scale_agents.py leader --endpoints E --job J --ttl T --model M \
         --global-batch B --min-nodes N [--debounce S]
 
@@ -16,6 +17,10 @@ reports) under its lease for each plan that uses it, old acks deleted as a real 
 Every agent receives every plan on its own stream; the JSON of one revision is decoded once per
 process (a real agent decodes on its own host; 1,000 decodes on a 2-core machine would measure
 the machine, not etcd).
+
+``--lease process`` gives the agents of the process one shared lease (one keep-alive thread
+instead of one per agent) and ``--nice`` lowers the process's priority: for machines too small
+to simulate a thousand agents beside etcd and the leader.
 
 ``leader``: one ``launcher.leader.Leader`` with the real planner (``planner.plan_for``) on its
 own session; it has no node record (it plans over the agents only).

@@ -3,10 +3,11 @@ they report. Used by ``scripts/bench_scale`` and ``tests/test_scale_small.py``.
 
 ``Fleet(groups=[...])`` starts a real single-member etcd on loopback (``EtcdCluster``), the
 leader process and one agents process per group (``scripts/_scale_agents.py``; group ``g``
-holds ``groups[g]`` agents), each wrapped so it dies with this process (``die_with_parent``),
-and watches ``nodes/`` and ``plan/current`` itself: it records when each node record vanished
-and when each plan version appeared. Every wait has a deadline (``wait_for``); ``close()``
-SIGKILLs and reaps every process it started, then stops etcd, also after a failure.
+holds ``groups[g]`` agents; ``env``: extra environment for them), each wrapped so it dies with
+this process (``die_with_parent``), and watches ``nodes/`` and ``plan/current`` itself: it
+records when each node record vanished and when each plan version appeared. Every wait has a
+deadline (``wait_for``); ``close()`` SIGKILLs and reaps every process it started, then stops
+etcd, also after a failure.
 """
 
 from __future__ import annotations
@@ -77,9 +78,13 @@ class Fleet:
     def __init__(self, groups: list[int], ttl: float = 10.0, model: str = "llama-32b",
                  global_batch: int = 8192, debounce: float = 0.25,
                  base_dir: Optional[str] = None, max_s: float = 1800.0,
-                 lease: str = "agent", nice: int = 0):
+                 lease: str = "agent", nice: int = 0, env: Optional[dict] = None,
+                 etcd_dir: Optional[str] = None):
         self.groups, self.ttl, self.model, self.lease = groups, ttl, model, lease
-        self.nice = nice
+        self.nice, self.env = nice, dict(env or {})
+        # etcd's data under ``etcd_dir`` (e.g. a tmpfs) instead of beside the logs
+        self._etcd_dir = tempfile.mkdtemp(prefix="hspmd-scale-etcd-", dir=etcd_dir) \
+            if etcd_dir else None
         self.global_batch, self.debounce, self.max_s = global_batch, debounce, max_s
         self.n = sum(groups)
         self._own_dir = base_dir is None
@@ -100,7 +105,8 @@ class Fleet:
     # ------------------------------------------------------------------ start / stop
     def start(self, timeout: float = 120.0) -> "Fleet":
         try:
-            self.etcd = EtcdCluster(1, base_dir=os.path.join(self.base_dir, "etcd")).start()
+            self.etcd = EtcdCluster(1, base_dir=self._etcd_dir or
+                                    os.path.join(self.base_dir, "etcd")).start()
             self.client = EtcdClient(self.etcd.endpoints, timeout=5.0)
             self._watch()
             common = ["--endpoints", self.etcd.endpoint_str, "--job", JOB, "--ttl",
@@ -127,7 +133,7 @@ class Fleet:
 
     def _spawn(self, name: str, args: list[str]) -> Child:
         err = open(os.path.join(self.base_dir, f"{name}.log"), "ab")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **self.env)
         popen = subprocess.Popen(die_with_parent((sys.executable, AGENTS, *args)),
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                  env=env, text=True, bufsize=1)
@@ -154,6 +160,8 @@ class Fleet:
             r.join(2.0)
         if self._own_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)
+        if self._etcd_dir:
+            shutil.rmtree(self._etcd_dir, ignore_errors=True)
 
     def __enter__(self) -> "Fleet":
         return self.start()

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "scripts"))
 
 from _scale_fleet import JOB, Fleet  # noqa: E402
+from launch_harness import MARKER  # noqa: E402
 
 from hspmd_elastic.coord import schema  # noqa: E402
 
@@ -32,9 +33,10 @@ def _node_keys(fleet: Fleet) -> set[str]:
     return {kv.key.rsplit("/", 1)[1] for kv in fleet.client.get_prefix(schema.nodes_prefix(JOB))}
 
 
-def test_fifty_agents_see_every_plan_and_lose_a_killed_process(tmp_path):
+def test_fifty_agents_see_every_plan_and_lose_a_killed_process(tmp_path, marker):
+    # ``marker`` tags every process the fleet starts: none may be left after the test.
     with Fleet([PER_PROCESS, PER_PROCESS], ttl=TTL, model="llama-7b", global_batch=512,
-               base_dir=str(tmp_path), max_s=120) as fleet:
+               base_dir=str(tmp_path), max_s=120, env={MARKER: marker}) as fleet:
         everyone = fleet.live_nodes()
         assert len(everyone) == 2 * PER_PROCESS
         fleet.wait_for(lambda: 1 in fleet.seen and fleet.all_seen(1, everyone), 30,
