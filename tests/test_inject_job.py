@@ -22,7 +22,9 @@ from launcher.inject.scenario import parse_scenario
 
 pytestmark = pytest.mark.multiproc
 
-STEPS, BATCH = 24, 12
+# Enough steps that the last fault still lands mid-training: while a joining agent starts (it
+# imports torch), the running round trains on, and faults are triggered one after the other.
+STEPS, BATCH = 48, 12
 
 
 def test_restart_mode_job_survives_five_faults(tmp_path, marker, etcd_server):
@@ -30,7 +32,7 @@ def test_restart_mode_job_survives_five_faults(tmp_path, marker, etcd_server):
     progress, snapshot = tmp_path / "progress", tmp_path / "snapshot.pt"
     script = [str(SCRIPTS / "inject_train.py"), "--steps", str(STEPS), "--batch", str(BATCH),
               "--snapshot", str(snapshot), "--progress-dir", str(progress),
-              "--step-sleep", "0.15"]
+              "--step-sleep", "0.25"]
     flags = ["--nnodes", "1:2", "--max-restarts", "5", "--shutdown-timeout", "5",
              "--rdzv-conf", "last_call_timeout=0.5,join_timeout=60", "--hspmd-lease-ttl", "2"]
     env = base_env(marker, PET_LOG_DIR=str(tmp_path / "logs"))
