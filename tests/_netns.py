@@ -33,7 +33,6 @@ import random
 import shutil
 import signal
 import subprocess
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,18 +308,6 @@ def topologies(tmp: Path) -> Iterator:
     finally:
         for topo in made:
             topo.close()
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    """Poll ``predicate`` until truthy (returned) or the deadline (AssertionError)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 # ------------------------------------------------------------------------ jobs on the topology

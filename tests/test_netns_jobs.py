@@ -56,7 +56,7 @@ def elastic_args(job: NetnsJob, node: str, out, *gates: str, nnodes: str = "2",
     config.write_text(CONFIG.to_json())
     args = job.args(node, nnodes, 1, "--hspmd-elastic", "--hspmd-model", str(config),
                     "--hspmd-global-batch", str(BATCH), *extra,
-                    str(SCRIPTS / "netns_train.py"), "--config", str(config),
+                    str(SCRIPTS / "elastic_train.py"), "--config", str(config),
                     "--steps", str(STEPS), "--global-batch", str(BATCH), "--seed", str(SEED),
                     "--data-seed", str(DATA_SEED), "--out", str(out), "--timeout", str(timeout))
     for g in gates:

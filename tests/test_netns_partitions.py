@@ -13,7 +13,7 @@ network namespaces, a 3-member etcd, ``hspmd-launch --hspmd-elastic`` agents, re
 * a minority etcd member cut off for three lease TTLs: the clients fail over, nothing in the job
   notices (one plan, no leave, no failure), the parameters equal the reference.
 
-Workers wait at gates (``netns_train.py --gate STEP:FILE``), so every cut and heal hits a known
+Workers wait at gates (``elastic_train.py --gate STEP:FILE``), so every cut and heal hits a known
 state; every wait is a poll with a deadline.
 """
 
@@ -26,8 +26,9 @@ import time
 import pytest
 
 import _elastic
-from _netns import NetnsJob, wait_until
+from _netns import NetnsJob
 from launch_harness import SCRIPTS, base_env, pid_alive
+from launch_harness import wait_for as wait_until
 
 from hspmd_elastic.coord.plans import read_plan
 from hspmd_elastic.graph.config import ModelConfig
@@ -46,7 +47,7 @@ def elastic_args(job: NetnsJob, node: str, gates: dict[int, str]) -> list[str]:
     config.write_text(CONFIG.to_json())
     args = job.args(node, "2", 1, "--hspmd-elastic", "--hspmd-model", str(config),
                     "--hspmd-global-batch", str(BATCH),
-                    str(SCRIPTS / "netns_train.py"), "--config", str(config),
+                    str(SCRIPTS / "elastic_train.py"), "--config", str(config),
                     "--steps", str(STEPS), "--global-batch", str(BATCH), "--seed", str(SEED),
                     "--data-seed", str(DATA_SEED), "--out", str(job.topo.tmp / "out"),
                     "--timeout", "30", "--comm-timeout", "10")

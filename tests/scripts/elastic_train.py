@@ -4,7 +4,8 @@ Trains the project's decoder with ``hspmd_elastic.runtime.run`` on the model con
 ``--config`` (the same JSON file the agents get as ``--hspmd-model``), and on success writes
 ``<out>/<node>_<local_rank>.pt``: pid, final state, steps, plan version, switch timings and this
 rank's final parameter shards. ``--pause-at K`` makes every worker wait, once its state reaches
-step K, until ``--release`` exists (bounded), so a test acts on a known state. ``--step-time S``
+step K, until ``--release`` exists (bounded); ``--gate STEP:FILE`` (repeatable) does the same at
+several steps (bounded by ``--gate-timeout``), so a test acts on a known state. ``--step-time S``
 paces the steps (a demo that should be watchable). ``--sample-log DIR`` appends, for every step
 this rank completes, one JSON line to ``DIR/<node>_<local_rank>.jsonl``: the step, the plan
 version it ran under, this rank's pipeline (index and count), the global sample ids that pipeline
@@ -52,7 +53,13 @@ def _main() -> int:
                         help="directory for one JSON line per completed step (the harness's)")
     parser.add_argument("--comm-timeout", type=float, default=None,
                         help="the collectives' watchdog (default: --timeout)")
+    parser.add_argument("--gate", action="append", default=[], metavar="STEP:FILE",
+                        help="once at STEP, wait (bounded by --gate-timeout) until FILE exists")
+    parser.add_argument("--gate-timeout", type=float, default=120.0)
     args = parser.parse_args()
+    gates = {int(g.split(":", 1)[0]): g.split(":", 1)[1] for g in args.gate}
+    if args.pause_at is not None and args.release:
+        gates.setdefault(args.pause_at, args.release)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(message)s")
 
@@ -95,11 +102,15 @@ def _main() -> int:
             progress.flush()
         if args.step_time:
             time.sleep(args.step_time)  # pacing only
-        if args.pause_at is not None and info.step + 1 == args.pause_at and args.release:
-            deadline = time.monotonic() + 60.0
-            while not os.path.exists(args.release):
+        gate = gates.get(info.step + 1)
+        if gate is not None:
+            logging.info("worker %s: at gate %d (plan v%d)", device, info.step + 1,
+                         info.plan_version)
+            limit = 60.0 if gate == args.release else args.gate_timeout
+            deadline = time.monotonic() + limit
+            while not os.path.exists(gate):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"release file {args.release} did not appear in 60s")
+                    raise TimeoutError(f"gate file {gate} did not appear in {limit:.0f}s")
                 time.sleep(0.02)
 
     t = args.timeout
