@@ -184,12 +184,12 @@ def test_elastic_workers_start_new_slots_only_and_report_each_exit_once(tmp_path
 # Reports that the newest plan excludes it, then dies by SIGABRT (as a crash in the
 # interpreter's teardown after leaving would).
 EXCLUDED_WORKER = (
-    "import json, os, signal\n"
+    "import os, signal, time\n"
     "from hspmd_elastic.coord.contract import WorkerProgress, write_progress\n"
     "write_progress(os.environ['HSPMD_PROGRESS_FILE'], WorkerProgress(\n"
     "    pid=os.getpid(), global_rank=0, local_rank=int(os.environ['LOCAL_RANK']),\n"
-    "    plan_version=int(os.environ['HSPMD_PLAN_VERSION']), step=2, last_progress_at=0.0,\n"
-    "    steps_per_s=0.0, state='excluded'))\n"
+    "    plan_version=int(os.environ['HSPMD_PLAN_VERSION']), step=2,\n"
+    "    last_progress_at=time.time(), steps_per_s=0.0, state='excluded'))\n"
     "os.kill(os.getpid(), signal.SIGABRT)\n")
 
 
