@@ -25,6 +25,14 @@ if ! command -v etcd >/dev/null 2>&1 && [ -z "${HSPMD_ETCD_BINARY:-}" ]; then
   fi
 fi
 
+# etcdctl, for the docs' `etcdctl get ...` commands (Debian's etcd-client; optional).
+if ! command -v etcdctl >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  say "installing Debian etcd-client (etcdctl)"
+  { apt-get update -qq >/dev/null && \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-client >/dev/null; } || \
+    say "apt-get could not install etcd-client: etcdctl is missing (the job does not need it)"
+fi
+
 # Headless Chromium for the dashboard's browser test (Debian packages chromium + its fonts).
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   say "installing Debian chromium (dashboard browser test)"
