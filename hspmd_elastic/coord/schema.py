@@ -31,11 +31,11 @@ PAD = 12  # digits of zero-padded versions and sequence numbers in keys
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-DEVICE_STATES = ("healthy", "degraded", "failed")
+DEVICE_STATES = ("healthy", "degraded", "suspect", "failed")
 NODE_STATES = ("joining", "ready", "running", "switching", "draining", "leaving", "failed")
 EVENT_TYPES = (
     "failure", "join", "leave", "degrade", "recover", "stall", "replan",
-    "switch-start", "switch-done", "switch-failed", "restart", "fallback",
+    "switch-start", "switch-done", "switch-failed", "restart", "fallback", "drain", "drained",
 )
 SWITCH_STATES = ("joined", "ready", "done", "failed")
 RDZV_STATES = ("joining", "closed", "succeeded", "failed")
@@ -274,6 +274,9 @@ class PlanRecord(Record):
     # Every device usable when the plan was made -> its speed relative to nominal (1.0 =
     # nominal): the leader replans when the cluster no longer matches it.
     inventory: dict[str, float] = field(default_factory=dict)
+    # Devices of the previous plan that leave this one alive (suspect: drained): they join the
+    # switch's group after the plan's ranks, serve as BSR sources only, then leave.
+    drain: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -7,8 +7,10 @@ A reader learns the subsystem from this file. Promises:
   was missed is repaired by the next poll, nothing is an edge that can be lost);
 * a verdict is ``healthy``, ``degraded`` (usable but slower; ``slowdown`` is the estimated speed
   relative to nominal, in (0, 1], 0.5 = half speed, or None when unknown; the meaning
-  docs/etcd-schema.md gives the field) or ``failed`` (the device must leave the plan; ``reason``
-  names the root cause in one line, ``xid`` carries the driver's Xid when one caused it);
+  docs/etcd-schema.md gives the field), ``suspect`` (still working, but showing the warning signs
+  that come before most fatal faults: elastic mode drains it, its state leaves by network while
+  it still can) or ``failed`` (the device must leave the plan; ``reason`` names the root cause in
+  one line, ``xid`` carries the driver's Xid when one caused it);
 * ``start()`` and ``stop(timeout)`` bound every background thread; ``stop`` returns within its
   timeout and never raises;
 * every error of the subsystem is a ``HealthError`` with a one-line message.
@@ -56,6 +58,7 @@ class FaultScriptError(HealthError, ValueError):
 class DeviceState(str, enum.Enum):
     HEALTHY = "healthy"
     DEGRADED = "degraded"
+    SUSPECT = "suspect"
     FAILED = "failed"
 
 
@@ -96,6 +99,10 @@ class Verdict:
         return cls(DeviceState.DEGRADED, reason, None, slowdown, at)
 
     @classmethod
+    def suspect(cls, reason: str, at: float = 0.0) -> "Verdict":
+        return cls(DeviceState.SUSPECT, reason, None, None, at)
+
+    @classmethod
     def failed(cls, reason: str, xid: Optional[int] = None, at: float = 0.0) -> "Verdict":
         return cls(DeviceState.FAILED, reason, xid, None, at)
 
@@ -106,6 +113,10 @@ class Verdict:
     @property
     def is_degraded(self) -> bool:
         return self.state is DeviceState.DEGRADED
+
+    @property
+    def is_suspect(self) -> bool:
+        return self.state is DeviceState.SUSPECT
 
     def same_as(self, other: Optional["Verdict"]) -> bool:
         """Equal in everything but ``at`` (the publisher writes only on such a change)."""
@@ -119,6 +130,8 @@ class Verdict:
         if self.state is DeviceState.DEGRADED:
             speed = "unknown" if self.slowdown is None else f"{self.slowdown:.0%} of nominal"
             return f"degraded ({self.reason}; speed {speed})"
+        if self.state is DeviceState.SUSPECT:
+            return f"suspect ({self.reason})"
         return f"failed ({self.reason})"
 
 

@@ -11,11 +11,13 @@ lines and ``#`` comments are skipped), or an object ``{"schema": 1, "kind": "fau
 * ``device``: the device index; ``kind``: ``xid`` (needs ``xid``; fatal Xids fail the device,
   others are informational, as with the driver), ``ecc`` (uncorrectable ECC error), ``lost``
   (GPU fell off the bus), ``thermal`` (degraded; needs ``slowdown``, the speed relative to
-  nominal in (0, 1]), ``recover`` (back to healthy, as after a GPU reset); ``reason``: optional
-  text replacing the default reason.
+  nominal in (0, 1]), ``suspect`` (warning signs before a fatal fault, such as rising correctable
+  ECC counts: the device still works and elastic mode drains it), ``recover`` (back to healthy,
+  as after a GPU reset); ``reason``: optional text replacing the default reason.
 
 Promises: ``poll(now)`` is a pure replay of the script up to ``now`` (level-triggered, the same
-answer for the same time); failures are sticky until a ``recover``; a script is validated as a
+answer for the same time); failures are sticky until a ``recover``, and so is a suspect verdict
+(a later ``thermal`` does not clear it; a failure replaces it); a script is validated as a
 whole and a bad one is refused with a ``FaultScriptError`` naming the entry and the problem (at
 construction), or logged once and ignored, keeping the previous script (on a later refresh). The
 feed (file or etcd key) sits behind ``FaultFeed`` so the file mode needs no etcd.
@@ -42,7 +44,7 @@ from launcher.health.rules import classify_xid
 
 log = logging.getLogger(__name__)
 
-FAULT_KINDS = ("xid", "ecc", "lost", "thermal", "recover")
+FAULT_KINDS = ("xid", "ecc", "lost", "thermal", "suspect", "recover")
 FAULT_SCRIPT_KIND = "fault_script"
 _FIELDS = {"at", "device", "kind", "xid", "slowdown", "reason"}
 _DEFAULT_MEMORY = 80 * 1024**3
@@ -173,6 +175,11 @@ def _apply(current: Verdict, fault: Fault, at: float) -> Verdict:
         return Verdict.failed(fault.reason or "uncorrectable ECC error (scripted)", at=at)
     if fault.kind == "lost":
         return Verdict.failed(fault.reason or "GPU is lost (scripted)", at=at)
+    if fault.kind == "suspect":
+        return Verdict.suspect(fault.reason or "warning signs before a fatal fault (scripted)",
+                               at=at)
+    if current.state is DeviceState.SUSPECT:
+        return current  # sticky: a suspect device is drained, a slowdown changes nothing
     reason = fault.reason or "thermal slowdown (scripted)"
     return Verdict.degraded(reason, fault.slowdown, at=at)
 

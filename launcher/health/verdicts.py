@@ -5,7 +5,8 @@
   write, or after ``republish_all()`` (a new agent lease), it re-writes every device on the next
   call, so etcd converges to the source's current view whatever was missed;
 * ``read_device_health`` / ``summarize_device_health`` give the leader its view: failed devices
-  are lost, degraded ones run at their ``slowdown`` (speed relative to nominal, 1.0 = nominal);
+  are lost, suspect ones are drained, degraded ones run at their ``slowdown`` (speed relative to
+  nominal, 1.0 = nominal);
 * ``EtcdFaultFeed`` feeds a ``ScriptedHealthSource`` from one etcd key per node;
 * ``select_health_source(spec)`` turns ``--hspmd-health-source`` (``auto``, ``nvml``, ``none``,
   ``scripted:<path>``, ``scripted:etcd``) into a source; ``auto`` without a driver logs one line
@@ -126,6 +127,7 @@ class DeviceHealthSummary:
     failed: dict[tuple[str, int], str] = field(default_factory=dict)
     slowdown: dict[tuple[str, int], float] = field(default_factory=dict)
     unknown_slowdown: frozenset = frozenset()
+    suspect: dict[tuple[str, int], str] = field(default_factory=dict)  # -> the warning sign
 
 
 def read_device_health(client: Any, job: str,
@@ -143,18 +145,20 @@ def read_device_health(client: Any, job: str,
 
 def summarize_device_health(records: Mapping[tuple[str, int], Any],
                             default_slowdown: float = 0.5) -> DeviceHealthSummary:
-    """Failed -> lost (with the reason); degraded -> runs at ``slowdown`` of nominal speed
-    (``default_slowdown`` when the source could not estimate it; such devices are also listed
-    in ``unknown_slowdown``)."""
-    failed, slow, unknown = {}, {}, set()
+    """Failed -> lost (with the reason); suspect -> to drain (with the warning sign); degraded
+    -> runs at ``slowdown`` of nominal speed (``default_slowdown`` when the source could not
+    estimate it; such devices are also listed in ``unknown_slowdown``)."""
+    failed, slow, unknown, suspect = {}, {}, set(), {}
     for where, rec in records.items():
         if rec.state == "failed":
             failed[where] = rec.reason
+        elif rec.state == "suspect":
+            suspect[where] = rec.reason
         elif rec.state == "degraded":
             if rec.slowdown is None:
                 unknown.add(where)
             slow[where] = rec.slowdown if rec.slowdown is not None else default_slowdown
-    return DeviceHealthSummary(failed, slow, frozenset(unknown))
+    return DeviceHealthSummary(failed, slow, frozenset(unknown), suspect)
 
 
 # ------------------------------------------------------------------------------------ etcd feed

@@ -21,7 +21,8 @@ from hspmd_elastic.coord.journal import append_event
 from launcher.health.api import DeviceState, Verdict
 from launcher.leader import EXIT_PREFIX
 
-_SEVERITY = {DeviceState.HEALTHY: 0, DeviceState.DEGRADED: 1, DeviceState.FAILED: 2}
+_SEVERITY = {DeviceState.HEALTHY: 0, DeviceState.DEGRADED: 1, DeviceState.SUSPECT: 2,
+             DeviceState.FAILED: 3}
 
 
 @dataclass(frozen=True)
