@@ -33,7 +33,7 @@ def test_parse_list_lines_and_object_forms_agree():
 
 
 @pytest.mark.parametrize("entry,problem", [
-    ({"device": 0, "kind": "boom"}, "kind 'boom' is not one of xid, ecc, lost, thermal, recover"),
+    ({"device": 0, "kind": "boom"}, "kind 'boom' is not one of xid, ecc, lost, thermal, suspect, recover"),
     ({"kind": "lost"}, "missing field device"),
     ({"device": 0, "kind": "xid"}, "kind xid needs an xid number"),
     ({"device": 0, "kind": "thermal", "slowdown": 1.5}, "slowdown must be in (0, 1]"),

@@ -6,7 +6,12 @@ Promises:
   their speeds, or the store host differ from what the current plan assumed (its
   ``inventory``; ``assumed_inventory``), or when no plan exists yet and ``min_nodes`` nodes are
   up; otherwise None. The decision names every change (``ChangeKind``: leave, join, failure,
-  stall, degrade, recover), grouped by node and kind in a deterministic order;
+  stall, drain, degrade, recover), grouped by node and kind in a deterministic order;
+* a suspect device (warning signs before a fatal fault) is not usable: it leaves the plan, and
+  when it computes in the current plan, is alive and its worker runs, it is *drained*
+  (``PlanDecision.drain``): it joins the switch's group as a BSR source, so its state leaves by
+  network, then its worker leaves. A drain is never carried into a later plan: if another
+  change interrupts it, the device's state is taken as lost (replicas or a checkpoint);
 * at most ``max_nodes`` nodes are planned over (the maximum of ``--nnodes``; None: all):
   ``select_nodes`` keeps the current plan's nodes, then takes the lowest node ids; the other
   live nodes are hot spares (registered, leased, running no worker) until a planned node is
@@ -35,6 +40,7 @@ class ChangeKind(str, enum.Enum):
     LEAVE = "leave"
     FAILURE = "failure"
     STALL = "stall"
+    DRAIN = "drain"
     DEGRADE = "degrade"
     RECOVER = "recover"
 
@@ -66,6 +72,7 @@ class PlanDecision:
     devices: tuple[DeviceView, ...]
     store_node: str
     store_endpoint: str
+    drain: tuple[str, ...] = ()  # devices of the current plan that serve the switch, then leave
 
     @property
     def inventory(self) -> dict[str, float]:
@@ -73,7 +80,8 @@ class PlanDecision:
 
     def fingerprint(self) -> tuple:
         """Equal for decisions that would give the same plan (the debounce compares these)."""
-        return (self.version, tuple(sorted(self.inventory.items())), self.store_endpoint)
+        return (self.version, tuple(sorted(self.inventory.items())), self.store_endpoint,
+                self.drain)
 
 
 def assumed_inventory(plan: schema.PlanRecord) -> dict[str, float]:
@@ -139,7 +147,21 @@ def decide(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
     if store_lost and store:
         reasons.append(f"store {current.store_endpoint or '(none)'} -> {store}")
     return PlanDecision(current.version + 1, "; ".join(reasons), changes, ordered, store_node,
-                        store)
+                        store, drain_of(snapshot, current, usable))
+
+
+def drain_of(snapshot: ClusterSnapshot, current: schema.PlanRecord,
+             usable: Mapping[str, DeviceView]) -> tuple[str, ...]:
+    """Pure: the devices the next plan drains: computing in ``current``, not ``usable`` but
+    suspect (still working), on a live node, with a running worker (one that holds state)."""
+    out = []
+    for dev in current.devices:
+        view = snapshot.device(dev)
+        node = snapshot.nodes.get(node_of(dev))
+        if (dev not in usable and view is not None and view.state == "suspect"
+                and node is not None and node.alive and dev in snapshot.running):
+            out.append(dev)
+    return tuple(sorted(out, key=device_sort_key))
 
 
 def _ordered(usable: Mapping[str, DeviceView]) -> tuple[DeviceView, ...]:
@@ -171,6 +193,8 @@ def _changes(snapshot: ClusterSnapshot, assumed: Mapping[str, float],
             add(ChangeKind.STALL, dev, seen.reason[len(STALL_PREFIX):], journaled=True)
         elif seen.reason.startswith(EXIT_PREFIX):
             add(ChangeKind.FAILURE, dev, seen.reason[len(EXIT_PREFIX):], journaled=True)
+        elif seen.state == "suspect":
+            add(ChangeKind.DRAIN, dev, seen.reason)
         else:
             add(ChangeKind.FAILURE, dev, seen.reason)
     for dev in sorted(set(usable) - set(assumed), key=device_sort_key):

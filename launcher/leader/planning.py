@@ -158,4 +158,5 @@ def plan_record(decision: PlanDecision, layout: PlannedLayout, created_at: float
     return schema.PlanRecord(version=decision.version, reason=decision.reason,
                              devices=list(layout.devices), strategy=layout.plan.to_dict(),
                              store_endpoint=decision.store_endpoint, created_at=created_at,
-                             inventory=decision.inventory)
+                             inventory=decision.inventory,
+                             drain=[d for d in decision.drain if d not in layout.devices])

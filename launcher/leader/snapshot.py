@@ -5,7 +5,9 @@ Promises:
 * ``build_snapshot`` turns node records, device-health verdicts and worker progress into a
   ``ClusterSnapshot``: per node its devices (ids ``"<node_id>:<index>"``, made by
   ``coord.contract.device_id``) with type, memory, state and speed relative to nominal;
-  failed devices have speed 0 and are not ``usable``; nodes in ``GONE_NODE_STATES``
+  failed devices have speed 0 and are not ``usable``; suspect devices (warning signs before a
+  fatal fault) are not ``usable`` either, but they still work: ``decide`` drains the ones that
+  hold state; nodes in ``GONE_NODE_STATES``
   (draining, leaving, failed) are not ``alive`` and none of their devices is usable;
 * a verdict whose reason starts with ``EXIT_PREFIX`` or ``STALL_PREFIX`` was written by a node
   agent that saw its worker die or hang and journaled it already; ``decide`` marks the change
@@ -37,7 +39,7 @@ class DeviceView:
     index: int
     type: str
     memory_bytes: int
-    state: str = "healthy"  # healthy | degraded | failed
+    state: str = "healthy"  # healthy | degraded | suspect | failed
     speed: float = 1.0
     reason: str = ""
 
@@ -64,10 +66,11 @@ class ClusterSnapshot:
     nodes: Mapping[str, NodeView]
     self_node: str = ""
     step: Optional[int] = None  # the furthest step any worker reported
+    running: frozenset = frozenset()  # devices whose worker's record is in etcd (it runs)
 
     def usable(self) -> dict[str, DeviceView]:
         return {d.id: d for n in self.nodes.values() if n.alive for d in n.devices
-                if d.state != "failed"}
+                if d.state not in ("failed", "suspect")}
 
     def device(self, dev: str) -> Optional[DeviceView]:
         view = self.nodes.get(node_of(dev))
@@ -102,6 +105,8 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
             where = (name, info.index)
             if where in health.failed:
                 state, speed, reason = "failed", 0.0, health.failed[where]
+            elif where in health.suspect:
+                state, speed, reason = "suspect", 0.0, health.suspect[where]
             elif where in health.slowdown:
                 state, speed = "degraded", float(health.slowdown[where])
                 reason = verdicts[where].reason
@@ -111,4 +116,5 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
                                    info.memory_bytes, state, speed, reason))
         views[name] = NodeView(name, rec.host, rec.state, rec.store_endpoint, tuple(devs))
     steps = [w.step for w in (workers or {}).values()]
-    return ClusterSnapshot(views, self_node, max(steps) if steps else None)
+    running = frozenset(device_id(n, lr) for n, lr in (workers or {}))
+    return ClusterSnapshot(views, self_node, max(steps) if steps else None, running)
