@@ -9,7 +9,9 @@ the node agent (``HSPMD_ETCD_ENDPOINTS``, ``HSPMD_JOB_ID``, ``HSPMD_NODE_ID``, `
 waits for a plan that uses this device (``"<node_id>:<local_rank>"``), switches into it (see
 switch.py: the first plan is a switch from nothing), trains, and on a newer plan or a dead peer
 abandons the step and switches again. It returns when every rank of the current plan finished
-all steps (``RunResult``), or when the newest plan does not use this device (``EXCLUDED``).
+all steps (``RunResult``), or when the newest plan does not use this device (``EXCLUDED``); a plan
+that drains this device (``PlanRecord.drain``: a suspect GPU) first gets this rank's state by
+network, as a BSR source of that plan's switch (``RunResult.drained``), then the worker leaves.
 
 Progress goes to a ``ProgressReporter`` (default: ``HSPMD_PROGRESS_FILE`` if set, else nothing);
 the etcd worker key belongs to the node agent. Hooks for tests and tools: ``on_step(info)`` after
@@ -73,6 +75,7 @@ class RunResult:
     rank: int
     losses: dict[int, float] = field(default_factory=dict)
     switches: list[SwitchTimings] = field(default_factory=list)
+    drained: Optional[SwitchTimings] = None  # the drain this worker served before it left
     final_state: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -148,7 +151,12 @@ class _Worker:
                 if record is None:
                     self._enter(WorkerState.EXCLUDED)
                     break
-                if self._switch(record) and self._train() and self._finish():
+                if not self._switch(record):
+                    continue
+                if self.result.drained is not None:
+                    self._enter(WorkerState.EXCLUDED)
+                    break
+                if self._train() and self._finish():
                     self._enter(WorkerState.DONE)
         except BaseException as exc:
             self.log.error("failed in state %s: %s: %s", self.lifecycle.state.value,
@@ -162,7 +170,8 @@ class _Worker:
         return self.result
 
     def _wait_plan(self):
-        """The newest plan above ours that uses this device; None if we are excluded."""
+        """The newest plan above ours that uses or drains this device; None if we are
+        excluded."""
         deadline = time.monotonic() + self.timeouts.plan_wait_s
         floor = self.version
         while True:
@@ -172,6 +181,10 @@ class _Worker:
                                       f"{self.identity.device} within "
                                       f"{self.timeouts.plan_wait_s:g}s")
             if self.identity.device in record.devices:
+                return record
+            if self.identity.device in record.drain and self.held is not None:
+                self.log.warning("plan v%d drains this device: handing its state over, then "
+                                 "leaving", record.version)
                 return record
             if self.held is not None:
                 self.log.warning("plan v%d does not use this device: leaving", record.version)
@@ -198,6 +211,9 @@ class _Worker:
         self.result.switches.append(res.timings)
         if self.on_switch:
             self.on_switch(res.timings)
+        if res.drained:
+            self.result.drained = res.timings
+            return True
         self._enter(WorkerState.TRAINING)
         return True
 

@@ -13,6 +13,12 @@ without restarting the process or reading a checkpoint when the state survives i
 4. rebuild: the new ``SpecializedModel`` binds the received shards, its communication waits
    through the runtime's watchdog.
 
+Draining (``record.drain``): a device that leaves the plan while it still works (a suspect GPU)
+joins the switch's group after the plan's ranks (rank ``len(devices) + i``). It takes part in the
+regroup, the exchange and the BSR as an owner, and in the creation of the plan's sub-groups (every
+rank of the default group must), but it receives nothing and builds no model: its state leaves
+by network, then its worker leaves (``SwitchResult.drained``).
+
 Nobody holds state (the first plan, or every worker restarted): the newest complete checkpoint
 is read if there is one, else weights come from the seed. A slice with no live owner raises
 ``ReshardError`` on every rank alike (planning is pure); the switch then reads the newest
@@ -124,10 +130,19 @@ class SwitchTimeouts:
 
 @dataclass
 class SwitchResult:
-    held: Held
+    held: Optional[Held]  # None when this rank drained (it holds nothing afterwards)
     rank: int
     resume_step: int
     timings: SwitchTimings
+
+    @property
+    def drained(self) -> bool:
+        return self.held is None
+
+
+def switch_group(record: schema.PlanRecord) -> list[str]:
+    """The devices of a switch's process group: the plan's ranks, then the drained devices."""
+    return list(record.devices) + [d for d in record.drain if d not in record.devices]
 
 
 class GraphSwitch:
@@ -150,7 +165,9 @@ class GraphSwitch:
                stalled_since: Optional[float] = None,
                on_phase: Callable[[str], None] = lambda phase: None) -> SwitchResult:
         start = time.monotonic()
-        rank = record.devices.index(self.identity.device)
+        group = switch_group(record)
+        rank = group.index(self.identity.device)
+        draining = rank >= len(record.devices)
         plan = plan_of(record)
         plan.check_model(self.config)
         timings = SwitchTimings(held.version if held else 0, record.version, rank)
@@ -164,20 +181,21 @@ class GraphSwitch:
 
         on_phase("regrouping")
         t = time.monotonic()
-        self.former.form(record.version, record.store_endpoint, rank, len(record.devices),
+        self.former.form(record.version, record.store_endpoint, rank, len(group),
                          aborted=self._superseded(record.version),
                          deadline=t + self.timeouts.regroup_s)
         timings.regroup_s = time.monotonic() - t
 
         on_phase("exchanging")
         t = time.monotonic()
-        holdings = self._exchange(mine, len(record.devices))
+        holdings = self._exchange(mine, len(group))
         decision = agree.decide(holdings)
         timings.exchange_s = time.monotonic() - t
 
         on_phase("resharding")
         t = time.monotonic()
-        state, resume = self._state(record, plan, rank, held, holdings, decision, timings)
+        state, resume = self._state(record, group, plan, rank, held, holdings, decision,
+                                    timings)
         timings.bsr_s = time.monotonic() - t
 
         on_phase("building")
@@ -191,6 +209,11 @@ class GraphSwitch:
         except RuntimeError as exc:  # a peer left the switch: creating sub-groups timed out
             raise CommTimeoutError(f"plan v{record.version}: creating the process groups "
                                    f"failed: {str(exc).splitlines()[0][:200]}") from exc
+        if draining:
+            timings.resume_step = resume
+            timings.total_s = time.monotonic() - start
+            self._report(record, rank, timings, drained=True)
+            return SwitchResult(None, rank, resume, timings)
         model = SpecializedModel.build(self.config, plan, rank, seed=self.seed, state=state,
                                        comm=comm, optim=self.optim)
         timings.rebuild_s = time.monotonic() - t
@@ -227,8 +250,12 @@ class GraphSwitch:
         return [agree.Holding.decode(v.tolist()) for v in out]
 
     # ------------------------------------------------------------------------ state
-    def _state(self, record, plan, rank, held, holdings, decision, timings):
-        """This rank's new local state tensors (None: initialise from the seed) and its step."""
+    def _state(self, record, group, plan, rank, held, holdings, decision, timings):
+        """This rank's new local state tensors (None: initialise from the seed) and its step;
+        a drained rank only sends (it gets None)."""
+        draining = rank >= len(record.devices)
+        if decision.fresh and draining:
+            return None, decision.resume_step
         if decision.fresh:
             ckpt = agree.checkpoint_step(holdings)
             if ckpt >= 0:
@@ -243,10 +270,13 @@ class GraphSwitch:
             old = self._old_record(version, held)
             sources.append(agree.Source(version, plan_of(old), tuple(old.devices)))
         specs, nodes = agree.reshard_request(self.config, sources, holdings, decision.owners,
-                                             record.devices, plan)
+                                             group, plan)
         try:
             schedule = fused_bsr_schedule(specs, decision.owners, nodes)
         except ReshardError as exc:
+            if draining:  # the plan's ranks fall back; this rank has nothing to send
+                log.warning("plan v%d drained rank %d: %s", record.version, rank, exc)
+                return None, decision.resume_step
             return self._fallback(record, plan, rank, holdings, exc, timings)
         local = held.tensors_at(decision.resume_step) if rank in decision.owners else {}
         timings.rolled_back = rank in decision.rollback
@@ -256,7 +286,7 @@ class GraphSwitch:
         timings.bsr_bytes_total = totals.total_bytes
         timings.bsr_bytes_sent = stats.total_sent
         timings.bsr_bytes_received = stats.total_received
-        return received, decision.resume_step
+        return (None if draining else received), decision.resume_step
 
     def _old_record(self, version: int, held: Optional[Held]) -> schema.PlanRecord:
         if held is not None and held.version == version:
@@ -285,7 +315,17 @@ class GraphSwitch:
         return load_shards(self.checkpoint_dir, ckpt, self.config, plan, rank), ckpt
 
     # ------------------------------------------------------------------------ reporting
-    def _report(self, record, rank, timings: SwitchTimings) -> None:
+    def _report(self, record, rank, timings: SwitchTimings, drained: bool = False) -> None:
+        if drained:
+            log.info("drain v%d->v%d rank %d (%s): resume_step=%d regroup=%.3fs exchange=%.3fs "
+                     "bsr=%.3fs (%d B sent) total=%.3fs", timings.from_version,
+                     timings.to_version, rank, self.identity.device, timings.resume_step,
+                     timings.regroup_s, timings.exchange_s, timings.bsr_s,
+                     timings.bsr_bytes_sent, timings.total_s)
+            self._event("drained", rank, record, {"device": self.identity.device,
+                                                  "resume_step": timings.resume_step},
+                        timings.numeric(), every_rank=True)
+            return
         log.info("switch v%d->v%d rank %d: source=%s resume_step=%d rolled_back=%s detect=%.3fs "
                  "stall=%.3fs regroup=%.3fs exchange=%.3fs bsr=%.3fs (%d B total, %d B sent, "
                  "%d B received) rebuild=%.3fs total=%.3fs", timings.from_version,
@@ -299,8 +339,8 @@ class GraphSwitch:
                         {"source": timings.source, "rolled_back": timings.rolled_back},
                         timings.numeric())
 
-    def _event(self, type_, rank, record, detail, timings=None) -> None:
-        if rank != 0:
+    def _event(self, type_, rank, record, detail, timings=None, every_rank=False) -> None:
+        if rank != 0 and not every_rank:
             return  # one event per switch: the new plan's rank 0 writes it
         try:
             append_event(self.client, self.identity.job, type_, node=self.identity.node,

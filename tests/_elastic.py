@@ -70,7 +70,8 @@ class ElasticJob:
         self.publish_times: dict[int, float] = {}
 
     # ------------------------------------------------------------------ leader side
-    def publish(self, plan, devices: list[str], reason: str = "test") -> int:
+    def publish(self, plan, devices: list[str], reason: str = "test",
+                drain: tuple[str, ...] = ()) -> int:
         from hspmd_elastic.coord import publish_plan, read_plan, schema
 
         current, rev = read_plan(self.client, JOB)
@@ -78,7 +79,7 @@ class ElasticJob:
         record = schema.PlanRecord(version=version, reason=reason, devices=list(devices),
                                    strategy=plan.to_dict(),
                                    store_endpoint=f"127.0.0.1:{self.store.port}",
-                                   created_at=time.time())
+                                   created_at=time.time(), drain=list(drain))
         publish_plan(self.election, record, rev, version - 1)
         self.publish_times[version] = record.created_at
         return version
@@ -312,7 +313,8 @@ def main(payload_path: str) -> int:
         out = {"ok": True, "pid": os.getpid(), "state": result.state.value,
                "steps_done": result.steps_done, "plan_version": result.plan_version,
                "rank": result.rank, "final_state": result.final_state,
-               "switches": [t.as_dict() for t in result.switches], "losses": result.losses}
+               "switches": [t.as_dict() for t in result.switches], "losses": result.losses,
+               "drained": result.drained.as_dict() if result.drained else None}
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         out = {"ok": False, "pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}",

@@ -120,6 +120,33 @@ def test_lost_stage_falls_back_to_checkpoint(elastic_job, tmp_path):
     assert_matches_reference([r], pl)
 
 
+def test_drained_stage_sends_its_state_then_leaves(elastic_job):
+    """The only holder of layer 1 and the head is drained (a suspect GPU, still working): it
+    joins the switch as a BSR source, the survivor receives those layers by network (no
+    checkpoint exists), and the drained worker leaves without a place in the new plan."""
+    pl = payload()
+    job = elastic_job(pl)
+    _lose_a_stage(job)
+    job.publish(simple_plan(num_layers=2, global_batch=4), ["n0:0"], reason="drain n1:0",
+                drain=("n1:0",))
+    job.release()
+    results = job.join(["n0:0", "n1:0"], timeout=60)
+    for d, r in results.items():
+        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
+    kept, gone = results["n0:0"], results["n1:0"]
+    assert gone["state"] == "excluded" and gone["drained"]["to_version"] == 2
+    sent = gone["drained"]["bsr_bytes_sent"]
+    assert sent > 0 and gone["drained"]["resume_step"] == 2
+    last = kept["switches"][-1]
+    assert last["source"] == "bsr" and last["to_version"] == 2 and last["resume_step"] == 2
+    assert last["bsr_bytes_received"] == sent  # everything it lacked came from the drained GPU
+    drained = [e for e in read_events(job.client, JOB) if e.type == "drained"]
+    assert [e.detail["device"] for e in drained] == ["n1:0"]
+    assert drained[0].timings["bsr_bytes_sent"] == sent
+    assert kept["steps_done"] == 5
+    assert_matches_reference([kept], pl)
+
+
 def test_lost_stage_without_checkpoint_fails_with_root_cause(elastic_job):
     job = elastic_job(payload())
     _lose_a_stage(job)

@@ -73,7 +73,7 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.REGROUPING: frozenset({WorkerState.EXCHANGING}),
     WorkerState.EXCHANGING: frozenset({WorkerState.RESHARDING}),
     WorkerState.RESHARDING: frozenset({WorkerState.BUILDING}),
-    WorkerState.BUILDING: frozenset({WorkerState.TRAINING}),
+    WorkerState.BUILDING: frozenset({WorkerState.TRAINING, WorkerState.EXCLUDED}),  # drained
     WorkerState.TRAINING: frozenset({WorkerState.FINISHING}),
     WorkerState.FINISHING: frozenset({WorkerState.DONE}),
     WorkerState.DONE: frozenset(),
