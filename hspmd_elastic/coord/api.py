@@ -37,6 +37,12 @@ class EtcdRequestError(CoordinationError):
     """etcd answered with an error about the request itself (bad argument, internal error...)."""
 
 
+class EtcdAuthError(CoordinationError):
+    """etcd refused this client: a failed TLS handshake (no client certificate, or one it does
+    not trust; a server certificate the given CA does not verify), a wrong user name or
+    password, or a user whose roles do not allow the key. Retrying does not help."""
+
+
 class FencedWriteRejected(CoordinationError):
     """A fenced write was refused: the fence key is gone or was re-created (writer deposed)."""
 
@@ -69,8 +75,12 @@ class RecordError(CoordinationError):
 
     def __init__(self, key: str, problem: str):
         self.key = key
-        self.problem = problem
-        super().__init__(f"bad record at {key!r}: {problem}")
+        self.problem = _bounded(problem, 300)  # values come from etcd: never echo them whole
+        super().__init__(f"bad record at {_bounded(repr(key), 200)}: {self.problem}")
+
+
+def _bounded(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} chars)"
 
 
 class WatchCompactedError(CoordinationError):

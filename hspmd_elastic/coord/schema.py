@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from hspmd_elastic.coord.api import RecordError
+from hspmd_elastic.coord.valid import parse_value
 
 SCHEMA_VERSION = 1
 ROOT = "/hspmd/v1/jobs/"
@@ -39,6 +41,12 @@ EVENT_TYPES = (
 )
 SWITCH_STATES = ("joined", "ready", "done", "failed")
 RDZV_STATES = ("joining", "closed", "succeeded", "failed")
+
+# Largest value of a record, in bytes of JSON: ``encode`` refuses and ``decode`` rejects more.
+# Plans, the rendezvous state and fault scripts grow with the cluster; the others do not.
+MAX_VALUE_BYTES = 64 * 1024
+MAX_VALUE_BYTES_BY_KIND = {"plan": 1 << 20, "rdzv_state": 1 << 20, "fault_script": 1 << 20,
+                           "event": 256 * 1024}
 
 
 # ------------------------------------------------------------------------------------ key builders
@@ -456,8 +464,14 @@ def match_key(key: str) -> tuple[str, KeySpec, dict[str, str]]:
 # ----------------------------------------------------------------------------- encode / decode
 def encode(record: Record) -> bytes:
     """UTF-8 JSON of a record, validated as decode would validate it."""
-    _from_dict(type(record), json.loads(record.to_json()), "<encode>", "")
-    return record.to_json()
+    raw = record.to_json()
+    _from_dict(type(record), _parse(type(record), raw, "<encode>"), "<encode>", "")
+    return raw
+
+
+def _parse(cls: type[Record], raw: bytes | str, key: str) -> Any:
+    return parse_value(raw, key, MAX_VALUE_BYTES_BY_KIND.get(cls.KIND, MAX_VALUE_BYTES),
+                       f"{cls.KIND} records")
 
 
 def decode(key: str, raw: bytes | str) -> Record:
@@ -473,11 +487,7 @@ def decode(key: str, raw: bytes | str) -> Record:
 
 def decode_as(cls: type[Record], raw: bytes | str, key: str = "<value>") -> Record:
     """Decode ``raw`` as a ``cls`` record (no key pattern check)."""
-    try:
-        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
-        body = json.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise RecordError(key, f"malformed JSON: {exc}") from exc
+    body = _parse(cls, raw, key)
     if not isinstance(body, dict):
         raise RecordError(key, f"expected a JSON object, got {type(body).__name__}")
     schema = body.pop("schema", None)
@@ -533,7 +543,7 @@ def _coerce(value: Any, tp: Any, key: str, path: str) -> Any:
         return _from_dict(tp, value, key, path + ".")
     if tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        _expect(ok, value, "a number", key, path)
+        _expect(ok and abs(value) <= sys.float_info.max, value, "a number", key, path)
         return float(value)
     if tp is int:
         _expect(isinstance(value, int) and not isinstance(value, bool), value, "an integer",
@@ -550,7 +560,10 @@ def _coerce(value: Any, tp: Any, key: str, path: str) -> Any:
 
 def _expect(ok: bool, value: Any, what: str, key: str, path: str) -> None:
     if not ok:
-        raise RecordError(key, f"field {path} must be {what}, got {type(value).__name__} {value!r}")
+        shown = repr(value) if not isinstance(value, (str, list, dict)) or len(value) < 40 \
+            else f"of length {len(value)}"
+        raise RecordError(key, f"field {path[:80]} must be {what}, got {type(value).__name__} "
+                               f"{shown[:80]}")
 
 
 def type_name(tp: Any) -> str:
