@@ -167,15 +167,51 @@ def test_new_uncorrectable_ecc_errors_fail_the_device():
     assert source.poll(clock())[0].is_failed
 
 
-def test_pending_memory_repairs_fail():
+def test_pending_memory_repairs_make_the_device_suspect():
     gpus = fake_gpus(3)
     gpus[1].retired_pages_pending = pynvml.NVML_FEATURE_ENABLED
-    gpus[2].remapped_rows = (0, 1, 1, 0)
+    gpus[2].remapped_rows = (1, 0, 1, 0)
     fake, clock, source = make(gpus)
     v = source.poll(clock())
     assert v[0].state is DeviceState.HEALTHY
-    assert "retired pages pending" in v[1].reason
-    assert "row remapping pending" in v[2].reason
+    assert v[1].is_suspect and "retired pages pending" in v[1].reason
+    assert v[2].is_suspect and "row remapping pending" in v[2].reason
+
+
+def test_rising_correctable_ecc_makes_the_device_suspect_then_a_failure_replaces_it():
+    gpus = fake_gpus(2)
+    gpus[0].ecc_corrected_volatile = 40  # from an earlier job: the base
+    fake, clock, source = make(gpus)
+    assert source.poll(clock())[0].state is DeviceState.HEALTHY
+    gpus[0].ecc_corrected_volatile = 139  # 99 new: not yet
+    assert source.poll(clock())[0].state is DeviceState.HEALTHY
+    gpus[0].ecc_corrected_volatile = 140
+    v = source.poll(clock())
+    assert v[0].is_suspect and "100 new correctable ECC error(s) (volatile count 40 -> 140)" \
+        in v[0].reason
+    assert v[1].state is DeviceState.HEALTHY
+    gpus[0].ecc_corrected_volatile = 0  # counters reset: still suspect (sticky)
+    assert source.poll(clock())[0].is_suspect
+    gpus[0].ecc_uncorrected_volatile = 1  # the fault it warned of: failed replaces suspect
+    assert source.poll(clock())[0].is_failed
+
+
+def test_a_burst_of_non_fatal_xids_makes_the_device_suspect():
+    fake, clock, source = make(fake_gpus(2))
+    for xid in (13, 31):
+        fake.push_event(1, XID, xid)
+        assert source.wait_for_event()
+    assert source.poll(clock())[1].state is DeviceState.HEALTHY  # two: noise
+    clock.advance(601.0)  # out of the window: forgotten
+    fake.push_event(1, XID, 43)
+    assert source.wait_for_event()
+    assert source.poll(clock())[1].state is DeviceState.HEALTHY
+    for xid in (13, 13):
+        fake.push_event(1, XID, xid)
+        assert source.wait_for_event()
+    v = source.poll(clock())[1]
+    assert v.is_suspect and v.reason == "3 non-fatal Xids within 600s (Xid 13, 43)"
+    assert source.poll(clock())[0].state is DeviceState.HEALTHY
 
 
 def test_row_remap_failure_fails():
@@ -321,7 +357,7 @@ def test_event_from_an_unknown_handle_is_logged_not_fatal():
 def test_ctypes_handles_are_matched_by_address():
     import ctypes
 
-    from launcher.health.nvml import _handle_key
+    from launcher.health.nvml_driver import handle_key as _handle_key
 
     target = pynvml.struct_c_nvmlDevice_t()
     a = ctypes.pointer(target)

@@ -29,6 +29,7 @@ class FakeGpu:
     uuid: str = ""
     memory_total: int = 80 * 1024**3
     ecc_uncorrected_volatile: int = 0
+    ecc_corrected_volatile: int = 0
     retired_pages_pending: int = 0
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)  # corr, unc, pending, failure
     recovery_action: int = 0
@@ -125,8 +126,10 @@ class FakeNvml:
 
     def nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: int, counter_type: int) -> int:
         gpu = self._gpu(handle, "nvmlDeviceGetTotalEccErrors")
-        assert error_type == _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
         assert counter_type == _real.NVML_VOLATILE_ECC
+        if error_type == _real.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+            return gpu.ecc_corrected_volatile
+        assert error_type == _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
         return gpu.ecc_uncorrected_volatile
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any) -> int:

@@ -9,12 +9,14 @@ What it watches, per device (docs/health.md has the rules and the reasons):
   (classified by ``rules.classify_xid``), double-bit ECC, fatal poison, GPU-unavailable and
   page-retirement-failure events;
 * on every ``poll``: the volatile uncorrectable ECC count (a rise over the count seen at start
-  fails the device), pending page retirement, pending or failed row remapping, the driver's
-  recovery-action field where the driver has it, ``NVML_ERROR_GPU_IS_LOST`` /
-  ``NVML_ERROR_RESET_REQUIRED`` from any call, and temperature + clock-event reasons (degraded,
-  with a slowdown estimate from the SM clock).
+  fails the device), failed row remapping, the driver's recovery-action field where the driver
+  has it, ``NVML_ERROR_GPU_IS_LOST`` / ``NVML_ERROR_RESET_REQUIRED`` from any call; then the
+  warning signs of ``warning_signs.py`` (rising correctable ECC, a pending page retirement or
+  row remap, a burst of non-fatal Xids: suspect); then temperature + clock-event reasons
+  (degraded, with a slowdown estimate from the SM clock).
 
-Promises: failed verdicts are sticky until this source is rebuilt (agent restart); degraded is
+Promises: failed and suspect verdicts are sticky until this source is rebuilt (agent restart;
+a failure replaces a suspect verdict); degraded is
 level-triggered and clears when the GPU cools; a query the device does not support is dropped for
 that device after its first ``NOT_SUPPORTED``; without a driver (``NVMLError_LibraryNotFound``,
 ``DriverNotLoaded``) ``start`` logs one line and the source reports no devices. Nothing here
@@ -23,7 +25,6 @@ raises into the agent: every driver error becomes a verdict or a log line.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -37,6 +38,23 @@ from launcher.health.api import (
     Verdict,
     keep_at,
 )
+from launcher.health.nvml_driver import (  # noqa: F401 (probe_nvml, device_type re-exported)
+    DeviceLost,
+    EVENT_DEFAULTS,
+    FATAL_EVENTS,
+    FIELD_READERS,
+    INFO_EVENTS,
+    NO_DRIVER_ERRORS,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_SUCCESS,
+    UNSUPPORTED_ERRORS,
+    Unsupported,
+    handle_key,
+    driver_text,
+    device_type,
+    probe_nvml,
+)
+from launcher.health.warning_signs import WarningSigns, WarningThresholds
 from launcher.health.rules import (
     classify_xid,
     degrading_throttle_reasons,
@@ -48,66 +66,6 @@ from launcher.health.rules import (
 log = logging.getLogger(__name__)
 
 FaultCallback = Callable[[int, Verdict], None]
-
-# Event bits (values as in pynvml; read from the module when it has them).
-_EVENT_DEFAULTS = {
-    "nvmlEventTypeSingleBitEccError": 0x0001,
-    "nvmlEventTypeDoubleBitEccError": 0x0002,
-    "nvmlEventTypeXidCriticalError": 0x0008,
-    "nvmlEventTypeDramRetirementEvent": 0x0400,
-    "nvmlEventTypeDramRetirementFailure": 0x0800,
-    "nvmlEventTypeNonFatalPoisonError": 0x1000,
-    "nvmlEventTypeFatalPoisonError": 0x2000,
-    "nvmlEventTypeGpuUnavailableError": 0x4000,
-    "nvmlEventTypeGpuRecoveryAction": 0x8000,
-}
-_FATAL_EVENTS = {
-    "nvmlEventTypeDoubleBitEccError": "double-bit ECC error reported by the driver",
-    "nvmlEventTypeFatalPoisonError": "fatal poison error: corrupted data reached the GPU",
-    "nvmlEventTypeGpuUnavailableError": "GPU unavailable (driver event): the GPU is lost",
-    "nvmlEventTypeDramRetirementFailure": "DRAM page retirement failed",
-}
-_INFO_EVENTS = (
-    "nvmlEventTypeSingleBitEccError",
-    "nvmlEventTypeNonFatalPoisonError",
-    "nvmlEventTypeDramRetirementEvent",
-    "nvmlEventTypeGpuRecoveryAction",
-)
-_NO_DRIVER_ERRORS = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded",
-                     "NVMLError_FunctionNotFound", "NVMLError_NoPermission")
-_UNSUPPORTED_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
-_NVML_SUCCESS = 0
-_NVML_ERROR_NOT_SUPPORTED = 3
-_FIELD_READERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal",
-                  6: "usVal"}
-
-
-class _DeviceLost(Exception):
-    """Internal: a driver call said the GPU is gone or needs a reset (carries the reason)."""
-
-
-class _Unsupported(Exception):
-    """Internal: this driver, device or nvidia-ml-py version cannot answer a query."""
-
-
-def device_type(name: str) -> str:
-    """The model the planner groups by: ``"NVIDIA H100 80GB HBM3"`` -> ``"H100-80GB-HBM3"``."""
-    text = name.strip()
-    if text.upper().startswith("NVIDIA "):
-        text = text[len("NVIDIA "):]
-    return "-".join(text.split()) or "unknown"
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
-
-
-def _handle_key(handle: Any) -> Any:
-    """A hashable identity of a device handle: the pointer value for ctypes handles."""
-    if isinstance(handle, ctypes._Pointer):
-        return ctypes.cast(handle, ctypes.c_void_p).value
-    return id(handle)
-
 
 class _Device:
     """What the source remembers about one GPU between polls."""
@@ -131,7 +89,8 @@ class NvmlHealthSource:
     overrides ``rules.FATAL_XIDS``. ``on_fault(index, verdict)``: called from the event thread
     as soon as an event fails a device (the next ``poll`` reports it anyway). ``event_thread``:
     False leaves the events to explicit ``wait_for_event`` calls (deterministic tests).
-    ``node``: the node id, for log lines.
+    ``node``: the node id, for log lines. ``warnings``: when warning signs make a device
+    suspect (``warning_signs.WarningThresholds``).
     """
 
     name = "nvml"
@@ -147,6 +106,7 @@ class NvmlHealthSource:
         fatal_xids: Optional[dict[int, str]] = None,
         on_fault: Optional[FaultCallback] = None,
         node: str = "local",
+        warnings: WarningThresholds = WarningThresholds(),
     ):
         if event_timeout_ms <= 0:
             raise ValueError(f"event_timeout_ms must be > 0, got {event_timeout_ms!r}")
@@ -163,6 +123,8 @@ class NvmlHealthSource:
         self._devices: list[_Device] = []
         self._by_handle: dict[Any, int] = {}
         self._sticky: dict[int, Verdict] = {}
+        self._suspect: dict[int, Verdict] = {}
+        self._signs = WarningSigns(warnings)
         self._verdicts: dict[int, Verdict] = {}
         self._event_set: Any = None
         self._thread: Optional[threading.Thread] = None
@@ -209,19 +171,19 @@ class NvmlHealthSource:
         return None
 
     def _call(self, fn_name: str, *args: Any) -> Any:
-        """One driver call; a lost GPU becomes ``_DeviceLost``, a query the driver or device
-        cannot answer ``_Unsupported``; other NVML errors propagate."""
+        """One driver call; a lost GPU becomes ``DeviceLost``, a query the driver or device
+        cannot answer ``Unsupported``; other NVML errors propagate."""
         fn = getattr(self._nvml, fn_name, None)
         if fn is None:
-            raise _Unsupported(f"nvidia-ml-py has no {fn_name}")
+            raise Unsupported(f"nvidia-ml-py has no {fn_name}")
         try:
             return fn(*args)
         except self._nvml_error() as exc:
             reason = self._lost_reason(exc)
             if reason is not None:
-                raise _DeviceLost(reason) from exc
-            if self._is(exc, *_UNSUPPORTED_ERRORS):
-                raise _Unsupported(f"{fn_name}: {exc}") from exc
+                raise DeviceLost(reason) from exc
+            if self._is(exc, *UNSUPPORTED_ERRORS):
+                raise Unsupported(f"{fn_name}: {exc}") from exc
             raise
 
     # ------------------------------------------------------------------------ lifecycle
@@ -254,7 +216,7 @@ class NvmlHealthSource:
                  ", ".join(f"{d.info.index}={d.info.type}" for d in self._devices) or "none")
 
     def _init_failure(self, exc: BaseException) -> str:
-        if self._is(exc, *_NO_DRIVER_ERRORS):
+        if self._is(exc, *NO_DRIVER_ERRORS):
             return (f"no NVIDIA driver ({exc}): GPU health is not monitored, "
                     "only the worker processes")
         return f"NVML failed to initialize ({type(exc).__name__}: {exc}); GPUs are not monitored"
@@ -290,10 +252,10 @@ class NvmlHealthSource:
     def _add_device(self, index: int, now: float) -> None:
         try:
             handle = self._call("nvmlDeviceGetHandleByIndex", index)
-            name = _text(self._call("nvmlDeviceGetName", handle))
-            uuid = _text(self._call("nvmlDeviceGetUUID", handle))
+            name = driver_text(self._call("nvmlDeviceGetName", handle))
+            uuid = driver_text(self._call("nvmlDeviceGetUUID", handle))
             memory = int(self._call("nvmlDeviceGetMemoryInfo", handle).total)
-        except _DeviceLost as exc:
+        except DeviceLost as exc:
             info = DeviceInfo(index, "unknown", "", 0, "unknown")
             self._devices.append(_Device(info, None))
             self._sticky[index] = Verdict.failed(str(exc), at=now)
@@ -305,7 +267,7 @@ class NvmlHealthSource:
             return
         dev = _Device(DeviceInfo(index, name, uuid, memory, device_type(name)), handle)
         self._devices.append(dev)
-        self._by_handle[_handle_key(handle)] = index
+        self._by_handle[handle_key(handle)] = index
         self._guarded(dev, "ecc", self._read_ecc_baseline, now)
 
     def _read_ecc_baseline(self, dev: _Device) -> None:
@@ -337,8 +299,8 @@ class NvmlHealthSource:
             log.warning("NVML events unavailable (%s); Xids are not watched", exc)
             return
         wanted = 0
-        for name in list(_FATAL_EVENTS) + list(_INFO_EVENTS) + ["nvmlEventTypeXidCriticalError"]:
-            wanted |= self._const(name, _EVENT_DEFAULTS[name])
+        for name in list(FATAL_EVENTS) + list(INFO_EVENTS) + ["nvmlEventTypeXidCriticalError"]:
+            wanted |= self._const(name, EVENT_DEFAULTS[name])
         registered = 0
         for dev in handles:
             try:
@@ -347,7 +309,7 @@ class NvmlHealthSource:
                 if mask:
                     self._call("nvmlDeviceRegisterEvents", dev.handle, mask, self._event_set)
                     registered += 1
-            except _DeviceLost as exc:
+            except DeviceLost as exc:
                 self._fail(dev.info.index, Verdict.failed(str(exc), at=self._clock()))
             except Exception as exc:  # noqa: BLE001
                 log.warning("%s: cannot register for driver events (%s)",
@@ -393,7 +355,7 @@ class NvmlHealthSource:
         return True
 
     def _index_of(self, handle: Any) -> Optional[int]:
-        index = self._by_handle.get(_handle_key(handle))
+        index = self._by_handle.get(handle_key(handle))
         if index is None:
             try:
                 index = int(self._nvml.nvmlDeviceGetIndex(handle))
@@ -414,13 +376,15 @@ class NvmlHealthSource:
                     self._fail(index, Verdict.failed(xid.reason(), xid=xid.xid, at=now))
             else:
                 log.info("%s: %s", where, xid.reason())
-        for name, reason in _FATAL_EVENTS.items():
-            if etype & self._const(name, _EVENT_DEFAULTS[name]):
+                if index is not None:
+                    self._signs.xid(index, xid.xid, now)
+        for name, reason in FATAL_EVENTS.items():
+            if etype & self._const(name, EVENT_DEFAULTS[name]):
                 log.error("%s: %s", where, reason)
                 if index is not None:
                     self._fail(index, Verdict.failed(reason, at=now))
-        for name in _INFO_EVENTS:
-            if etype & self._const(name, _EVENT_DEFAULTS[name]):
+        for name in INFO_EVENTS:
+            if etype & self._const(name, EVENT_DEFAULTS[name]):
                 log.info("%s: driver event %s (data %s)", where, name[len("nvmlEventType"):],
                          int(data.eventData))
 
@@ -445,6 +409,8 @@ class NvmlHealthSource:
                 sticky = self._sticky.get(index)
             if sticky is None and dev.handle is not None:
                 sticky = self._check_faults(dev, now)
+            if sticky is None and dev.handle is not None:
+                sticky = self._check_suspect(dev, now)
             verdict = sticky if sticky is not None else self._check_thermal(dev, now)
             with self._lock:
                 verdict = keep_at(verdict, self._verdicts.get(index))
@@ -459,10 +425,10 @@ class NvmlHealthSource:
             return None
         try:
             return fn(dev)
-        except _DeviceLost as exc:
+        except DeviceLost as exc:
             self._fail(dev.info.index, Verdict.failed(str(exc), at=now))
         except Exception as exc:  # noqa: BLE001
-            if isinstance(exc, _Unsupported):
+            if isinstance(exc, Unsupported):
                 dev.unsupported.add(check)
                 log.debug("%s: %s not supported (%s)", self._gpu_name(dev.info.index), check, exc)
             elif check not in dev.logged:
@@ -472,8 +438,7 @@ class NvmlHealthSource:
         return None
 
     def _check_faults(self, dev: _Device, now: float) -> Optional[Verdict]:
-        for check, fn in (("ecc", self._ecc_fault), ("retired-pages", self._retired_fault),
-                          ("remapped-rows", self._remap_fault),
+        for check, fn in (("ecc", self._ecc_fault), ("remapped-rows", self._remap_fault),
                           ("recovery-action", self._recovery_fault)):
             reason = self._guarded(dev, check, fn, now)
             if reason:
@@ -484,12 +449,36 @@ class NvmlHealthSource:
                 return sticky
         return None
 
-    def _ecc_count(self, dev: _Device) -> int:
+    def _ecc_count(self, dev: _Device, kind: str = "UNCORRECTED") -> int:
         return int(self._call(
             "nvmlDeviceGetTotalEccErrors", dev.handle,
-            self._const("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+            self._const(f"NVML_MEMORY_ERROR_TYPE_{kind}", 1 if kind == "UNCORRECTED" else 0),
             self._const("NVML_VOLATILE_ECC", 0),
         ))
+
+    def _check_suspect(self, dev: _Device, now: float) -> Optional[Verdict]:
+        """The sticky suspect verdict, or a new one when a warning sign shows (the first wins)."""
+        index = dev.info.index
+        with self._lock:
+            if index in self._suspect:
+                return self._suspect[index]
+        for check, fn in (
+                ("ecc-corrected", lambda d: self._signs.correctable_ecc(
+                    index, self._ecc_count(d, "CORRECTED"))),
+                ("retired-pages", lambda d: self._signs.pending_repair(self._retired_pending(d),
+                                                                       False)),
+                ("remap-pending", lambda d: self._signs.pending_repair(
+                    False, bool(self._call("nvmlDeviceGetRemappedRows", d.handle)[2]))),
+                ("xid-burst", lambda d: self._signs.xid_burst(index, now))):
+            reason = self._guarded(dev, check, fn, now)
+            with self._lock:
+                if index in self._sticky:  # a query found the GPU lost
+                    return self._sticky[index]
+                if reason:
+                    log.warning("%s: suspect: %s", self._gpu_name(index), reason)
+                    self._suspect[index] = Verdict.suspect(reason, at=now)
+                    return self._suspect[index]
+        return None
 
     def _ecc_fault(self, dev: _Device) -> Optional[str]:
         count = self._ecc_count(dev)
@@ -502,31 +491,27 @@ class NvmlHealthSource:
                     f"(volatile count {base} -> {count})")
         return None
 
-    def _retired_fault(self, dev: _Device) -> Optional[str]:
+    def _retired_pending(self, dev: _Device) -> bool:
         pending = int(self._call("nvmlDeviceGetRetiredPagesPendingStatus", dev.handle))
-        if pending == self._const("NVML_FEATURE_ENABLED", 1):
-            return "retired pages pending: the GPU must be reset to retire bad memory pages"
-        return None
+        return pending == self._const("NVML_FEATURE_ENABLED", 1)
 
     def _remap_fault(self, dev: _Device) -> Optional[str]:
-        _corr, _unc, pending, failure = self._call("nvmlDeviceGetRemappedRows", dev.handle)
+        _corr, _unc, _pending, failure = self._call("nvmlDeviceGetRemappedRows", dev.handle)
         if failure:
             return "row remapping failed: the bad memory rows cannot be repaired"
-        if pending:
-            return "row remapping pending: the GPU must be reset to activate the repair"
         return None
 
     def _recovery_fault(self, dev: _Device) -> Optional[str]:
         field_id = getattr(self._nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
         if not isinstance(field_id, int):
-            raise _Unsupported("nvidia-ml-py has no NVML_FI_DEV_GET_GPU_RECOVERY_ACTION")
+            raise Unsupported("nvidia-ml-py has no NVML_FI_DEV_GET_GPU_RECOVERY_ACTION")
         value = self._call("nvmlDeviceGetFieldValues", dev.handle, [field_id])[0]
         status = int(value.nvmlReturn)
-        if status == _NVML_ERROR_NOT_SUPPORTED:
-            raise _Unsupported("the driver has no recovery-action field")
-        if status != _NVML_SUCCESS:
+        if status == NVML_ERROR_NOT_SUPPORTED:
+            raise Unsupported("the driver has no recovery-action field")
+        if status != NVML_SUCCESS:
             return None
-        action = int(getattr(value.value, _FIELD_READERS.get(int(value.valueType), "uiVal")))
+        action = int(getattr(value.value, FIELD_READERS.get(int(value.valueType), "uiVal")))
         return recovery_action_reason(action) if action else None
 
     def _check_thermal(self, dev: _Device, now: float) -> Verdict:
@@ -560,9 +545,9 @@ class NvmlHealthSource:
         for fn in ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"):
             try:
                 return int(self._call(fn, dev.handle, sensor))
-            except _Unsupported:
+            except Unsupported:
                 continue
-        raise _Unsupported("no temperature query")
+        raise Unsupported("no temperature query")
 
     def _slowdown_threshold(self, dev: _Device) -> int:
         if dev.slowdown_temp_c is None:
@@ -580,20 +565,3 @@ class NvmlHealthSource:
             dev.max_sm_mhz = int(self._call("nvmlDeviceGetMaxClockInfo", dev.handle,
                                             self._const("NVML_CLOCK_SM", 1)))
         return dev.max_sm_mhz
-
-
-def probe_nvml(nvml: Any = None) -> Optional[str]:
-    """None when the NVIDIA driver loads, else one line saying why not."""
-    try:
-        if nvml is None:
-            import pynvml as nvml  # nvidia-ml-py
-        nvml.nvmlInit()
-    except ImportError as exc:
-        return f"nvidia-ml-py is not installed ({exc})"
-    except Exception as exc:  # noqa: BLE001 - any failure to load means "no driver"
-        return f"no NVIDIA driver ({type(exc).__name__}: {exc})"
-    try:
-        nvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001
-        pass
-    return None

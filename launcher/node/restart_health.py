@@ -8,7 +8,8 @@ do is restart the job without that GPU. Promises:
   of the same number (or the same UUID); ``node_slots`` is pure;
 * ``DeviceWatch.refresh`` polls the health source (level-triggered) and publishes its verdicts
   to ``devices/<node>/<index>``; a **fatal** verdict (state ``failed``) takes the slot out for
-  the rest of the run (sticky, like the verdict itself); degraded devices stay in;
+  the rest of the run (sticky, like the verdict itself); degraded and suspect devices stay
+  in (a suspect GPU still computes correctly, and restart mode has no live state to drain);
 * once a slot is out, workers get ``CUDA_VISIBLE_DEVICES`` naming only the usable slots
   (``visible``), so local rank ``i`` runs on the ``i``-th usable device and ``LOCAL_WORLD_SIZE``
   and ``WORLD_SIZE`` follow from the smaller count the node joins the next round with;
