@@ -45,6 +45,7 @@ from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, P
 from hspmd_elastic.coord.contract import DONE_STATES, LEFT_STATES, node_of
 from hspmd_elastic.coord.lifecycle import StateMachine
 from hspmd_elastic.coord.plans import read_plan
+from hspmd_elastic.coord.valid import decode_or_none, decode_valid
 from launcher.api import (
     LaunchError,
     RendezvousClosedError,
@@ -68,6 +69,7 @@ log = logging.getLogger(__name__)
 
 JUDGE_S = 0.25  # how often the job-wide state is re-read from etcd
 FINISH_WAIT_S = 30.0  # after success: how long workers get to exit by themselves
+EVENTS_PER_TICK = 64  # journal events read per re-read of the job-wide state, at most
 
 
 class ElasticState(enum.Enum):
@@ -333,14 +335,10 @@ class ElasticMode:
                        usable_devices=usable)
 
     def _records(self, prefix: str) -> list[tuple[str, object]]:
-        """Decoded records under ``prefix``; one that cannot be decoded is logged and skipped."""
-        out = []
-        for kv in self.client.get_prefix(prefix):
-            try:
-                out.append((kv.key, schema.decode(kv.key, kv.value)))
-            except RecordError as exc:
-                log.warning("[%s] node %s: skipping %s", self.job, self.node_id, exc)
-        return out
+        """Decoded records under ``prefix``; one that cannot be decoded is logged (once) and
+        skipped."""
+        return decode_valid(self.client.get_prefix(prefix), log,
+                            f"[{self.job}] node {self.node_id}")
 
     def _mark_done(self, version: int) -> None:
         """Record (once per plan version) that this node's slots of the plan all exited 0."""
@@ -354,13 +352,15 @@ class ElasticMode:
                  version)
 
     def _read_switch_failures(self) -> None:
+        where = f"[{self.job}] node {self.node_id}"
         kv = self.client.get(schema.event_seq_key(self.job))
-        last = schema.decode(kv.key, kv.value).value if kv is not None else 0
+        counter = decode_or_none(kv, log, where)
+        last = counter.value if counter is not None else 0 if kv is None else self._event_seq
+        last = min(last, self._event_seq + EVENTS_PER_TICK)  # a forged counter: still bounded
         for seq in range(self._event_seq + 1, last + 1):
-            ev_kv = self.client.get(schema.event_key(self.job, seq))
-            if ev_kv is None:
+            ev = decode_or_none(self.client.get(schema.event_key(self.job, seq)), log, where)
+            if ev is None:
                 continue
-            ev = schema.decode(ev_kv.key, ev_kv.value)
             if ev.type == "switch-failed" and not self._switch_failed:
                 self._switch_failed = str(ev.detail.get("error") or ev.detail)
         self._event_seq = max(self._event_seq, last)

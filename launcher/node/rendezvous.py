@@ -45,6 +45,7 @@ from hspmd_elastic.coord.api import CompareTarget, Compare, CoordinationError, P
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord import journal, schema
+from hspmd_elastic.coord.valid import decode_valid
 
 from launcher.console import RendezvousWait
 from launcher.api import (
@@ -193,11 +194,12 @@ class EtcdRendezvous:
     def joined(self, rnd: int) -> list[Participant]:
         prefix = schema.rdzv_round_prefix(self.job, rnd) + "joined/"
         out = []
-        for kv in self._call("read joined nodes", self.client.get_prefix, prefix):
-            rec = self._decode(kv.key, kv.value)
+        kvs = list(self._call("read joined nodes", self.client.get_prefix, prefix))
+        created = {kv.key: kv.create_revision for kv in kvs}
+        for key, rec in decode_valid(kvs, log, f"[{self.job}] rendezvous"):  # bad: skipped
             out.append(Participant(node=rec.node, host=rec.host,
                                    local_world_size=rec.local_world_size,
-                                   node_rank=rec.node_rank, create_revision=kv.create_revision))
+                                   node_rank=rec.node_rank, create_revision=created[key]))
         return out
 
     def done_nodes(self, rnd: int) -> set[str]:
