@@ -8,11 +8,13 @@ when the search fails. All are pure: no I/O, and the same inputs give the same a
 
 from hspmd_elastic.planner.api import (Candidate, Device, DeviceSpec, Estimate, Health, Inventory,
                                        ModelProfile, PlanInfeasibleError, PlannerError,
-                                       PlannerOptions, PlanResult)
+                                       PlannerOptions, PlanResult, RedundancyError, fmt_bytes,
+                                       parse_bytes)
 from hspmd_elastic.planner.cost import estimate_plan, switch_bytes
 from hspmd_elastic.planner.devices import (BUILTIN_SPECS, cpu_inventory, inventory_from_dict,
                                            inventory_from_nodes, lookup_spec,
                                            register_device_type, spec_for_device)
+from hspmd_elastic.planner.explain import layout_line
 from hspmd_elastic.planner.fallback import fallback_dp_plan
 from hspmd_elastic.planner.profiles import PRESETS, preset, profile_from_config, profile_from_dict
 from hspmd_elastic.planner.search import plan_for
@@ -20,7 +22,8 @@ from hspmd_elastic.planner.search import plan_for
 __all__ = [
     "BUILTIN_SPECS", "Candidate", "Device", "DeviceSpec", "Estimate", "Health", "Inventory",
     "ModelProfile", "PRESETS", "PlanInfeasibleError", "PlanResult", "PlannerError",
-    "PlannerOptions", "cpu_inventory", "estimate_plan", "fallback_dp_plan", "inventory_from_dict",
-    "inventory_from_nodes", "lookup_spec", "plan_for", "preset", "profile_from_config",
-    "profile_from_dict", "register_device_type", "spec_for_device", "switch_bytes",
+    "PlannerOptions", "RedundancyError", "cpu_inventory", "estimate_plan", "fallback_dp_plan",
+    "fmt_bytes", "inventory_from_dict", "inventory_from_nodes", "layout_line", "lookup_spec",
+    "parse_bytes", "plan_for", "preset", "profile_from_config", "profile_from_dict",
+    "register_device_type", "spec_for_device", "switch_bytes",
 ]

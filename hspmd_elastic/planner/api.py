@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -20,6 +21,34 @@ if TYPE_CHECKING:
     from hspmd_elastic.plan import Plan
 
 GiB = 1 << 30
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+def fmt_bytes(n: float) -> str:
+    """``1.5 GiB``, ``24.0 MiB``, ``512.0 KiB`` or ``12 B``: the largest unit that keeps n >= 1."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+_UNITS = {"kib": KiB, "mib": MiB, "gib": GiB}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]+)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """``"24MiB"``, ``"1.5 GiB"``, ``"512KiB"`` -> bytes (> 0); ``PlannerError`` names a bad
+    value and the units (KiB, MiB, GiB)."""
+    match = _SIZE.match(str(text))
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    if unit is None:
+        raise PlannerError(f"size {text!r}: expected a number and a unit, KiB, MiB or GiB "
+                           "(e.g. 24MiB)")
+    value = int(float(match.group(1)) * unit)
+    if value < 1:
+        raise PlannerError(f"size {text!r} must be at least 1 byte")
+    return value
 
 
 class PlannerError(ValueError):
@@ -44,6 +73,12 @@ class PlanInfeasibleError(PlannerError):
         if self.needed_bytes is None or self.available_bytes is None:
             return None
         return max(0, self.needed_bytes - self.available_bytes)
+
+
+class RedundancyError(PlanInfeasibleError):
+    """Plans exist, but none keeps every parameter slice on ``PlannerOptions.redundancy``
+    nodes; the message names the shortfall (too few nodes, or memory counted at most one replica
+    per node, or no layout within memory)."""
 
 
 class Health(str, enum.Enum):
@@ -250,7 +285,10 @@ class PlannerOptions:
 
     ``tp_degrees`` / ``pp_degrees`` restrict the search (a configured template); None: search.
     ``cross_node_replicas``: rank plans where every parameter slice lives on two nodes or more
-    (one node loss then needs no checkpoint) above all others.
+    (one node loss then needs no checkpoint) above all others (a preference).
+    ``redundancy``: a hard constraint: every parameter slice (each TP shard of every layer, the
+    embedding and the head) lives on at least this many nodes; no plan breaking it is returned,
+    and when none meets it ``plan_for`` raises ``RedundancyError`` naming the shortfall. 1: none.
     ``use_all_devices``: rank plans that leave no usable device idle above all others, even when
     the cost model says the extra devices do not shorten the step (a job whose every worker
     expects a role, e.g. a tiny CPU model dominated by fixed costs).
@@ -264,6 +302,7 @@ class PlannerOptions:
     pp_degrees: Optional[tuple[int, ...]] = None
     max_microbatch_size: Optional[int] = None
     cross_node_replicas: bool = False
+    redundancy: int = 1
     use_all_devices: bool = False
     switch_weight: float = 0.0
     tie_tolerance: float = 0.01
@@ -280,6 +319,9 @@ class PlannerOptions:
                 if not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
                                     for v in value):
                     raise PlannerError(f"{name}={value!r} must be positive integers")
+        if isinstance(self.redundancy, bool) or not isinstance(self.redundancy, int) \
+                or self.redundancy < 1:
+            raise PlannerError(f"redundancy={self.redundancy!r} must be an integer >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise PlannerError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         if self.switch_weight < 0 or self.tie_tolerance < 0:
@@ -306,6 +348,7 @@ class Estimate:
     unused_devices: tuple[int, ...]  # usable devices the plan leaves idle
     cross_node_replicas: bool  # every parameter slice is held on >= 2 nodes
     switch_bytes: Optional[int] = None  # bytes moved from current_plan (None: no current plan)
+    replica_nodes: int = 1  # the fewest nodes any parameter slice is held on
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hspmd_elastic.plan import Plan
-from hspmd_elastic.planner.api import (GiB, Device, Estimate, Inventory, ModelProfile,
-                                       PlanInfeasibleError, PlannerOptions)
+from hspmd_elastic.planner.api import (Device, Estimate, Inventory, ModelProfile,
+                                       PlanInfeasibleError, PlannerOptions, fmt_bytes)
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,7 @@ def estimate_plan(plan: Plan, inventory: Inventory, profile: ModelProfile,
     busy = plan.pipelines[slowest].num_microbatches * max(stage_times[slowest])
     step = max(pipe_times) + sync
     used = set(plan.devices)
+    replicas = replica_nodes(plan, devs)
     return Estimate(
         step_time_s=step,
         samples_per_s=plan.global_batch / step,
@@ -189,8 +190,9 @@ def estimate_plan(plan: Plan, inventory: Inventory, profile: ModelProfile,
         memory_bytes=memory,
         memory_limit_bytes=limits,
         unused_devices=tuple(d.id for d in inventory.usable if d.id not in used),
-        cross_node_replicas=cross_node_replicas(plan, devs),
+        cross_node_replicas=replicas >= 2,
         switch_bytes=None if current_plan is None else switch_bytes(current_plan, plan, profile),
+        replica_nodes=replicas,
     )
 
 
@@ -213,8 +215,8 @@ def _pipeline_stage_times(plan: Plan, pi: int, devs: dict, profile: ModelProfile
                 raise PlanInfeasibleError(
                     f"device {dev.id} ({dev.spec.name}, pipeline {pi} stage {si}, layers "
                     f"{list(stage.layers)}, TP {shape.tp}, micro-batch {b}) needs "
-                    f"{need / GiB:.1f} GiB, has {limit / GiB:.1f} GiB usable: short by "
-                    f"{(need - limit) / GiB:.1f} GiB", needed_bytes=need, available_bytes=limit)
+                    f"{fmt_bytes(need)}, has {fmt_bytes(limit)} usable: short by "
+                    f"{fmt_bytes(need - limit)}", needed_bytes=need, available_bytes=limit)
             memory[dev.id], limits[dev.id] = need, limit
         times.append(stage_time(profile, shape, layers, last, b))
     return times
@@ -232,9 +234,37 @@ def layer_nodes(plan: Plan, devs: dict) -> list[set]:
 
 
 def cross_node_replicas(plan: Plan, devs: dict) -> bool:
-    """Whether every layer (so every parameter slice: a TP group sits in one node) lives on two
-    nodes or more. The embedding and head travel with the first and last layers."""
-    return all(len(n) >= 2 for n in layer_nodes(plan, devs))
+    """Whether every parameter slice lives on two nodes or more."""
+    return replica_nodes(plan, devs) >= 2
+
+
+def replica_nodes(plan: Plan, devs: dict) -> int:
+    """The fewest nodes any parameter slice lives on. A stage holds its layers' TP shard
+    ``[r/tp, (r+1)/tp)`` on its ``r``-th device; a stage inside one node holds every slice of
+    its layers there. The embedding and the head are split like the first and last layers and
+    live with them."""
+    whole: list[set] = [set() for _ in range(plan.num_layers)]
+    split: list[list[tuple]] = [[] for _ in range(plan.num_layers)]
+    for pipe in plan.pipelines:
+        for stage in pipe.stages:
+            nodes = tuple(devs[d].node for d in stage.devices)
+            one = len(set(nodes)) == 1
+            for layer in range(*stage.layers):
+                if one:
+                    whole[layer].add(nodes[0])
+                else:
+                    split[layer].append(nodes)
+    fewest = None
+    for layer in range(plan.num_layers):
+        if not split[layer]:
+            count = len(whole[layer])
+        else:
+            cells = math.lcm(*(len(nodes) for nodes in split[layer]))
+            count = min(len(whole[layer] | {nodes[c * len(nodes) // cells]
+                                            for nodes in split[layer]})
+                        for c in range(cells))
+        fewest = count if fewest is None else min(fewest, count)
+    return fewest or 0
 
 
 def _grad_sync(plan: Plan, devs: dict, profile: ModelProfile) -> float:

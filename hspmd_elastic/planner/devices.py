@@ -58,10 +58,15 @@ def lookup_spec(name: str, types: Optional[Mapping[str, DeviceSpec]] = None) -> 
 
 
 def spec_for_device(type_name: str, memory_bytes: Optional[int] = None,
-                    types: Optional[Mapping[str, DeviceSpec]] = None) -> DeviceSpec:
+                    types: Optional[Mapping[str, DeviceSpec]] = None,
+                    speed: float = 1.0) -> DeviceSpec:
     """The spec of a device as a health source names it (``"H100-80GB-HBM3"``, ``"H20"``):
     the exact name if known, else its first dash-separated word; memory taken from the device
-    when given."""
+    when given. ``speed`` (declared by the node, relative to the type's nominal) scales the
+    peak FLOP/s and divides the fixed cost per micro-batch; the spec is then named
+    ``<type>@<speed>`` (``CPU@0.5``) so layouts tell the two kinds apart."""
+    if not (isinstance(speed, (int, float)) and 0 < speed < float("inf")):
+        raise PlannerError(f"device speed={speed!r} must be a number > 0")
     table = spec_table(types)
     name = str(type_name).upper()
     spec = table.get(name) or table.get(name.split("-")[0])
@@ -70,6 +75,9 @@ def spec_for_device(type_name: str, memory_bytes: Optional[int] = None,
                            " (register_device_type adds one)")
     if memory_bytes:
         spec = replace(spec, memory_bytes=int(memory_bytes))
+    if speed != 1.0:
+        spec = replace(spec, name=f"{spec.name}@{speed:g}", peak_tflops=spec.peak_tflops * speed,
+                       microbatch_overhead_s=spec.microbatch_overhead_s / speed)
     return spec
 
 

@@ -5,14 +5,15 @@ stages, layer ranges, TP groups with their node and device type, micro-batches),
 step time and throughput, memory per device against its usable limit, idle devices, switch
 traffic, and the next-best alternatives with their gap to the chosen plan. Pipelines identical
 in shape to an earlier one are listed once with their devices. ``result_to_dict`` is the same
-content as a JSON-ready dict (``"schema": 1``).
+content as a JSON-ready dict (``"schema": 1``). ``layout_line(plan, devices)`` is a plan's
+specialization on one line: every pipeline's stages with their devices, TP degree and layers.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional, Sequence
 
-from hspmd_elastic.planner.api import GiB, Candidate, Inventory, PlanResult
+from hspmd_elastic.planner.api import Candidate, Inventory, PlanResult, fmt_bytes
 
 
 def compact_ids(ids: Iterable[int]) -> str:
@@ -42,6 +43,37 @@ def describe(plan, inventory: Inventory, limit: int = 3) -> str:
     return " + ".join(parts)
 
 
+def layout_line(plan, devices: Optional[Sequence[str]] = None) -> str:
+    """One line: ``"DP2: n0:0-1 tp2 L0-2 > n0:2 L3 (4 rows) | n1:0 L0-3 (4 rows)"``.
+
+    Pipelines are separated by ``|``, stages by ``>``; a stage shows its devices (``devices[i]``
+    names int ``i``; ``"<node>:<index>"`` names on one node are compressed), its TP degree when
+    above 1 and its decoder layers; each pipeline its rows of the global batch."""
+    def names(ids) -> str:
+        if devices is None:
+            return compact_ids(ids)
+        by_node: dict[str, list] = {}
+        for i in ids:
+            node, sep, index = str(devices[i]).rpartition(":")
+            if not sep or not index.isdigit():
+                by_node.setdefault(str(devices[i]), [])
+            else:
+                by_node.setdefault(node, []).append(int(index))
+        return ",".join(f"{n}:{compact_ids(ix)}" if ix else n for n, ix in by_node.items())
+
+    pipes = []
+    for pipe in plan.pipelines:
+        stages = []
+        for stage in pipe.stages:
+            a, b = stage.layers
+            layers = f"L{a}" if b - a == 1 else f"L{a}-{b - 1}"
+            tp = f" tp{stage.tp}" if stage.tp > 1 else ""
+            stages.append(f"{names(stage.devices)}{tp} {layers}")
+        rows = pipe.num_microbatches * pipe.microbatch_size
+        pipes.append(f"{' > '.join(stages)} ({rows} row{'s' if rows != 1 else ''})")
+    return f"DP{len(pipes)}: " + " | ".join(pipes)
+
+
 def _params(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -54,9 +86,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def _bytes(n: float) -> str:
-    if n >= GiB:
-        return f"{n / GiB:.1f} GiB"
-    return f"{n / (1 << 20):.1f} MiB"
+    return fmt_bytes(n)
 
 
 def _summary(c: Candidate) -> str:
@@ -129,8 +159,10 @@ def explain(result: PlanResult) -> str:
     if est.unused_devices:
         lines.append(f"  idle usable devices: {compact_ids(est.unused_devices)} "
                      "(they would not speed up the step)")
-    lines.append("  every layer has replicas on two nodes or more" if est.cross_node_replicas
-                 else "  some layers live on one node only: losing it needs a checkpoint")
+    lines.append(f"  every parameter slice lives on {est.replica_nodes} nodes or more"
+                 if est.cross_node_replicas
+                 else "  some parameter slices live on one node only: losing it needs a "
+                 "checkpoint")
     if result.alternatives:
         lines.append("Next-best alternatives:")
     for i, alt in enumerate(result.alternatives, 1):
@@ -156,6 +188,7 @@ def candidate_to_dict(c: Candidate) -> dict:
             "memory_limit_bytes": {str(k): v for k, v in sorted(e.memory_limit_bytes.items())},
             "unused_devices": list(e.unused_devices),
             "cross_node_replicas": e.cross_node_replicas,
+            "replica_nodes": e.replica_nodes,
             "switch_bytes": e.switch_bytes,
         },
     }

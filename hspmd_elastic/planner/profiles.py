@@ -53,9 +53,17 @@ _PROFILE_KEYS = {"name", "num_layers", "hidden_size", "ffn_size", "num_heads", "
                  "activation_bytes_per_token_layer"}
 
 
+_CONFIG_KEYS = set(ModelConfig.__dataclass_fields__)
+_CONFIG_ONLY = sorted(_CONFIG_KEYS - _PROFILE_KEYS)  # rope_theta, norm_eps, init_std, dtype
+
+
 def profile_from_dict(data: Any) -> ModelProfile:
-    """A profile from JSON: ``{"preset": "llama-7b", ...overrides}``, a ``ModelConfig`` JSON
-    (``"schema": 1``), or the ``ModelProfile`` fields."""
+    """A profile from JSON: ``{"preset": "llama-7b", ...overrides}``, a ``ModelConfig`` JSON,
+    or the ``ModelProfile`` fields.
+
+    A ``ModelConfig`` is recognised by ``"schema": 1`` (what ``ModelConfig.to_json`` writes) or,
+    without it, by a key only a config has (``dtype``, ``rope_theta``, ``norm_eps``,
+    ``init_std``); its other keys must then be config fields too."""
     if not isinstance(data, Mapping):
         raise PlannerError(f"model must be a JSON object, got {type(data).__name__}")
     data = dict(data)
@@ -64,18 +72,32 @@ def profile_from_dict(data: Any) -> ModelProfile:
         fields = {k: getattr(base, k) for k in _PROFILE_KEYS}
         fields["activation_bytes_per_token_layer"] = None
         return _build_profile({**fields, **data})
-    if data.get("schema") == 1:
-        try:
-            return profile_from_config(ModelConfig.from_json(json.dumps(data)))
-        except (TypeError, ValueError) as exc:
-            raise PlannerError(f"model config: {exc}") from None
+    marks = sorted(set(data) & set(_CONFIG_ONLY))
+    if "schema" in data or marks:
+        return _config_profile(data, marks)
     return _build_profile(data)
+
+
+def _config_profile(data: dict, marks: list[str]) -> ModelProfile:
+    """A ``ModelConfig`` JSON (``marks``: the config-only keys that told it apart)."""
+    if data.get("schema", 1) != 1:
+        raise PlannerError(f"model config: schema={data['schema']!r}; the only schema is 1")
+    unknown = sorted(set(data) - _CONFIG_KEYS - {"schema"})
+    if unknown:
+        why = f" (a ModelConfig, by its keys {marks})" if "schema" not in data else ""
+        raise PlannerError(f"model config{why}: unknown keys {unknown}; a ModelConfig has "
+                           f"{sorted(_CONFIG_KEYS)}")
+    try:
+        return profile_from_config(ModelConfig.from_json(json.dumps(dict(data, schema=1))))
+    except (TypeError, ValueError) as exc:
+        raise PlannerError(f"model config: {exc}") from None
 
 
 def _build_profile(fields: dict) -> ModelProfile:
     unknown = sorted(set(fields) - _PROFILE_KEYS)
     if unknown:
-        raise PlannerError(f"model profile: unknown keys {unknown}; known: {sorted(_PROFILE_KEYS)}")
+        raise PlannerError(f"model profile: unknown keys {unknown}; known: {sorted(_PROFILE_KEYS)}"
+                           f" (a ModelConfig JSON carries \"schema\": 1 and {_CONFIG_ONLY})")
     fields.setdefault("name", "custom")
     try:
         return ModelProfile(**fields)

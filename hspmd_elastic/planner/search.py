@@ -13,10 +13,14 @@ best few exactly and ranks them:
    straggler is used only where it helps.
 2. Fast pass (``passes.Solver.fast``): identical pipelines solved once; min-max layer split
    within memory; min-max split of the batch rows. A pipeline that gets no rows is dropped.
+   With ``options.redundancy`` above 1, a layout that leaves some layer on fewer nodes is
+   dropped here, before it can count as the best of its depth.
 3. Exact pass (``passes.Solver.exact``) for the best ``options.refine`` layouts: the layer split
    as a small MILP on the real 1F1B time, a micro-batch size per pipeline, the plan estimated by
    ``cost.estimate_plan``. Candidates close to ``current_plan`` join (``current``).
-4. Ranking: optionally plans using every usable device first, then (optionally) plans with
+4. Ranking: plans that break ``options.redundancy`` (a hard constraint, checked per TP shard by
+   ``cost.replica_nodes``) are dropped, and when none is left ``RedundancyError`` names the
+   shortfall; then optionally plans using every usable device first, then (optionally) plans with
    cross-node replicas, then the score (step time, weighted by switch traffic if asked); plans
    within ``tie_tolerance`` of the best are ordered by the bytes a switch from ``current_plan``
    would move, then by pipeline depth, then by score.
@@ -31,9 +35,9 @@ from typing import Optional
 
 from hspmd_elastic.plan import Plan, PlanError
 from hspmd_elastic.planner import cost
-from hspmd_elastic.planner.api import (GiB, Candidate, Device, Inventory, ModelProfile,
+from hspmd_elastic.planner.api import (Candidate, Device, Inventory, ModelProfile,
                                        PlanInfeasibleError, PlannerError, PlannerOptions,
-                                       PlanResult)
+                                       PlanResult, RedundancyError, fmt_bytes)
 from hspmd_elastic.planner.current import candidate, from_current
 from hspmd_elastic.planner.passes import Draft, Solver, tp_options
 
@@ -194,34 +198,47 @@ def plan_for(inventory: Inventory, profile: ModelProfile, global_batch: int,
     solver = Solver(profile, global_batch, options)
     drafts = []
     keep = None
+    rejected = 0  # layouts that fit but break options.redundancy
     for index, devices in enumerate(_variants(usable)):
         best: dict[tuple, float] = {}
         for tp_of, groups in _group_sets(devices, profile, options, solver.interned, keep):
-            found = _scan_depths(solver, groups)
+            found, dropped = _scan_depths(solver, groups)
             drafts += found
+            rejected += dropped
             best[tp_of] = min((d.score for d in found), default=math.inf)
         if index == 0:
             # Without the stragglers, only the TP degrees that did best with them are retried.
             keep = set(sorted(best, key=lambda k: (best[k], k))[:_VARIANT_TP_KEEP])
     if not drafts:
-        raise _infeasible(usable, profile, options)
+        raise (_short_of_redundancy(usable, profile, options) if rejected
+               else _infeasible(usable, profile, options))
     drafts.sort(key=lambda d: (_preference(d, len(usable), profile.num_layers, options),
                                d.score))  # stable: layouts come in a fixed order
     candidates = _refine(drafts, solver, inventory, profile, options, current_plan)
+    if options.redundancy > 1:
+        kept = [c for c in candidates if c.estimate.replica_nodes >= options.redundancy]
+        if candidates and not kept:
+            raise _short_of_redundancy(usable, profile, options)
+        candidates = kept
     if not candidates:
         raise _infeasible(usable, profile, options)
     ranked = _rank(candidates, options)
     return PlanResult(ranked[0], tuple(ranked[1:1 + options.alternatives]), profile, inventory)
 
 
-def _scan_depths(solver: Solver, groups: list[_Group]) -> list[Draft]:
+def _scan_depths(solver: Solver, groups: list[_Group]) -> tuple[list[Draft], int]:
     """Fast-score layouts of increasing pipeline depth. Deeper pipelines trade data parallelism
-    for bubble; once ``_PATIENCE`` depths in a row fail to beat the best, deeper ones stop."""
-    out, best, worse = [], math.inf, 0
+    for bubble; once ``_PATIENCE`` depths in a row fail to beat the best, deeper ones stop.
+    Layouts that break ``options.redundancy`` are dropped and counted: (drafts, dropped)."""
+    out, best, worse, dropped = [], math.inf, 0, 0
+    want, layers = solver.options.redundancy, solver.profile.num_layers
     for _, layouts in _depth_layouts(groups, solver.profile, solver.options):
         scores = []
         for layout in layouts:
             draft = solver.fast(layout)
+            if draft is not None and want > 1 and not _draft_replicated(draft, layers, want):
+                dropped += 1
+                continue
             if draft is not None:
                 out.append(draft)
                 scores.append(draft.score)
@@ -231,7 +248,7 @@ def _scan_depths(solver: Solver, groups: list[_Group]) -> list[Draft]:
             worse += 1
             if worse >= _PATIENCE:
                 break
-    return out
+    return out, dropped
 
 
 def _preference(draft: Draft, usable: int, num_layers: int, options: PlannerOptions) -> tuple:
@@ -241,22 +258,24 @@ def _preference(draft: Draft, usable: int, num_layers: int, options: PlannerOpti
         idle = int(sum(g.tp for _, pipe, _ in draft.assigned for g in pipe) < usable)
     redundant = 0
     if options.cross_node_replicas:
-        redundant = int(not _draft_cross_node(draft, num_layers))
+        redundant = int(not _draft_replicated(draft, num_layers, 2))
     return (idle, redundant)
 
 
-def _draft_cross_node(draft: Draft, num_layers: int) -> bool:
-    first: list = [None] * num_layers
-    twice = [False] * num_layers
+def _draft_replicated(draft: Draft, num_layers: int, want: int) -> bool:
+    """Whether every layer of a draft lives on ``want`` nodes or more (a TP group sits in one
+    node, so each node holding a layer holds every slice of it)."""
+    nodes: list[set] = [set() for _ in range(num_layers)]
     left = num_layers
     for model, pipe, _ in draft.assigned:
         start = 0
         for g, layers in zip(pipe, model.split):
             for layer in range(start, start + layers):
-                if first[layer] is None:
-                    first[layer] = g.node
-                elif not twice[layer] and first[layer] != g.node:
-                    twice[layer], left = True, left - 1
+                held = nodes[layer]
+                if len(held) < want and g.node not in held:
+                    held.add(g.node)
+                    if len(held) == want:
+                        left -= 1
             start += layers
         if not left:
             return True
@@ -312,19 +331,55 @@ def _rank(candidates: list[Candidate], options: PlannerOptions) -> list[Candidat
 def _infeasible(usable: tuple[Device, ...], profile: ModelProfile,
                 options: PlannerOptions) -> PlanInfeasibleError:
     """Why nothing fits: total memory short of one replica, else no stage holds a layer."""
-    state = profile.total_params * profile.state_bytes_per_param
-    act = profile.num_layers * profile.seq_len * profile.activation_bytes_per_token_layer
-    need = int(state + act)
+    need = _replica_bytes(profile)
     have = int(sum(d.spec.memory_bytes for d in usable) * options.memory_fraction)
     if need > have:
         return PlanInfeasibleError(
-            f"model {profile.name} needs {need / GiB:.1f} GiB for one replica (weights, gradients, "
+            f"model {profile.name} needs {fmt_bytes(need)} for one replica (weights, gradients, "
             f"optimizer state, one micro-batch of activations); the {len(usable)} usable devices "
-            f"offer {have / GiB:.1f} GiB: short by {(need - have) / GiB:.1f} GiB",
+            f"offer {fmt_bytes(have)}: short by {fmt_bytes(need - have)}",
             needed_bytes=need, available_bytes=have)
     biggest = max(usable, key=lambda d: (d.spec.memory_bytes, -d.id))
     return PlanInfeasibleError(
         f"model {profile.name} fits the {len(usable)} usable devices in total "
-        f"({have / GiB:.1f} GiB for {need / GiB:.1f} GiB) but no layout does: a stage cannot hold "
-        f"even one layer within {biggest.spec.memory_bytes * options.memory_fraction / GiB:.1f} "
-        f"GiB per device with the allowed TP degrees", needed_bytes=need, available_bytes=have)
+        f"({fmt_bytes(have)} for {fmt_bytes(need)}) but no layout does: a stage cannot hold "
+        f"even one layer within {fmt_bytes(biggest.spec.memory_bytes * options.memory_fraction)}"
+        " per device with the allowed TP degrees", needed_bytes=need, available_bytes=have)
+
+
+def _replica_bytes(profile: ModelProfile) -> int:
+    """One replica: weights, gradients, optimizer state, one micro-batch of activations."""
+    state = profile.total_params * profile.state_bytes_per_param
+    act = profile.num_layers * profile.seq_len * profile.activation_bytes_per_token_layer
+    return int(state + act)
+
+
+def _short_of_redundancy(usable: tuple[Device, ...], profile: ModelProfile,
+                         options: PlannerOptions) -> RedundancyError:
+    """Why no plan keeps every slice on ``options.redundancy`` nodes: too few nodes, else memory
+    counted at most one replica per node, else no layout within memory."""
+    want = options.redundancy
+    by_node: dict[str, list[Device]] = {}
+    for d in usable:
+        by_node.setdefault(d.node, []).append(d)
+    head = f"redundancy {want} (every parameter slice on {want} nodes)"
+    if len(by_node) < want:
+        names = ", ".join(sorted(by_node, key=_natural))
+        return RedundancyError(
+            f"{head}: only {len(by_node)} node{'s' if len(by_node) != 1 else ''} "
+            f"({names}) {'have' if len(by_node) != 1 else 'has'} usable devices: short by "
+            f"{want - len(by_node)} node{'s' if want - len(by_node) != 1 else ''}")
+    need = _replica_bytes(profile)
+    have = sum(min(need, int(sum(d.spec.memory_bytes for d in devs) * options.memory_fraction))
+               for devs in by_node.values())
+    if have < want * need:
+        return RedundancyError(
+            f"{head}: {want} replicas of model {profile.name} need {fmt_bytes(want * need)}; the "
+            f"{len(usable)} usable devices on {len(by_node)} nodes offer {fmt_bytes(have)}, "
+            f"counting at most one replica per node: short by {fmt_bytes(want * need - have)}",
+            needed_bytes=want * need, available_bytes=have)
+    smallest = min(d.spec.memory_bytes for d in usable) * options.memory_fraction
+    return RedundancyError(
+        f"{head}: no layout of the {len(usable)} usable devices on {len(by_node)} nodes holds "
+        f"it within memory ({fmt_bytes(smallest)} usable on the smallest device; one replica "
+        f"needs {fmt_bytes(need)})", needed_bytes=want * need, available_bytes=have)
