@@ -127,7 +127,8 @@ class _Worker:
         self.stalled_since: Optional[float] = None
         self.result = RunResult(WorkerState.WAITING_PLAN, 0, 0, -1)
         self.log = _Context(log, {"worker": self})
-        self.client = EtcdClient(identity.etcd_endpoints, timeout=timeouts.etcd_s)
+        self.client = EtcdClient(identity.etcd_endpoints, timeout=timeouts.etcd_s,
+                                 security=identity.etcd_security)
         self.plans = PlanWatcher(self.client, identity.job)
         inject = None if fault_injector is None else (lambda what: fault_injector(self.step, what))
         self.former = GroupFormer(timeouts.comm_s, connect_timeout_s=timeouts.regroup_s)

@@ -11,29 +11,40 @@ a member); requests are sent on the chosen channel with a deadline per call. Pro
 * no etcd3/grpc exception escapes: everything is a ``CoordinationError`` chained to its cause;
 * reads are linearizable; prefix reads are sorted by key and carry the store revision;
 * at import, python3-etcd3's watch thread gets the ``six`` shim it forgot to import, so a broken
-  stream of an ``etcd3`` watcher reports its error instead of dying with ``NameError``.
+  stream of an ``etcd3`` watcher reports its error instead of dying with ``NameError``;
+* with ``security`` (``EtcdSecurity``) the channels are TLS and, with a user, every request
+  (streams too) carries an auth token fetched on first use; a token etcd no longer knows (etcd
+  restarted, or the token's TTL ran out) is fetched again and the call retried, within its
+  deadline; a refused handshake, a wrong password or a denied key is ``EtcdAuthError`` at once
+  (one line, no retry); gRPC's own log lines are off unless ``GRPC_VERBOSITY`` says otherwise.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import types
 from collections.abc import Iterable, Sequence
 from typing import Callable, Optional, TypeVar
 
-import etcd3
-import etcd3.watch
-import grpc
-from etcd3 import etcdrpc
-from etcd3 import exceptions as etcd3_exceptions
+# gRPC core writes handshake failures to stderr itself; our errors already say what failed, in
+# one line. Read by gRPC when it is first imported, hence before etcd3 and grpc.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from hspmd_elastic.coord.api import (
+import etcd3  # noqa: E402
+import etcd3.watch  # noqa: E402
+import grpc  # noqa: E402
+from etcd3 import etcdrpc  # noqa: E402
+from etcd3 import exceptions as etcd3_exceptions  # noqa: E402
+
+from hspmd_elastic.coord.api import (  # noqa: E402
     Compare,
     CompareTarget,
     CoordinationError,
     DeleteOp,
+    EtcdAuthError,
     EtcdRequestError,
     EtcdTimeoutError,
     EtcdUnavailableError,
@@ -45,6 +56,17 @@ from hspmd_elastic.coord.api import (
     RangeResult,
     TxnResult,
 )
+from hspmd_elastic.coord.auth import (  # noqa: E402
+    RENEWALS,
+    TokenAuth,
+    TokenInterceptor,
+    client_security,
+    denial,
+    is_stale_token,
+    tls_message,
+    tls_refusal,
+)
+from hspmd_elastic.coord.security import EtcdSecurity  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +172,11 @@ def _kv(kv) -> KeyValue:
 class EtcdClient:
     """Thread-safe etcd v3 client with member failover and a deadline on every call.
 
-    ``endpoints``: ``"host:port"`` strings, ``(host, port)`` pairs, or one comma-separated
-    string. ``timeout``: seconds per call (retries included). ``retry_after``: seconds a member
-    that failed a call is skipped while others remain.
+    ``endpoints``: ``"host:port"`` strings (``https://host:port`` turns TLS on), ``(host, port)``
+    pairs, or one comma-separated string. ``timeout``: seconds per call (retries included).
+    ``retry_after``: seconds a member that failed a call is skipped while others remain.
+    ``security``: TLS and user authentication (``EtcdSecurity``; default plain). Bad endpoints
+    or unusable security files raise ``ValueError`` naming them; nothing is sent to etcd here.
     """
 
     def __init__(
@@ -160,18 +184,27 @@ class EtcdClient:
         endpoints: str | Sequence,
         timeout: float = DEFAULT_TIMEOUT_S,
         retry_after: float = DEFAULT_RETRY_AFTER_S,
+        security: Optional[EtcdSecurity] = None,
     ):
         if timeout <= 0:
             raise ValueError(f"etcd timeout must be > 0 seconds, got {timeout!r}")
         self.timeout = float(timeout)
         self._addresses = _normalize_endpoints(endpoints)
+        security = client_security(endpoints, security)
+        if security.uses_tls or security.uses_auth:
+            security = security.checked() if security._pem is None else security
+        self.security = security
+        creds = security.channel_credentials() if security.uses_tls else None
         eps = [
-            etcd3.Endpoint(h, p, secure=False, time_retry=retry_after, opts=_CHANNEL_OPTIONS)
+            etcd3.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=retry_after,
+                           opts=_CHANNEL_OPTIONS)
             for h, p in self._addresses
         ]
         self._etcd = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout, failover=True)
         self._lock = threading.Lock()
         self._closed = False
+        self._auth = TokenAuth(security) if security.uses_auth else None
+        self._wrapped: dict[int, grpc.Channel] = {}  # id(raw channel) -> channel with the token
 
     # ------------------------------------------------------------------------ plumbing
     @property
@@ -209,7 +242,7 @@ class EtcdClient:
         """Mark the member behind ``channel`` failed (a stream found it silent)."""
         with self._lock:
             for ep in self._etcd.endpoints.values():
-                if ep.channel is channel:
+                if ep.channel is channel or self._wrapped.get(id(ep.channel)) is channel:
                     ep.fail()
                     log.info("etcd member %s reported silent; avoiding it for now", ep.netloc)
 
@@ -226,6 +259,8 @@ class EtcdClient:
         budget = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + budget
         backoff, last_exc = _BACKOFF_FIRST_S, None
+        refused: dict[str, grpc.RpcError] = {}  # member -> its failed TLS handshake
+        renewals = 0
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -236,13 +271,26 @@ class EtcdClient:
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
                 self._unmark_all()
                 continue
-            attempt = remaining if len(self._addresses) == 1 else max(remaining / 2, 0.2)
+            attempt = min(remaining if len(self._addresses) == 1 else max(remaining / 2, 0.2),
+                          remaining)
+            token = None
             try:
-                return fn(channel, min(attempt, remaining))
+                if self._auth is not None:
+                    token = self._auth.token(channel, attempt, what)
+                return fn(self._channel_for(channel), attempt)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
+                if is_stale_token(exc) and self._auth is not None and renewals < RENEWALS:
+                    renewals += 1  # etcd restarted or the token expired: fetch a new one
+                    self._auth.drop(token)
+                    continue
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise _wrap_rpc_error(what, exc) from exc
+                    raise _wrap_rpc_error(what, exc, self.security) from exc
+                if tls_refusal(exc):
+                    refused[endpoint.netloc] = exc
+                    if len(refused) == len(self._addresses):
+                        raise EtcdAuthError(tls_message(what, endpoint.netloc, exc,
+                                                         self.security)) from exc
                 self._mark_failed(endpoint, exc)
                 last_exc = exc
             except ValueError as exc:  # grpc: "Cannot invoke RPC on closed channel!"
@@ -254,10 +302,31 @@ class EtcdClient:
                      and last_exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
         if timed_out:
             return EtcdTimeoutError(f"{what}: etcd did not answer within {budget:.1f}s")
+        hint = ""
+        if (not self.security.uses_tls and isinstance(last_exc, grpc.RpcError)
+                and "Socket closed" in _describe(last_exc)):
+            hint = (" (an etcd that serves TLS closes plain connections: give its CA, or "
+                    "https:// endpoints)")
         return EtcdUnavailableError(
             f"{what}: no etcd member of {','.join(self.endpoints)} reachable within "
-            f"{budget:.1f}s (last error: {_describe(last_exc)})"
+            f"{budget:.1f}s (last error: {_describe(last_exc)}){hint}"
         )
+
+    def _channel_for(self, channel: grpc.Channel) -> grpc.Channel:
+        """``channel``, or with auth the same channel sending the current token."""
+        if self._auth is None:
+            return channel
+        with self._lock:
+            wrapped = self._wrapped.get(id(channel))
+            if wrapped is None:
+                wrapped = grpc.intercept_channel(channel, TokenInterceptor(self._auth))
+                self._wrapped[id(channel)] = wrapped
+        return wrapped
+
+    def renew_token(self) -> None:
+        """Forget the auth token: the next call fetches a new one (a stream found it stale)."""
+        if self._auth is not None:
+            self._auth.drop(None)
 
     def _kv_call(self, what: str, method: str, request, timeout: Optional[float] = None):
         return self.call(
@@ -285,9 +354,15 @@ class EtcdClient:
         resp = self._kv_call(f"get prefix {prefix}", "Range", req, timeout)
         return RangeResult(kvs=tuple(_kv(kv) for kv in resp.kvs), revision=resp.header.revision)
 
-    def revision(self, timeout: Optional[float] = None) -> int:
-        """The store's current revision (a linearizable read)."""
-        req = etcdrpc.RangeRequest(key=b"\0", count_only=True)
+    def revision(self, timeout: Optional[float] = None, prefix: Optional[str] = None) -> int:
+        """The store's current revision (a linearizable read). ``prefix``: count the keys
+        under it instead of reading key ``"\\0"``; with etcd's auth on, give one the user may
+        read (a job's prefix)."""
+        if prefix is None:
+            req = etcdrpc.RangeRequest(key=b"\0", count_only=True)
+        else:
+            req = etcdrpc.RangeRequest(key=_b(prefix), range_end=prefix_range_end(_b(prefix)),
+                                       count_only=True)
         return self._kv_call("current revision", "Range", req, timeout).header.revision
 
     # ------------------------------------------------------------------------ writes
@@ -412,7 +487,8 @@ class EtcdClient:
         self.close()
 
     def __repr__(self) -> str:
-        return f"EtcdClient({','.join(self.endpoints)}, timeout={self.timeout})"
+        return (f"EtcdClient({','.join(self.endpoints)}, timeout={self.timeout}, "
+                f"{self.security.describe()})")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -424,11 +500,15 @@ def _describe(exc: Optional[BaseException]) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _wrap_rpc_error(what: str, exc: grpc.RpcError) -> CoordinationError:
+def _wrap_rpc_error(what: str, exc: grpc.RpcError,
+                    security: Optional[EtcdSecurity] = None) -> CoordinationError:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
     if code == grpc.StatusCode.NOT_FOUND and "lease" in (details or ""):
         return LeaseLostError(None, f"{what}: {details}")
+    denied = denial(details or "", code, security or EtcdSecurity())
+    if denied:
+        return EtcdAuthError(f"{what}: {denied}")
     if code == grpc.StatusCode.CANCELLED:
         return EtcdUnavailableError(f"{what}: call cancelled ({details})")
     return EtcdRequestError(f"{what}: etcd refused the request ({_describe(exc)})")

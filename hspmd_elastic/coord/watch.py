@@ -14,7 +14,11 @@ Promises:
 * with ``decode=True`` each PUT carries its schema record; a bad record is logged in one line,
   passed to ``on_error`` as a ``RecordError`` and skipped (never a crash);
 * ``start(timeout)`` returns once the first stream is registered (later writes will be seen);
-  ``stop(timeout)`` cancels the stream and joins the thread within the timeout.
+  ``stop(timeout)`` cancels the stream and joins the thread within the timeout;
+* with etcd's auth on, a stream etcd cancels for a stale token (etcd restarted, the token
+  expired) is re-opened with a new token; one it cancels for a denied prefix is an
+  ``EtcdAuthError``: ``start`` raises it at once, later ones go to ``on_error`` (the watch keeps
+  retrying, in case the user's roles are fixed).
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ from etcd3 import etcdrpc
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import (
     CoordinationError,
+    EtcdAuthError,
     EtcdUnavailableError,
     EventType,
     RecordError,
     WatchCompactedError,
     WatchEvent,
 )
+from hspmd_elastic.coord.auth import denial, is_stale_token_reason
 from hspmd_elastic.coord.client import EtcdClient, _b, _describe, prefix_range_end
 
 log = logging.getLogger(__name__)
@@ -119,12 +125,18 @@ class PrefixWatch:
             raise RuntimeError(f"{self.name}: already started (a PrefixWatch starts once)")
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
-        if not self._registered.wait(budget):
-            self.stop()
-            raise EtcdUnavailableError(
-                f"{self.name}: could not register a watch within {budget:.1f}s "
-                f"({_describe(self.last_error)})"
-            )
+        deadline = time.monotonic() + budget
+        while not self._registered.wait(min(0.05, max(deadline - time.monotonic(), 0.0))):
+            refused = self.last_error
+            if isinstance(refused, EtcdAuthError):
+                self.stop()
+                raise EtcdAuthError(str(refused)) from refused
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise EtcdUnavailableError(
+                    f"{self.name}: could not register a watch within {budget:.1f}s "
+                    f"({_describe(self.last_error)})"
+                )
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -167,6 +179,8 @@ class PrefixWatch:
                 self.last_error = exc
                 if self._stop.is_set():
                     break
+                if isinstance(exc, EtcdAuthError):
+                    self._report(exc)
                 log.info("%s: stream broke (%s); resuming from revision %s", self.name,
                          exc, self.next_revision)
             except Exception:  # noqa: BLE001 - the watch thread must survive anything
@@ -247,7 +261,14 @@ class PrefixWatch:
         if resp.compact_revision:
             raise _Compacted(resp.compact_revision)
         if resp.canceled:
-            raise _StreamBroken(f"watch cancelled by etcd: {resp.cancel_reason or 'no reason'}")
+            reason = resp.cancel_reason or "no reason"
+            if is_stale_token_reason(reason):
+                self.client.renew_token()  # the next stream authenticates again
+            elif "ermission" in reason or "nauthenticated" in reason:
+                code = None if "ermission" in reason else grpc.StatusCode.UNAUTHENTICATED
+                why = denial(reason, code, self.client.security) or reason
+                raise EtcdAuthError(f"{self.name}: {why}")
+            raise _StreamBroken(f"watch cancelled by etcd: {reason}")
         if not resp.events:
             return
         top = 0

@@ -28,6 +28,7 @@ from hspmd_elastic.coord.contract import (  # noqa: F401 - the worker's vocabula
     write_progress,
 )
 from hspmd_elastic.coord.lifecycle import IllegalTransition, StateMachine  # noqa: F401
+from hspmd_elastic.coord.security import EtcdSecurity, EtcdSecurityError
 from hspmd_elastic.graph.comm import CommTimeoutError
 
 
@@ -95,12 +96,14 @@ class Lifecycle(StateMachine[WorkerState]):
 # ------------------------------------------------------------------------------- identity
 @dataclass(frozen=True)
 class WorkerIdentity:
-    """Who this worker is: a device (worker slot) ``<node_id>:<local_rank>`` of a job."""
+    """Who this worker is: a device (worker slot) ``<node_id>:<local_rank>`` of a job, and how
+    it reaches etcd (endpoints; TLS and auth from ``HSPMD_ETCD_*``, as its agent has them)."""
 
     job: str
     node: str
     local_rank: int
     etcd_endpoints: str
+    etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
 
     @property
     def device(self) -> str:
@@ -119,8 +122,12 @@ class WorkerIdentity:
         except ValueError as exc:
             raise ConfigurationError(
                 f"LOCAL_RANK={env['LOCAL_RANK']!r} must be an integer") from exc
+        try:
+            security = EtcdSecurity.from_env(env).checked()
+        except EtcdSecurityError as exc:
+            raise ConfigurationError(f"worker environment: {exc}") from exc
         return cls(env["HSPMD_JOB_ID"], env["HSPMD_NODE_ID"], local_rank,
-                   env["HSPMD_ETCD_ENDPOINTS"])
+                   env["HSPMD_ETCD_ENDPOINTS"], security)
 
 
 # ------------------------------------------------------------------------------- progress
