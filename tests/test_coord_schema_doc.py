@@ -94,6 +94,8 @@ def test_what_a_job_writes_decodes_and_is_documented(etcd_server):
         session.put(schema.worker_key(job, "node-a", 0), schema.WorkerRecord(
             pid=2, global_rank=0, local_rank=0, plan_version=1, step=0, last_progress_at=0.0,
             steps_per_s=0.0).to_json())
+        session.put(schema.reach_key(job, "node-a"), schema.ReachRecord(
+            node="node-a", unreachable=["node-b"], at=0.0).to_json())
         session.put(schema.switch_ack_key(job, 1, "node-a"), schema.SwitchAckRecord(
             node="node-a", plan_version=1, state="done", at=0.0).to_json())
         member = schema.RdzvParticipant(node="node-a", host="gpu-a", local_world_size=1,

@@ -370,3 +370,59 @@ def test_records_written_before_the_optional_fields_still_decode():
         schema.decode(schema.node_key(job, "a"), b'{"schema":1,"kind":"node","host":"h"}')
     with pytest.raises(schema.RecordError, match="inventory"):
         schema.decode(schema.plan_current_key(job), old_plan[:-1] + b',"inventory":[1]}')
+
+
+# ------------------------------------------------------------------------ drain and reachability
+def test_a_suspect_device_of_the_plan_with_a_running_worker_is_drained():
+    nodes = {"a": node("a"), "b": node("b")}
+    current = published(decide(build_snapshot(nodes, {}), None))
+    rec = schema.WorkerRecord(pid=1, global_rank=0, local_rank=0, plan_version=1, step=3,
+                              last_progress_at=0.0, steps_per_s=1.0)
+    running = {("a", 0): rec, ("a", 1): rec, ("b", 0): rec}  # b:1's worker has exited
+    verdicts = {("a", 1): verdict("suspect", "row remapping pending"),
+                ("b", 1): verdict("suspect", "3 non-fatal Xids")}
+    snap = build_snapshot(nodes, verdicts, workers=running)
+    assert snap.nodes["a"].devices[1].state == "suspect" and "a:1" not in snap.usable()
+    d = decide(snap, current)
+    assert [x.id for x in d.devices] == ["a:0", "b:0"]
+    assert d.drain == ("a:1",)  # b:1 holds nothing any more: it simply leaves
+    assert [(c.kind, c.devices, c.detail) for c in d.changes] == [
+        (ChangeKind.DRAIN, ("a:1",), "row remapping pending"),
+        (ChangeKind.DRAIN, ("b:1",), "3 non-fatal Xids")]
+    after = published(d)
+    assert after.drain == ["a:1"] and "a:1" not in after.devices
+    # The next decision does not drain it again: it no longer computes in the plan.
+    assert decide(build_snapshot(nodes, verdicts, workers=running), after) is None
+
+
+def test_a_node_a_majority_cannot_reach_is_cut_off_until_the_reports_end():
+    nodes = {n: node(n, 1) for n in "abc"}
+    current = published(decide(build_snapshot(nodes, {}), None))
+    planned = frozenset("abc")
+
+    def reach(**unreachable):
+        return {n: schema.ReachRecord(node=n, unreachable=list(u), at=0.0)
+                for n, u in unreachable.items()}
+
+    # c's data link is down: a and b cannot reach it, and it reaches nobody.
+    cut = reach(a="c", b="c", c="ab")
+    snap = build_snapshot(nodes, {}, reach=cut, planned=planned)
+    assert snap.nodes["c"].cut_off == "unreachable over the data network from a, b"
+    assert not snap.nodes["a"].cut_off and not snap.nodes["b"].cut_off
+    d = decide(snap, current)
+    assert [x.id for x in d.devices] == ["a:0", "b:0"]
+    assert [(c.kind, c.node) for c in d.changes] == [(ChangeKind.UNREACHABLE, "c")]
+    after = published(d)
+    # Left out of the plan, c stays cut while the plan's nodes still cannot reach it ...
+    assert decide(build_snapshot(nodes, {}, reach=cut, planned=frozenset("ab")), after) is None
+    # ... and comes back as a join once they can.
+    back = decide(build_snapshot(nodes, {}, reach=reach(c="ab"), planned=frozenset("ab")), after)
+    assert [(c.kind, c.node) for c in back.changes] == [(ChangeKind.JOIN, "c")]
+    # One report is no majority; two nodes that lose each other cannot tell who is cut.
+    assert not any(v.cut_off for v in build_snapshot(nodes, {}, reach=reach(a="c"),
+                                                     planned=planned).nodes.values())
+    two = {n: node(n, 1) for n in "ab"}
+    snap2 = build_snapshot(two, {}, reach=reach(a="b", b="a"), planned=frozenset("ab"))
+    assert not any(v.cut_off for v in snap2.nodes.values())
+    # A cut node hosts no store.
+    assert snap.store_for("c")[0] == "a"

@@ -38,6 +38,7 @@ NODE_STATES = ("joining", "ready", "running", "switching", "draining", "leaving"
 EVENT_TYPES = (
     "failure", "join", "leave", "degrade", "recover", "stall", "replan",
     "switch-start", "switch-done", "switch-failed", "restart", "fallback", "drain", "drained",
+    "unreachable",
 )
 SWITCH_STATES = ("joined", "ready", "done", "failed")
 RDZV_STATES = ("joining", "closed", "succeeded", "failed")
@@ -100,6 +101,14 @@ def workers_prefix(job: str, node: Optional[str] = None) -> str:
 
 def worker_key(job: str, node: str, local_rank: int) -> str:
     return f"{workers_prefix(job, node)}{_number('local rank', local_rank)}"
+
+
+def reach_prefix(job: str) -> str:
+    return f"{job_prefix(job)}reach/"
+
+
+def reach_key(job: str, node: str) -> str:
+    return f"{reach_prefix(job)}{_ident('node_id', node)}"
 
 
 def leader_key(job: str) -> str:
@@ -211,6 +220,7 @@ class DeviceInfo:
     type: str
     memory_bytes: int
     uuid: str
+    speed: float = 1.0  # declared by the node: relative to the type's nominal (1.0 nominal)
 
 
 @dataclass
@@ -249,6 +259,17 @@ class WorkerRecord(Record):
     step: int
     last_progress_at: float
     steps_per_s: float
+
+
+@dataclass
+class ReachRecord(Record):
+    """The peers a node cannot reach over the data network (written while it sees any)."""
+
+    KIND: ClassVar[str] = "reach"
+
+    node: str
+    unreachable: list[str]
+    at: float
 
 
 @dataclass
@@ -381,8 +402,8 @@ class RdzvDoneRecord(Record):
 
 
 RECORD_TYPES: tuple[type[Record], ...] = (
-    NodeRecord, DeviceHealthRecord, WorkerRecord, CandidateRecord, LeaderRecord, PlanRecord,
-    EventRecord, CounterRecord, FaultScriptRecord, SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord,
+    NodeRecord, DeviceHealthRecord, WorkerRecord, ReachRecord, CandidateRecord, LeaderRecord,
+    PlanRecord, EventRecord, CounterRecord, FaultScriptRecord, SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord,
     RdzvMasterRecord, RdzvDoneRecord,
 )
 NESTED_TYPES: tuple[type, ...] = (DeviceInfo, RdzvParticipant)
@@ -428,6 +449,7 @@ REGISTRY: tuple[KeySpec, ...] = (
     KeySpec("devices/<node_id>/<index>", DeviceHealthRecord, "agent", "node agent"),
     KeySpec("workers/<node_id>/<local_rank>", WorkerRecord, "agent", "node agent",
             (("local_rank", "local_rank"),)),
+    KeySpec("reach/<node_id>", ReachRecord, "agent", "node agent", (("node_id", "node"),)),
     KeySpec("election/<lease_hex>", CandidateRecord, "candidate", "every leader candidate"),
     KeySpec("leader", LeaderRecord, "leader", "leader"),
     KeySpec("plan/current", PlanRecord, "none", "leader (fenced)"),

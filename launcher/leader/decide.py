@@ -6,7 +6,9 @@ Promises:
   their speeds, or the store host differ from what the current plan assumed (its
   ``inventory``; ``assumed_inventory``), or when no plan exists yet and ``min_nodes`` nodes are
   up; otherwise None. The decision names every change (``ChangeKind``: leave, join, failure,
-  stall, drain, degrade, recover), grouped by node and kind in a deterministic order;
+  stall, drain, unreachable, degrade, recover), grouped by node and kind in a deterministic
+  order; a node a majority of the plan cannot reach over the data network (``snapshot``'s
+  ``cut_off``) is ``unreachable``: its devices leave the plan while the cut lasts;
 * a suspect device (warning signs before a fatal fault) is not usable: it leaves the plan, and
   when it computes in the current plan, is alive and its worker runs, it is *drained*
   (``PlanDecision.drain``): it joins the switch's group as a BSR source, so its state leaves by
@@ -41,6 +43,7 @@ class ChangeKind(str, enum.Enum):
     FAILURE = "failure"
     STALL = "stall"
     DRAIN = "drain"
+    UNREACHABLE = "unreachable"
     DEGRADE = "degrade"
     RECOVER = "recover"
 
@@ -139,7 +142,8 @@ def decide(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
         return PlanDecision(1, "start", changes, ordered, store_node, store)
     changes = _changes(snapshot, assumed_inventory(current), usable, spares)
     store_lost = current.store_endpoint not in {
-        v.store_endpoint for v in snapshot.nodes.values() if v.alive and v.store_endpoint}
+        v.store_endpoint for v in snapshot.nodes.values()
+        if v.alive and v.store_endpoint and not v.cut_off}
     if not changes and not (store_lost and store):
         return None
     ordered = _ordered(usable)
@@ -185,6 +189,8 @@ def _changes(snapshot: ClusterSnapshot, assumed: Mapping[str, float],
         view, seen = snapshot.nodes.get(node), snapshot.device(dev)
         if view is None or not view.alive:
             add(ChangeKind.LEAVE, dev, "" if view is None else f"node {view.state}")
+        elif view.cut_off:
+            add(ChangeKind.UNREACHABLE, dev, view.cut_off)
         elif node in spares:
             add(ChangeKind.LEAVE, dev, "node spare: --nnodes max reached")
         elif seen is None:

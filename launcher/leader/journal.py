@@ -1,6 +1,7 @@
 """What the leader writes to the job's journal after it published a plan.
 
 Promises: one event per change of the decision (``leave``, ``join``, ``failure``, ``stall``,
+``drain``, ``unreachable``,
 ``degrade``, ``recover``; changes marked ``journaled``, i.e. failures and stalls a node agent
 journaled already, are not repeated), then one ``replan`` event with the version, the reason,
 the planner, the store, the step and the timings of detection -> publication. The plan is out

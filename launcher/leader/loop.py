@@ -47,6 +47,7 @@ from hspmd_elastic.coord.api import (
     WatchEvent,
 )
 from hspmd_elastic.coord.client import EtcdClient
+from hspmd_elastic.coord.contract import node_of
 from hspmd_elastic.coord.election import Election
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.lifecycle import StateMachine, Transition
@@ -132,6 +133,7 @@ class WatchedWorld:
         self.nodes: dict[str, schema.NodeRecord] = {}
         self.verdicts: dict[tuple[str, int], schema.DeviceHealthRecord] = {}
         self.workers: dict[tuple[str, int], schema.WorkerRecord] = {}
+        self.reach: dict[str, schema.ReachRecord] = {}
         self.plan: Optional[schema.PlanRecord] = None
         self.plan_rev = 0
 
@@ -152,6 +154,8 @@ class WatchedWorld:
                 table, key = self.verdicts, (params["node_id"], int(params["index"]))
             elif spec.record is schema.WorkerRecord:
                 table, key = self.workers, (params["node_id"], int(params["local_rank"]))
+            elif spec.record is schema.ReachRecord:
+                table, key = self.reach, params["node_id"]
             else:
                 return
             if put:
@@ -165,8 +169,10 @@ class WatchedWorld:
 
     def snapshot(self, self_node: str) -> tuple[ClusterSnapshot, Optional[schema.PlanRecord]]:
         with self.lock:
+            planned = frozenset(node_of(d) for d in self.plan.devices) if self.plan else \
+                frozenset()
             snap = build_snapshot(dict(self.nodes), dict(self.verdicts), self_node,
-                                  dict(self.workers))
+                                  dict(self.workers), reach=dict(self.reach), planned=planned)
             return snap, self.plan
 
 
@@ -343,7 +349,8 @@ class Leader:
     def _take_office(self) -> None:
         world = WatchedWorld()
         prefixes = [schema.nodes_prefix(self.job), schema.devices_prefix(self.job),
-                    schema.workers_prefix(self.job), schema.plan_current_key(self.job)]
+                    schema.workers_prefix(self.job), schema.reach_prefix(self.job),
+                    schema.plan_current_key(self.job)]
         watches = []
         try:
             for prefix in prefixes:

@@ -4,7 +4,8 @@ Promises:
 
 * ``build_snapshot`` turns node records, device-health verdicts and worker progress into a
   ``ClusterSnapshot``: per node its devices (ids ``"<node_id>:<index>"``, made by
-  ``coord.contract.device_id``) with type, memory, state and speed relative to nominal;
+  ``coord.contract.device_id``) with type, memory, state and speed relative to nominal (the
+  health verdict's), and the speed the node declared for it (``--hspmd-device-speed``);
   failed devices have speed 0 and are not ``usable``; suspect devices (warning signs before a
   fatal fault) are not ``usable`` either, but they still work: ``decide`` drains the ones that
   hold state; nodes in ``GONE_NODE_STATES``
@@ -12,6 +13,11 @@ Promises:
 * a verdict whose reason starts with ``EXIT_PREFIX`` or ``STALL_PREFIX`` was written by a node
   agent that saw its worker die or hang and journaled it already; ``decide`` marks the change
   ``journaled`` so the leader does not journal it twice;
+* a node is *cut off* (``NodeView.cut_off``: the reason) when a strict majority of the other
+  nodes of the current plan report it unreachable over the data network (``reach/<node>``,
+  ``launcher.node.reach``); its devices are not usable, and it hosts no store. When that rule
+  would cut half of the planned nodes or more, nobody is cut (two nodes that lose each other
+  cannot tell which one is cut off);
 * ``ClusterSnapshot.store_for`` is deterministic: the preferred node's advertised store when it
   has one, else the lowest live node id's.
 """
@@ -32,7 +38,9 @@ GONE_NODE_STATES = ("draining", "leaving", "failed")
 
 @dataclass(frozen=True)
 class DeviceView:
-    """One device slot as the leader sees it. ``speed``: relative to nominal (1.0 nominal)."""
+    """One device slot as the leader sees it. ``speed``: relative to nominal (1.0 nominal),
+    from health verdicts; ``declared_speed``: what the node declared its device to be, relative
+    to its type's nominal (a capacity, not a health state); ``memory_bytes`` 0: not known."""
 
     id: str
     node: str
@@ -42,6 +50,7 @@ class DeviceView:
     state: str = "healthy"  # healthy | degraded | suspect | failed
     speed: float = 1.0
     reason: str = ""
+    declared_speed: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class NodeView:
     state: str
     store_endpoint: str
     devices: tuple[DeviceView, ...]
+    cut_off: str = ""  # why the node counts as cut off from the data network ("" when not)
 
     @property
     def alive(self) -> bool:
@@ -69,8 +79,8 @@ class ClusterSnapshot:
     running: frozenset = frozenset()  # devices whose worker's record is in etcd (it runs)
 
     def usable(self) -> dict[str, DeviceView]:
-        return {d.id: d for n in self.nodes.values() if n.alive for d in n.devices
-                if d.state not in ("failed", "suspect")}
+        return {d.id: d for n in self.nodes.values() if n.alive and not n.cut_off
+                for d in n.devices if d.state not in ("failed", "suspect")}
 
     def device(self, dev: str) -> Optional[DeviceView]:
         view = self.nodes.get(node_of(dev))
@@ -82,7 +92,8 @@ class ClusterSnapshot:
     def store_for(self, prefer: str) -> tuple[str, str]:
         """(node, endpoint) of a store hosted by a live agent: ``prefer``'s, else the lowest
         node id's; ("", "") when no live agent advertises one."""
-        live = {n: v.store_endpoint for n, v in self.nodes.items() if v.alive and v.store_endpoint}
+        live = {n: v.store_endpoint for n, v in self.nodes.items()
+                if v.alive and v.store_endpoint and not v.cut_off}
         if prefer in live:
             return prefer, live[prefer]
         if live:
@@ -95,9 +106,14 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
                    verdicts: Mapping[tuple[str, int], schema.DeviceHealthRecord],
                    self_node: str = "",
                    workers: Optional[Mapping[tuple[str, int], schema.WorkerRecord]] = None,
-                   default_slowdown: float = 0.5) -> ClusterSnapshot:
-    """Pure: node records + health verdicts (+ worker progress) -> ``ClusterSnapshot``."""
+                   default_slowdown: float = 0.5,
+                   reach: Optional[Mapping[str, schema.ReachRecord]] = None,
+                   planned: frozenset = frozenset()) -> ClusterSnapshot:
+    """Pure: node records + health verdicts (+ worker progress, + reachability reports and
+    the nodes of the current plan) -> ``ClusterSnapshot``."""
     health = summarize_device_health(verdicts, default_slowdown=default_slowdown)
+    alive = {n for n, rec in nodes.items() if rec.state not in GONE_NODE_STATES}
+    cut = cut_off_nodes(reach or {}, planned & alive, alive)
     views = {}
     for name, rec in nodes.items():
         devs = []
@@ -113,8 +129,26 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
             else:
                 state, speed, reason = "healthy", 1.0, ""
             devs.append(DeviceView(device_id(name, info.index), name, info.index, info.type,
-                                   info.memory_bytes, state, speed, reason))
-        views[name] = NodeView(name, rec.host, rec.state, rec.store_endpoint, tuple(devs))
+                                   info.memory_bytes, state, speed, reason,
+                                   info.speed))
+        views[name] = NodeView(name, rec.host, rec.state, rec.store_endpoint, tuple(devs),
+                               cut.get(name, ""))
     steps = [w.step for w in (workers or {}).values()]
     running = frozenset(device_id(n, lr) for n, lr in (workers or {}))
     return ClusterSnapshot(views, self_node, max(steps) if steps else None, running)
+
+
+def cut_off_nodes(reach: Mapping[str, schema.ReachRecord], voters: frozenset,
+                  alive: set) -> dict[str, str]:
+    """Pure: node -> why it is cut off from the data network (see the module docstring).
+    ``voters``: the live nodes of the current plan, whose reports count; ``alive``: the
+    candidates (a node the current plan left out stays cut while the plan's nodes report it)."""
+    out = {}
+    for node in sorted(alive):
+        others = voters - {node}
+        by = sorted(r for r in others if r in reach and node in reach[r].unreachable)
+        if others and 2 * len(by) > len(others):
+            out[node] = f"unreachable over the data network from {', '.join(by)}"
+    if voters and 2 * len(set(out) & voters) >= len(voters):
+        return {}
+    return out

@@ -16,6 +16,10 @@ workers can switch. ``ElasticNode`` bundles the small pieces beside it into one 
 * surviving workers are never restarted (``elastic_workers.py``); a worker that left because
   the newest plan does not use its device (final report ``excluded``) is no failure: no event,
   no failed verdict, and a later plan may use the slot again;
+* while a local worker waits for a plan after it trained (it left a collective), the agent
+  probes its plan's peers over the data network (``reach.py``) and writes the ones it cannot
+  reach to ``reach/<node>`` under its lease until they answer again (the leader replans a node
+  that a majority cannot reach away);
 * the agent acks every plan that uses its node (``acks.py``) in ``switch/<version>/<node>``,
   under its lease, level-triggered: a state is remembered only once etcd took it;
 * every etcd call has the client's deadline; ``tick`` raises ``CoordinationError`` when etcd
@@ -32,10 +36,12 @@ from typing import Callable, Optional
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.contract import LEFT_STATES, WorkerProgress, device_id, read_progress
+from hspmd_elastic.coord.contract import (LEFT_STATES, WorkerProgress, WorkerState, device_id,
+                                          node_of, read_progress)
 from hspmd_elastic.coord.journal import append_event
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.plans import read_plan
+from hspmd_elastic.coord.valid import decode_or_none
 from launcher.health.api import HealthSource, Verdict
 from launcher.health.verdicts import VerdictPublisher
 from launcher.leader import STALL_PREFIX, Leader
@@ -44,6 +50,7 @@ from launcher.node.devices import node_record
 from launcher.node.elastic_workers import ElasticWorkers, new_local_ranks
 from launcher.node.exits import SlotVerdicts, WorkerExit, report_worker_exit
 from launcher.node.hangs import ProgressMonitor
+from launcher.node.reach import ReachProbe
 from launcher.node.store import StoreServer
 from launcher.node.workers import Worker
 
@@ -58,7 +65,7 @@ class ElasticNode:
                  host: str, devices: list[schema.DeviceInfo], workers: ElasticWorkers,
                  leader: Optional[Leader] = None, health: Optional[HealthSource] = None,
                  monitor: Optional[ProgressMonitor] = None, store_host: Optional[str] = None,
-                 store_port: int = 0,
+                 store_port: int = 0, reach: Optional[ReachProbe] = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time):
         self.client, self.session, self.job, self.node, self.host = client, session, job, node, host
@@ -76,6 +83,11 @@ class ElasticNode:
         self._started_at = wall_clock()
         self._state = "joining"
         self._killed_hung: set[int] = set()  # pids of workers killed because they hung
+        self.reach = reach or ReachProbe(node)
+        self.plan_nodes: frozenset = frozenset()  # the nodes of the current plan
+        self._reach_written: frozenset = frozenset()  # what reach/<node> holds
+        self._reach_peers_at = float("-inf")
+        self._peers: dict[str, str] = {}  # the plan's other nodes -> their store endpoints
         self.publisher = VerdictPublisher(client, job, node, lease=lambda: session.lease_id or 0,
                                           clock=clock, wall_clock=wall_clock)
 
@@ -101,6 +113,7 @@ class ElasticNode:
             for w in self.workers.apply_plan(plan):
                 self._put_worker(w, plan.version)
             self.plan_version = plan.version
+            self.plan_nodes = frozenset(node_of(d) for d in plan.devices)
             self.slot_plan = new_local_ranks(plan, self.node, ())
             if self.workers.running() and self._state != "running":
                 self.put_node("running")
@@ -137,7 +150,38 @@ class ElasticNode:
                 "plan_version": self.plan_version}, wall_clock=self._wall)
             self._kill_hung(hang.worker, pid)
         self.publish_verdicts()
+        self._probe_reach()
         self._ack()  # last: whatever happens to this write, the verdicts above are out
+
+    def _probe_reach(self) -> None:
+        """Arm the data-link probe while a local worker waits for a plan after it trained,
+        give it the plan's peers (their store endpoints, re-read at most once per probe
+        interval while needed), and mirror what it cannot reach into ``reach/<node>``."""
+        running = self.workers.running()
+        armed = any(r.state == WorkerState.WAITING_PLAN.value and r.plan_version > 0
+                    for lr, r in self.reports.items() if running.get(lr) == r.pid)
+        now = self._clock()
+        if (armed or self.reach.unreachable()) and \
+                now - self._reach_peers_at >= self.reach.interval_s:
+            self._reach_peers_at = now
+            self._peers = {}
+            for kv in self.client.get_prefix(schema.nodes_prefix(self.job)):
+                name = kv.key.rsplit("/", 1)[-1]
+                rec = decode_or_none(kv, log, "node record") \
+                    if name in self.plan_nodes and name != self.node else None
+                if rec is not None:
+                    self._peers[name] = rec.store_endpoint
+        self.reach.update(armed, self._peers)
+        now_unreachable = self.reach.unreachable()
+        if now_unreachable == self._reach_written:
+            return
+        key = schema.reach_key(self.job, self.node)
+        if now_unreachable:
+            self.session.put(key, schema.encode(schema.ReachRecord(
+                node=self.node, unreachable=sorted(now_unreachable), at=self._wall())))
+        else:
+            self.session.delete(key)
+        self._reach_written = now_unreachable
 
     def _kill_hung(self, local_rank: int, pid: Optional[int]) -> None:
         """A hung worker never exits by itself (frozen, stopped, deadlocked): SIGKILL it, so
@@ -230,6 +274,7 @@ class ElasticNode:
     def stop(self, grace_s: float = 30.0, timeout: float = 5.0) -> None:
         """Stop the workers and the leader, close the store (the agent owns the session)."""
         self.workers.stop(grace_s)
+        self.reach.stop(timeout)
         if self.leader is not None:
             self.leader.stop(timeout)
         self.store.close()
