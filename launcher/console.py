@@ -231,9 +231,10 @@ class WaitBar:
                                    TextColumn, TimeElapsedColumn)
 
         console = Console(file=self.stream, force_terminal=True)
-        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False),
                                   BarColumn(bar_width=12), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
+                                  TimeElapsedColumn(),
+                                  TextColumn("{task.fields[status]}", markup=False),
                                   console=console, transient=True, auto_refresh=False,
                                   redirect_stdout=False, redirect_stderr=False)
         self._task = self._progress.add_task(fields.description, total=fields.total,
@@ -308,13 +309,14 @@ class ElasticWaits:
 
     def _read_events(self) -> None:
         from hspmd_elastic.coord import schema
+        from hspmd_elastic.coord.valid import decode_or_none, decode_valid
 
-        kv = self.client.get(schema.event_seq_key(self.job))
-        last = schema.decode(kv.key, kv.value).value if kv is not None else 0
+        counter = decode_or_none(self.client.get(schema.event_seq_key(self.job)), log, self.job)
+        last = counter.value if counter is not None else 0
         if last <= self._seq:
             return
-        events = [schema.decode(e.key, e.value)
-                  for e in self.client.get_prefix(schema.events_prefix(self.job))]
+        events = [ev for _, ev in decode_valid(
+            self.client.get_prefix(schema.events_prefix(self.job)), log, self.job)]
         for ev in sorted(events, key=lambda e: e.seq):
             if ev.seq > self._seq:
                 self.tracker.observe(ev)
@@ -325,8 +327,10 @@ class ElasticWaits:
         from hspmd_elastic.coord.contract import node_of
         from hspmd_elastic.coord.plans import read_plan
 
-        acks = [schema.decode(kv.key, kv.value)
-                for kv in self.client.get_prefix(schema.switch_prefix(self.job, version))]
+        from hspmd_elastic.coord.valid import decode_valid
+
+        acks = [ack for _, ack in decode_valid(
+            self.client.get_prefix(schema.switch_prefix(self.job, version)), log, self.job)]
         plan, _ = read_plan(self.client, self.job)
         expected = None
         if plan is not None and plan.version == version:

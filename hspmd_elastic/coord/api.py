@@ -79,8 +79,14 @@ class RecordError(CoordinationError):
         super().__init__(f"bad record at {_bounded(repr(key), 200)}: {self.problem}")
 
 
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}
+
+
 def _bounded(text: str, limit: int) -> str:
-    return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} chars)"
+    """``text`` at most about ``limit`` characters, control characters escaped (no terminal
+    escape sequence from etcd reaches a log)."""
+    text = text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} chars)"
+    return text.translate(_CONTROLS)
 
 
 class WatchCompactedError(CoordinationError):

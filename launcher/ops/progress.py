@@ -6,9 +6,9 @@ waits that ended are removed. ``sync(view)`` is the only state change and does n
 drawing; ``follow(cache, stop, deadline)`` redraws on every change of a ``JobStateCache`` (an
 etcd watch, no polling) and returns whether the job settled (no wait left) before the deadline.
 Bars go to stderr and only to a terminal unless ``console`` says otherwise, so piped output
-stays clean. Used by ``status --wait`` (any machine that reaches etcd). The node agent draws its
-own waits (rendezvous, first plan, switch) from what it already knows, with
-``launcher.console``.
+stays clean. Labels are shown as text (never markup, control characters escaped). Used by
+``status --wait`` (any machine that reaches etcd). The node agent draws its own waits
+(rendezvous, first plan, switch) from what it already knows, with ``launcher.console``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID,
                            TextColumn, TimeElapsedColumn)
 
+from launcher.ops.safe import clean
 from launcher.ops.view import JobView
 
 TICK_S = 0.5
@@ -29,7 +30,7 @@ TICK_S = 0.5
 class WaitProgress:
     def __init__(self, console: Optional[Console] = None):
         self.console = console or Console(stderr=True)
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False),
                                  BarColumn(bar_width=30), MofNCompleteColumn(),
                                  TimeElapsedColumn(), console=self.console, transient=False,
                                  auto_refresh=False)
@@ -55,8 +56,9 @@ class WaitProgress:
         for kind, wait in current.items():
             task = self._tasks.get(kind)
             if task is None:
-                task = self._tasks[kind] = self.progress.add_task(wait.label, total=wait.total)
-            self.progress.update(task, description=wait.label, total=wait.total,
+                task = self._tasks[kind] = self.progress.add_task(clean(wait.label),
+                                                                  total=wait.total)
+            self.progress.update(task, description=clean(wait.label), total=wait.total,
                                  completed=wait.done)
         self.progress.refresh()
         return not current

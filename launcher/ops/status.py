@@ -5,7 +5,9 @@ rich renderable: a header (leader, plan, throughput, device counts), the cluster
 coloured by health, with the reason of every non-healthy one), the plan (pipelines x stages x TP
 groups with layer ranges), progress bars for the waits in progress (rendezvous, switch) and the
 recent events. What the job has not published is said in words ("no plan published"), never an
-empty table. ``status --json`` does not come from here: it is ``JobView.document()``.
+empty table. Every string that comes from etcd is shown as text (``safe.text``): never parsed as
+rich markup, control characters escaped, cut to a bounded length. ``status --json`` does not come
+from here: it is ``JobView.document()``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from launcher.ops.events import event_dict, format_bytes
+from launcher.ops.safe import clean, text
 from launcher.ops.view import JobView
 
 HEALTH_STYLE = {"healthy": "green", "degraded": "yellow", "failed": "bold red",
@@ -34,12 +37,16 @@ EVENT_STYLE = {"failure": "bold red", "leave": "magenta", "degrade": "yellow", "
                "replan": "cyan"}
 GLYPH = "\u25a0"  # a filled square per GPU
 RECENT_SHOWN = 12
+BAD_SHOWN = 20  # undecodable keys listed (the JSON document has them all)
 
 
 def clock(ts: Optional[float]) -> str:
     if ts is None:
         return "-"
-    return _dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+    try:
+        return _dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+    except (OverflowError, ValueError, OSError):  # a time no clock shows (a forged record)
+        return "?"
 
 
 def age(seconds: Optional[float]) -> str:
@@ -62,8 +69,11 @@ def render(view: JobView, endpoints: str = "") -> RenderableType:
         bad = Table(title="Undecodable keys", title_justify="left", show_edge=False)
         bad.add_column("key")
         bad.add_column("problem", style="red")
-        for key, problem in view.bad_records:
-            bad.add_row(key, problem)
+        for key, problem in view.bad_records[:BAD_SHOWN]:
+            bad.add_row(text(key), text(problem, "red", limit=300))
+        if len(view.bad_records) > BAD_SHOWN:
+            bad.add_row(Text(f"... and {len(view.bad_records) - BAD_SHOWN} more "
+                             "(status --json lists them all)"), Text(""))
         parts.append(bad)
     return Group(*parts)
 
@@ -74,17 +84,17 @@ def _header(view: JobView, endpoints: str) -> RenderableType:
     grid.add_column(style="bold")
     grid.add_column()
     leader = view.leader
-    grid.add_row("leader", Text(f"{leader['node']} (term {leader['term']}, since "
+    grid.add_row("leader", text(f"{leader['node']} (term {leader['term']}, since "
                                 f"{clock(leader['since'])})") if leader else
                  Text("no leader elected", style="grey62"))
     plan = view.plan
-    grid.add_row("plan", Text(f"v{plan.version}: {plan.reason} ({len(plan.devices)} devices, "
+    grid.add_row("plan", text(f"v{plan.version}: {plan.reason} ({len(plan.devices)} devices, "
                               f"{clock(plan.created_at)})") if plan else
                  Text("no plan published", style="grey62"))
     tp = view.throughput
     if tp["workers"]:
         rate = "-" if tp["steps_per_s"] is None else f"{tp['steps_per_s']:.3f} steps/s"
-        grid.add_row("progress", f"step {tp['step']}, {rate}, {tp['workers']} workers")
+        grid.add_row("progress", Text(f"step {tp['step']}, {rate}, {tp['workers']} workers"))
     else:
         grid.add_row("progress", Text("no workers running", style="grey62"))
     counts = view.device_counts()
@@ -94,16 +104,16 @@ def _header(view: JobView, endpoints: str) -> RenderableType:
             line.append(f"{n} {state}  ", style=HEALTH_STYLE[state])
     grid.add_row("devices", line if line else Text("no devices reported", style="grey62"))
     c = view.counters
-    grid.add_row("switches", f"{c['total']} done, {c['failed']} failed, "
-                             f"{c['seconds_total']:.2f}s, {format_bytes(c['bytes_moved_total'])}"
-                             " moved")
+    grid.add_row("switches", Text(f"{c['total']} done, {c['failed']} failed, "
+                                  f"{c['seconds_total']:.2f}s, "
+                                  f"{format_bytes(c['bytes_moved_total'])} moved"))
     rd = view.rendezvous
     if rd is not None:
-        grid.add_row("rendezvous", f"round {rd['round']} {rd['state']}, restarts "
-                                   f"{rd['restart_count']}, {len(rd['participants'])} nodes")
-    where = f" @ {endpoints}" if endpoints else ""
-    return Panel(grid, title=f"[bold]job {view.job}[/]{where}",
-                 subtitle=f"etcd revision {view.revision} at {clock(view.generated_at)}",
+        grid.add_row("rendezvous", Text(f"round {rd['round']} {rd['state']}, restarts "
+                                        f"{rd['restart_count']}, {len(rd['participants'])} nodes"))
+    where = f" @ {clean(endpoints)}" if endpoints else ""
+    return Panel(grid, title=Text.assemble((f"job {clean(view.job)}", "bold"), where),
+                 subtitle=Text(f"etcd revision {view.revision} at {clock(view.generated_at)}"),
                  expand=False)
 
 
@@ -123,8 +133,8 @@ def _cluster(view: JobView) -> RenderableType:
             gpus.append("none reported", style="grey62")
         steps = [w.step for w in node.workers]
         rates = [w.steps_per_s for w in node.workers]
-        table.add_row(node.id, node.host or "-",
-                      Text(node.state, style=NODE_STYLE.get(node.state, "")), gpus,
+        table.add_row(text(node.id), text(node.host or "-"),
+                      text(node.state, NODE_STYLE.get(node.state, "")), gpus,
                       str(len(node.workers)), str(max(steps)) if steps else "-",
                       f"{sum(rates) / len(rates):.3f}" if rates else "-")
     problems = [d for d in view.devices if d.health not in ("healthy", "unknown")]
@@ -134,7 +144,8 @@ def _cluster(view: JobView) -> RenderableType:
     for col in ("device", "health", "reason", "xid", "since", "in plan", "replaced by"):
         detail.add_column(col)
     for d in problems:
-        detail.add_row(d.id, Text(d.health, style=HEALTH_STYLE[d.health]), d.reason or "-",
+        detail.add_row(text(d.id), text(d.health, HEALTH_STYLE[d.health]),
+                       text(d.reason or "-"),
                        "-" if d.xid is None else str(d.xid), clock(d.health_at),
                        "yes" if d.plan_rank is not None else "no",
                        "-" if d.replaced_by_plan is None else f"plan v{d.replaced_by_plan}")
@@ -147,25 +158,26 @@ def _plan(view: JobView) -> RenderableType:
     if plan is None:
         return Text("Plan: no plan published", style="grey62")
     health = {d.id: d.health for d in view.devices}
-    tree = Tree(Text(f"Plan v{plan.version} ({plan.reason}), store {plan.store_endpoint}",
-                     style="bold"))
+    tree = Tree(text(f"Plan v{plan.version} ({plan.reason}), store {plan.store_endpoint}",
+                     "bold"))
     if plan.layout_error:
-        tree.add(Text(plan.layout_error, style="yellow"))
-        tree.add(json.dumps(plan.strategy, sort_keys=True))
-        tree.add("devices: " + ", ".join(plan.devices))
+        tree.add(text(plan.layout_error, "yellow", limit=300))
+        tree.add(text(json.dumps(plan.strategy, sort_keys=True), limit=500))
+        tree.add(text("devices: " + ", ".join(plan.devices), limit=500))
         return tree
     for pipe in plan.pipelines:
-        branch = tree.add(f"pipeline {pipe['index']}: {pipe['num_microbatches']} x "
-                          f"{pipe['microbatch_size']} rows")
+        branch = tree.add(Text(f"pipeline {pipe['index']}: {pipe['num_microbatches']} x "
+                               f"{pipe['microbatch_size']} rows"))
         for st in pipe["stages"]:
             line = Text(f"stage {st['index']}  layers {st['layers'][0]}-{st['layers'][1] - 1}"
                         f"  TP{st['tp']} ")
             for dev in st["devices"]:
-                line.append(f" {dev}", style=HEALTH_STYLE.get(health.get(dev, "unknown")))
+                line.append(f" {clean(dev)}", style=HEALTH_STYLE.get(health.get(dev, "unknown")))
             branch.add(line)
     if view.plan_history:
-        tree.add(Text("history: " + ", ".join(
-            f"v{p['version']} {p['reason']}" for p in view.plan_history[-5:]), style="grey62"))
+        tree.add(text("history: " + ", ".join(
+            f"v{p['version']} {clean(p['reason'], 60)}" for p in view.plan_history[-5:]),
+            "grey62", limit=500))
     return tree
 
 
@@ -177,7 +189,7 @@ def _waits(view: JobView) -> Optional[RenderableType]:
     for w in view.waits:
         bar = ProgressBar(total=w.total, completed=w.done, width=30, pulse=w.total is None)
         count = f"{w.done}/{w.total}" if w.total is not None else f"{w.done}"
-        table.add_row(w.label, bar, count, age(w.elapsed_s))
+        table.add_row(text(w.label), bar, Text(count), Text(age(w.elapsed_s)))
     return Panel(table, title="waiting", expand=False)
 
 
@@ -192,6 +204,7 @@ def _events(view: JobView) -> RenderableType:
     for ev in view.events[-RECENT_SHOWN:]:
         d = event_dict(ev)
         took = "-" if d["duration_s"] is None else f"{d['duration_s']:.2f}s"
-        table.add_row(clock(ev.at), str(ev.seq), Text(ev.type, style=EVENT_STYLE.get(ev.type, "")),
-                      ev.node or "-", d["summary"], took)
+        table.add_row(Text(clock(ev.at)), Text(str(ev.seq)),
+                      text(ev.type, EVENT_STYLE.get(ev.type, "")), text(ev.node or "-"),
+                      text(d["summary"], limit=300), Text(took))
     return table
