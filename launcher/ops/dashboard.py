@@ -1,6 +1,6 @@
 """The live dashboard of a job: a small read-only HTTP server over a ``JobStateCache``.
 
-Routes (GET only; anything else is 405, unknown paths 404):
+Routes (GET and HEAD only; anything else is 405, unknown paths 404):
 
 * ``/``: one self-contained HTML page (inline CSS/JS/SVG, nothing fetched from elsewhere): the
   cluster map, the plan as pipelines x stages, the events timeline with switch durations and the
@@ -11,6 +11,13 @@ Routes (GET only; anything else is 405, unknown paths 404):
   between changes;
 * ``/metrics``: Prometheus text format from ``metrics.JobCollector``;
 * ``/healthz``: ``ok``.
+
+Access (``access.py``): every request is refused 403 unless its ``Host`` header names the bound
+address (or an ``allow_hosts`` name), and, with a token, 401 unless it carries
+``Authorization: Bearer <token>``; a dashboard bound to a non-loopback address refuses to start
+without a token. HEAD answers as GET without the body. Every answer says ``nosniff``, no
+referrer and no framing; the page's Content-Security-Policy lets only its own inline script run
+and connect to its own origin.
 
 Promises: binds ``127.0.0.1`` unless told otherwise; serves only the one job's prefix; writes
 nothing to etcd; every socket has a timeout, so a stalled client cannot pin a thread forever;
@@ -25,12 +32,14 @@ import threading
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import Iterable, Optional
 from urllib.parse import urlsplit
 
+from launcher.ops.access import HostCheck, is_loopback, token_matches
 from launcher.ops.api import DEFAULT_HOST, DashboardError
 from launcher.ops.metrics import CONTENT_TYPE, exposition, make_registry
-from launcher.ops.page import PAGE
+from launcher.ops.page import CSP, PAGE
+from launcher.ops.safe import clean
 from launcher.ops.state import JobStateCache
 
 log = logging.getLogger(__name__)
@@ -39,13 +48,23 @@ SOCKET_TIMEOUT_S = 30.0
 STREAM_TICK_S = 0.5  # how often a stream checks for shutdown while nothing changes
 KEEPALIVE_S = 15.0
 MIN_PUSH_INTERVAL_S = 0.2  # coalesce bursts of changes into one push
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+                    "X-Frame-Options": "DENY"}
 
 
 class DashboardServer:
-    """Serve ``cache``'s job on ``host:port`` (port 0: any free port; see ``url``)."""
+    """Serve ``cache``'s job on ``host:port`` (port 0: any free port; see ``url``).
 
-    def __init__(self, cache: JobStateCache, host: str = DEFAULT_HOST, port: int = 0):
+    ``allow_hosts``: more names the ``Host`` header may carry; ``token``: the bearer token every
+    request must carry (required when ``host`` is not a loopback address)."""
+
+    def __init__(self, cache: JobStateCache, host: str = DEFAULT_HOST, port: int = 0,
+                 allow_hosts: Iterable[str] = (), token: Optional[str] = None):
+        if not token and not is_loopback(host):
+            raise DashboardError(f"refusing to serve on non-loopback address {host!r} without "
+                                 "a token: give --token-file PATH, or bind 127.0.0.1")
         self.cache = cache
+        self.token = token or None
         self.stopping = threading.Event()
         self.registry = make_registry(cache.view)
         handler = type("Handler", (_Handler,), {"dashboard": self})
@@ -55,6 +74,7 @@ class DashboardServer:
             raise DashboardError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") \
                 from exc
         self.httpd.daemon_threads = True
+        self.hosts = HostCheck(host, allow_hosts)
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -102,7 +122,34 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt: str, *args) -> None:  # quiet by default; debug on request
         log.debug("dashboard %s: " + fmt, self.address_string(), *args)
 
+    head_only = False
+
+    def _allowed(self) -> bool:
+        """The Host and token checks; False once a refusal was sent."""
+        host = self.headers.get("Host")
+        if not self.dashboard.hosts.allows(host):
+            self._send(HTTPStatus.FORBIDDEN, "text/plain; charset=utf-8",
+                       f"host {clean(host or '(none)', 100)!r} is not served here (hspmd-launch "
+                       "dashboard --allow-host NAME adds a name)\n".encode())
+            return False
+        token = self.dashboard.token
+        if token is not None and not token_matches(self.headers.get("Authorization"), token):
+            self._send(HTTPStatus.UNAUTHORIZED, "text/plain; charset=utf-8",
+                       b"this dashboard needs Authorization: Bearer <token>\n",
+                       extra={"WWW-Authenticate": 'Bearer realm="hspmd-dashboard"'})
+            return False
+        return True
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self.head_only = True
+        try:
+            self.do_GET()
+        finally:
+            self.head_only = False
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if not self._allowed():
+            return
         path = urlsplit(self.path).path
         routes = {"/": self._page, "/index.html": self._page, "/api/state": self._state,
                   "/api/stream": self._stream, "/metrics": self._metrics,
@@ -118,8 +165,9 @@ class _Handler(BaseHTTPRequestHandler):
             log.debug("dashboard: client %s went away", self.address_string())
 
     def _refuse(self) -> None:
-        self._send(HTTPStatus.METHOD_NOT_ALLOWED, "text/plain; charset=utf-8",
-                   b"read-only dashboard: GET only\n", extra={"Allow": "GET"})
+        if self._allowed():
+            self._send(HTTPStatus.METHOD_NOT_ALLOWED, "text/plain; charset=utf-8",
+                       b"read-only dashboard: GET and HEAD only\n", extra={"Allow": "GET, HEAD"})
 
     do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
 
@@ -129,13 +177,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
-        for k, v in (extra or {}).items():
+        for k, v in {**SECURITY_HEADERS, **(extra or {})}.items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(body)
+        if not self.head_only:
+            self.wfile.write(body)
 
     def _page(self) -> None:
-        self._send(HTTPStatus.OK, "text/html; charset=utf-8", PAGE.encode("utf-8"))
+        self._send(HTTPStatus.OK, "text/html; charset=utf-8", PAGE.encode("utf-8"),
+                   extra={"Content-Security-Policy": CSP})
 
     def _state(self) -> None:
         doc = self.dashboard.cache.view().document()
@@ -152,8 +202,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-store")
         self.send_header("Connection", "close")
+        for k, v in SECURITY_HEADERS.items():
+            self.send_header(k, v)
         self.end_headers()
         self.close_connection = True
+        if self.head_only:
+            return
         cache, stopping = self.dashboard.cache, self.dashboard.stopping
         version, last_write = -1, time.monotonic()
         self.wfile.write(b"retry: 1000\n\n")

@@ -1,12 +1,19 @@
 """The dashboard's single page: inline HTML, CSS, JS and SVG; no network access beyond its server.
 
 Promises: the page renders the status document (``/api/state``) and re-renders on every
-``state`` event of ``/api/stream``; values from etcd are inserted as text nodes, never as HTML;
+``state`` event of ``/api/stream``; values from etcd are inserted as text nodes or attribute
+values (``textContent``, ``append`` of strings, ``setAttribute``), never as HTML (no
+``innerHTML``), so a ``<script>`` in a value shows as typed; ``CSP`` is the page's
+Content-Security-Policy: only its own inline script (by hash) runs, and it connects only to its
+own origin;
 elements carry ``data-*`` attributes (``data-device``/``data-health``, ``data-event-type``,
 ``data-stage``; ``data-source`` on the body: ``state`` or ``stream``) so tests and scripts can
 find them. ``?stream=0`` renders one snapshot; ``?stream=once`` renders the first pushed
 document and closes the stream (both let a headless browser finish loading).
 """
+
+import base64
+import hashlib
 
 PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
@@ -331,3 +338,13 @@ if (MODE === "once") {
 </script>
 </body></html>
 """
+
+
+def _script_hash(page: str) -> str:
+    script = page.split("<script>", 1)[1].split("</script>", 1)[0]
+    return "sha256-" + base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode()
+
+
+CSP = (f"default-src 'none'; script-src '{_script_hash(PAGE)}'; style-src 'unsafe-inline'; "
+       "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+       "frame-ancestors 'none'")
