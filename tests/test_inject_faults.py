@@ -48,10 +48,12 @@ def client_timeout():
 
 @pytest.fixture
 def ticker(tmp_path, client):
-    """A live 'worker' of the job: its pid in workers/node-a/0, HSPMD_JOB_ID in its env."""
+    """A live 'worker' of the job: its pid in workers/node-a/0, in its env the job id, node id
+    and local rank, as an agent sets them."""
     progress = tmp_path / "ticker.jsonl"
     proc = subprocess.Popen([sys.executable, str(SCRIPTS / "inject_ticker.py"), str(progress),
-                             "0.05", "40"], env=dict(os.environ, HSPMD_JOB_ID=JOB))
+                             "0.05", "40"], env=dict(os.environ, HSPMD_JOB_ID=JOB,
+                                                     HSPMD_NODE_ID="node-a", LOCAL_RANK="0"))
     rec = schema.WorkerRecord(pid=proc.pid, global_rank=0, local_rank=0, plan_version=0, step=0,
                               last_progress_at=time.time(), steps_per_s=0.0)
     client.put(schema.worker_key(JOB, "node-a", 0), schema.encode(rec))

@@ -1,13 +1,15 @@
 """The faults themselves: each acts on real things of a running job.
 
-* worker faults send real signals (``os.kill``) to the pid a ``workers/<node>/<local_rank>``
-  record names, after psutil confirmed the process is alive and belongs to the job (its
-  ``HSPMD_JOB_ID``/``TORCHELASTIC_RUN_ID``, or its agent is the job's); ``kill-worker`` is
+* worker faults send real signals to the pid a ``workers/<node>/<local_rank>`` record names,
+  once the process itself proved it is that worker of the job (``targets.py``: its environment
+  holds the job id, node id and local rank; never its parents or children); ``kill-worker`` is
   SIGKILL, ``stop-worker`` and ``hang`` SIGSTOP (from outside a process, a hang is a process
   that stays alive and stops advancing), optionally resumed (SIGCONT) or escalated (SIGKILL when
   the job has not noticed in time);
-* agent faults signal the ``agent_pid`` of ``nodes/<node>``: SIGKILL, or SIGSTOP for
-  ``duration_s`` (longer than the lease TTL, so the node's lease expires) then SIGCONT;
+* agent faults signal the ``agent_pid`` of ``nodes/<node>``, once its command line (or
+  environment) proved it is the job's agent: SIGKILL, or SIGSTOP for ``duration_s`` (longer
+  than the lease TTL, so the node's lease expires) then SIGCONT; a process that fails the proof
+  is refused (``targets.Refused``, reported with the reason), never signalled;
 * device faults append to the node's fault script at ``faults/<node>``, the key a
   ``ScriptedHealthSource`` (``--hspmd-health-source scripted:etcd``) reads, with a
   compare-and-set so that concurrent writers never drop each other's faults;
@@ -43,7 +45,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import psutil
 
-from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.health.scripted import Fault, encode_fault_script, parse_faults
@@ -51,6 +52,7 @@ from launcher.health.verdicts import fault_script_key
 from launcher.inject.api import InjectError, NotOwnedError, TargetNotFound
 from launcher.inject.detect import Injected
 from launcher.inject.scenario import FaultSpec
+from launcher.inject.targets import Refused, WorkerTarget, find_agent, find_worker
 from launcher.inject.topology import NetTopology, set_link
 from launcher.standalone import EtcdStartError
 
@@ -59,7 +61,8 @@ log = logging.getLogger(__name__)
 ETCD_START_TIMEOUT_S = 20.0
 STOP_GRACE_S = 10.0
 CAS_TIMEOUT_S = 5.0
-_JOB_ENV = ("HSPMD_JOB_ID", "TORCHELASTIC_RUN_ID", "PET_RDZV_ID")
+__all__ = ["FAULT_CLASSES", "InjectContext", "Refused", "find_agent", "find_worker",
+           "make_fault"]
 
 
 def _launcher_argv() -> list[str]:
@@ -86,6 +89,8 @@ class InjectContext:
     stopped: set[int] = field(default_factory=set)
     topology: Optional[NetTopology] = None
     cut: set[tuple[str, str]] = field(default_factory=set)  # (netns, device) links down
+    refusals: list[str] = field(default_factory=list)  # processes records named, not signalled
+    procs: dict[int, psutil.Process] = field(default_factory=dict)  # proven targets, by pid
 
     def set_links(self, netns: str, devices: Sequence[str], up: bool) -> None:
         for dev in devices:
@@ -98,12 +103,17 @@ class InjectContext:
     def endpoints(self) -> str:
         return ",".join(self.client.endpoints)
 
-    def signal(self, pid: int, sig: signal.Signals) -> None:
-        """Send ``sig`` to ``pid``; a process already gone raises TargetNotFound."""
+    def signal(self, proc: psutil.Process, sig: signal.Signals) -> None:
+        """Send ``sig`` to a proven target (psutil checks its pid was not reused); a process
+        already gone raises TargetNotFound."""
+        pid = proc.pid
+        self.procs[pid] = proc
         try:
-            os.kill(pid, sig)
-        except ProcessLookupError as exc:
+            proc.send_signal(sig)
+        except (psutil.NoSuchProcess, ProcessLookupError) as exc:
             raise TargetNotFound(f"process {pid} of job {self.job} is gone") from exc
+        except psutil.AccessDenied as exc:
+            raise Refused(f"process {pid} of job {self.job}: permission denied") from exc
         if sig == signal.SIGSTOP:
             self.stopped.add(pid)
         elif sig in (signal.SIGCONT, signal.SIGKILL):
@@ -125,8 +135,11 @@ class InjectContext:
                 log.warning("[%s] healing a cut link: %s", self.job, exc)
         for pid in sorted(self.stopped):
             try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
+                if pid in self.procs:
+                    self.procs[pid].send_signal(signal.SIGCONT)
+                else:
+                    os.kill(pid, signal.SIGCONT)
+            except (ProcessLookupError, psutil.Error):
                 pass
         self.stopped.clear()
         live = [p for p in self.spawned.values() if p.poll() is None]
@@ -140,70 +153,6 @@ class InjectContext:
                 log.warning("[%s] agent pid %d ignored SIGTERM; killing it", self.job, proc.pid)
                 proc.kill()
                 proc.wait(timeout=timeout)
-
-
-# ---------------------------------------------------------------------------------- targets
-def _belongs(proc: psutil.Process, job: str, depth: int = 2) -> bool:
-    """Whether a process is the job's: by its environment (a worker), its command line (an
-    agent started with ``--rdzv-id``), or its children (an agent whose workers are the job's)."""
-    try:
-        env = proc.environ()
-        if any(env.get(k) == job for k in _JOB_ENV):
-            return True
-        if job in proc.cmdline():
-            return True
-        if depth > 0:
-            return any(_belongs(c, job, depth - 1) for c in proc.children())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-        return False
-    return False
-
-
-def live_job_process(pid: int, job: str) -> bool:
-    try:
-        proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and _belongs(proc, job)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
-
-
-@dataclass(frozen=True)
-class WorkerTarget:
-    node: str
-    local_rank: int
-    rank: int
-    pid: int
-
-
-def find_worker(ctx: InjectContext, target: dict[str, Any]) -> WorkerTarget:
-    """The live worker of the job that ``target`` (node, local_rank, rank) names."""
-    prefix = schema.workers_prefix(ctx.job)
-    found = []
-    for kv in ctx.client.get_prefix(prefix):
-        rec = schema.decode(kv.key, kv.value)
-        node = kv.key[len(prefix):].split("/", 1)[0]
-        w = WorkerTarget(node, rec.local_rank, rec.global_rank, rec.pid)
-        if all(target.get(k, v) == v for k, v in
-               (("node", w.node), ("local_rank", w.local_rank), ("rank", w.rank))):
-            found.append(w)
-    for w in sorted(found, key=lambda w: (w.node, w.local_rank)):
-        if live_job_process(w.pid, ctx.job):
-            return w
-    raise TargetNotFound(f"no live worker of job {ctx.job} matches target {target} "
-                         f"({len(found)} matching record(s), none alive)")
-
-
-def find_agent(ctx: InjectContext, node: str) -> int:
-    """The pid of the live agent of ``node``."""
-    key = schema.node_key(ctx.job, node)
-    kv = ctx.client.get(key)
-    if kv is None:
-        raise TargetNotFound(f"node {node} has no record in job {ctx.job} (not running)")
-    pid = schema.decode(key, kv.value).agent_pid
-    if not live_job_process(pid, ctx.job):
-        raise TargetNotFound(f"agent pid {pid} of node {node} is not a live process of job "
-                             f"{ctx.job}")
-    return pid
 
 
 # ----------------------------------------------------------------------------------- faults
@@ -239,9 +188,9 @@ class FaultAction:
 class KillWorker(FaultAction):
     def inject(self, ctx: InjectContext) -> Injection:
         w = find_worker(ctx, self.spec.target)
-        ctx.signal(w.pid, signal.SIGKILL)
+        ctx.signal(w.process, signal.SIGKILL)
         return Injection(Injected(self.spec.fault, _worker_dict(w), (w.pid,)),
-                         {"pid": w.pid, "signal": "SIGKILL"})
+                         _refusals(ctx, {"pid": w.pid, "signal": "SIGKILL"}))
 
 
 class StopWorker(FaultAction):
@@ -250,37 +199,38 @@ class StopWorker(FaultAction):
 
     def inject(self, ctx: InjectContext) -> Injection:
         w = find_worker(ctx, self.spec.target)
-        ctx.signal(w.pid, signal.SIGSTOP)
+        ctx.signal(w.process, signal.SIGSTOP)
         inj = Injection(Injected(self.spec.fault, _worker_dict(w), (w.pid,)),
-                        {"pid": w.pid, "signal": "SIGSTOP"})
+                        _refusals(ctx, {"pid": w.pid, "signal": "SIGSTOP"}))
         p = self.spec.params
         if "resume_after_s" in p:
             inj.timers.append(Timer(p["resume_after_s"], "SIGCONT",
-                                    _quiet(ctx, w.pid, signal.SIGCONT), ends_fault=True))
+                                    _quiet(ctx, w.process, signal.SIGCONT), ends_fault=True))
         if "escalate_after_s" in p:
             inj.timers.append(Timer(p["escalate_after_s"], "SIGKILL (not detected in time)",
-                                    _quiet(ctx, w.pid, signal.SIGKILL), only_if_undetected=True))
+                                    _quiet(ctx, w.process, signal.SIGKILL),
+                                    only_if_undetected=True))
         return inj
 
 
 class KillAgent(FaultAction):
     def inject(self, ctx: InjectContext) -> Injection:
         node = self.spec.target["node"]
-        pid = find_agent(ctx, node)
-        ctx.signal(pid, signal.SIGKILL)
-        return Injection(Injected(self.spec.fault, {"node": node}, (pid,)),
-                         {"pid": pid, "signal": "SIGKILL"})
+        proc = find_agent(ctx, node)
+        ctx.signal(proc, signal.SIGKILL)
+        return Injection(Injected(self.spec.fault, {"node": node}, (proc.pid,)),
+                         {"pid": proc.pid, "signal": "SIGKILL"})
 
 
 class FreezeAgent(FaultAction):
     def inject(self, ctx: InjectContext) -> Injection:
         node = self.spec.target["node"]
-        pid = find_agent(ctx, node)
-        ctx.signal(pid, signal.SIGSTOP)
+        proc = find_agent(ctx, node)
+        ctx.signal(proc, signal.SIGSTOP)
         duration = self.spec.params["duration_s"]
-        return Injection(Injected(self.spec.fault, {"node": node}, (pid,)),
-                         {"pid": pid, "signal": "SIGSTOP", "duration_s": duration},
-                         [Timer(duration, "SIGCONT (thawed)", _quiet(ctx, pid, signal.SIGCONT),
+        return Injection(Injected(self.spec.fault, {"node": node}, (proc.pid,)),
+                         {"pid": proc.pid, "signal": "SIGSTOP", "duration_s": duration},
+                         [Timer(duration, "SIGCONT (thawed)", _quiet(ctx, proc, signal.SIGCONT),
                                 ends_fault=True)])
 
 
@@ -446,14 +396,24 @@ def _worker_dict(w: WorkerTarget) -> dict[str, Any]:
     return {"node": w.node, "local_rank": w.local_rank, "rank": w.rank}
 
 
-def _quiet(ctx: InjectContext, pid: int, sig: signal.Signals) -> Callable[[], None]:
-    """A follow-up signal: a process that already exited is no error."""
+def _quiet(ctx: InjectContext, proc: psutil.Process, sig: signal.Signals
+           ) -> Callable[[], None]:
+    """A follow-up signal: a process that already exited (or whose pid was reused) is no
+    error."""
     def send() -> None:
         try:
-            ctx.signal(pid, sig)
+            ctx.signal(proc, sig)
         except TargetNotFound:
-            log.info("[%s] pid %d already gone; %s not sent", ctx.job, pid, sig.name)
+            log.info("[%s] pid %d already gone; %s not sent", ctx.job, proc.pid, sig.name)
     return send
+
+
+def _refusals(ctx: InjectContext, detail: dict[str, Any]) -> dict[str, Any]:
+    """``detail`` plus the processes records named that were refused on the way, if any."""
+    if ctx.refusals:
+        detail["refused"] = list(ctx.refusals)
+        ctx.refusals.clear()
+    return detail
 
 
 FAULT_CLASSES: dict[str, type[FaultAction]] = {

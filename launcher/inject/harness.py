@@ -11,9 +11,10 @@ last step) cover the whole run.
 
 Promises: every wait has a deadline on ``time.monotonic``; a fault that cannot be applied (its
 target is gone, the harness does not own the etcd) or whose trigger never comes (the job ended)
-is reported ``not injected`` with the reason, and the run goes on; nothing is marked detected
-that the job did not record itself; ``run`` always ends with ``InjectContext.close`` (stopped
-processes resumed, started agents stopped).
+is reported ``not injected`` with the reason (a process a record names that is not provably
+the job's is refused, never signalled, and the refusal is in the row's note), and the run goes
+on; nothing is marked detected that the job did not record itself; ``run`` always ends with
+``InjectContext.close`` (stopped processes resumed, started agents stopped).
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ class Harness:
         row.injected_at, row.target, row.detail = self._rel(base.at), inj.injected.target, \
             inj.detail
         row.note = str(inj.detail.get("done_by", ""))  # how it was done, when it has a choice
+        if inj.detail.get("refused"):  # records that named processes not the job's
+            row.note = "; ".join([row.note] * bool(row.note) + [
+                "refused (not signalled): " + "; ".join(inj.detail["refused"])])
         det = self._wait_detection(spec, base, inj, row)
         rec: Optional[Recovery] = None
         reaction = expects_reaction(inj.injected.fault, inj.injected.xid, inj.injected.target)
