@@ -7,6 +7,12 @@ plan's first pipeline write (together they hold one full replica of every state 
 checkpoint is complete when its manifest and every listed shard exist; files are written to a
 temporary name and renamed, so a reader never sees half a file. Writing happens on a background
 thread from a copy taken at the step boundary; ``flush`` waits for it with a deadline.
+
+A shard holds only tensors, dicts, tuples, ints and strings (``{"step": int, "tensors": {name:
+(((lo, hi), ...), tensor)}}``), and is read with ``torch.load(weights_only=True)``: a file
+planted in the checkpoint directory cannot run code when read, whatever its age or origin; a
+manifest may only name ``shard-<rank>.pt`` files of its own directory, and a shard whose
+contents do not fit the plan's tensors is a ``CheckpointError`` naming the file.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from hspmd_elastic.plan import Plan
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d{8})$")
+_SHARD_RE = re.compile(r"^shard-\d+\.pt$")
 
 
 class CheckpointError(ElasticError):
@@ -63,13 +70,23 @@ def latest_complete(root: Optional[str]) -> int:
     return NO_STEP
 
 
-def _complete(path: str) -> bool:
+def _shards(path: str) -> Optional[list[str]]:
+    """The shard files ``path``'s manifest lists (None: no manifest, or one naming anything
+    but ``shard-<rank>.pt`` files of its own directory)."""
     try:
         with open(os.path.join(path, "manifest.json")) as f:
             shards = json.load(f)["shards"]
-    except (OSError, ValueError, KeyError):
-        return False
-    return all(os.path.exists(os.path.join(path, s)) for s in shards)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(shards, list) or not all(isinstance(s, str) and _SHARD_RE.match(s)
+                                               for s in shards):
+        return None
+    return shards
+
+
+def _complete(path: str) -> bool:
+    shards = _shards(path)
+    return shards is not None and all(os.path.exists(os.path.join(path, s)) for s in shards)
 
 
 class CheckpointWriter:
@@ -95,7 +112,7 @@ class CheckpointWriter:
         """Queue a checkpoint of this rank's local state ``tensors`` at ``step`` (copied now)."""
         if plan.locate(rank).pipeline != 0:
             return
-        specs = {name: (spec.annotation.local_slices(rank, spec.shape),
+        specs = {name: (_plain(spec.annotation.local_slices(rank, spec.shape)),
                         tensors[name].detach().clone())
                  for name, spec in state_specs(config, plan).items() if name in tensors}
         writers = sorted(d for s in plan.pipelines[0].stages for d in s.devices)
@@ -142,14 +159,12 @@ def load_shards(root: str, step: int, config: ModelConfig, plan: Plan,
     if not _complete(path):
         raise CheckpointError(f"checkpoint {path} is incomplete or missing")
     pieces: dict[str, list] = {}
-    with open(os.path.join(path, "manifest.json")) as f:
-        shards = json.load(f)["shards"]
-    for shard in shards:
-        data = torch.load(os.path.join(path, shard), weights_only=False)
-        for name, (ranges, tensor) in data["tensors"].items():
-            pieces.setdefault(name, []).append((ranges, tensor))
+    specs = state_specs(config, plan)
+    for shard in _shards(path) or []:
+        for name, box, tensor in _read_shard(os.path.join(path, shard), specs):
+            pieces.setdefault(name, []).append((box, tensor))
     out = {}
-    for name, spec in state_specs(config, plan).items():
+    for name, spec in specs.items():
         ranges = spec.annotation.local_slices(rank, spec.shape)
         if ranges is None:
             continue
@@ -157,6 +172,41 @@ def load_shards(root: str, step: int, config: ModelConfig, plan: Plan,
             raise CheckpointError(f"checkpoint {path} lacks tensor {name}")
         full = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
         for box, tensor in pieces[name]:
-            full[tuple(slice(lo, hi) for lo, hi in box)] = tensor
+            full[tuple(slice(lo, hi) for lo, hi in box)] = tensor.to(full.dtype)
         out[name] = full[tuple(slice(lo, hi) for lo, hi in ranges)].clone()
+    return out
+
+
+def _plain(ranges):
+    """Index ranges as plain ints (what ``weights_only`` loading accepts)."""
+    return None if ranges is None else tuple((int(lo), int(hi)) for lo, hi in ranges)
+
+
+def _read_shard(file: str, specs: Mapping) -> list[tuple[str, tuple, torch.Tensor]]:
+    """(name, box, tensor) of every piece in one shard file, each checked against ``specs``
+    (the plan's state tensors); loaded with ``weights_only=True``, so it runs no code."""
+    try:
+        data = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unpickling errors come in many types
+        raise CheckpointError(f"checkpoint shard {file} is not readable as tensors only: "
+                              f"{str(exc).splitlines()[0][:200] if str(exc) else exc!r}") \
+            from None
+    tensors = data.get("tensors") if isinstance(data, dict) else None
+    if not isinstance(tensors, dict):
+        raise CheckpointError(f"checkpoint shard {file} has no tensors table")
+    out = []
+    for name, piece in tensors.items():
+        spec = specs.get(name) if isinstance(name, str) else None
+        if spec is None:
+            continue  # a tensor this plan's model does not have
+        ok = isinstance(piece, (tuple, list)) and len(piece) == 2 \
+            and isinstance(piece[1], torch.Tensor) and isinstance(piece[0], (tuple, list)) \
+            and len(piece[0]) == len(spec.shape)
+        box = tuple(tuple(r) for r in piece[0]) if ok else ()
+        ok = ok and all(len(r) == 2 and all(type(v) is int for v in r)
+                        and 0 <= r[0] <= r[1] <= n for r, n in zip(box, spec.shape))
+        if not ok or tuple(piece[1].shape) != tuple(hi - lo for lo, hi in box):
+            raise CheckpointError(f"checkpoint shard {file}: tensor {name!r} does not fit the "
+                                  f"model's shape {tuple(spec.shape)}")
+        out.append((name, box, piece[1]))
     return out
