@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hspmd_elastic.coord.security import EtcdSecurity
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -127,6 +129,16 @@ class ElasticSettings:
 
 
 @dataclass(frozen=True)
+class EtcdServerTLS:
+    """TLS of an etcd the agent runs itself (``--hspmd-etcd-server-cert`` / ``-key``); with
+    ``client_ca_file`` (``--hspmd-etcd-cacert``) clients must show a certificate it signed."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """Everything one node agent needs, validated."""
 
@@ -147,6 +159,8 @@ class LaunchConfig:
     health_source: str = "auto"  # launcher.health.select_health_source
     extra_env: dict[str, str] = field(default_factory=dict)
     elastic: Optional[ElasticSettings] = None  # None: restart mode (torchrun's semantics)
+    etcd: EtcdSecurity = field(default_factory=EtcdSecurity)  # --hspmd-etcd-cacert, -user...
+    etcd_server: Optional[EtcdServerTLS] = None  # TLS of the etcd this agent runs, if any
 
 
 # ------------------------------------------------------------------------------ worker identity

@@ -44,6 +44,7 @@ from launcher.api import (
     LogSettings,
     RendezvousSettings,
 )
+from launcher.etcd_security import launcher_options, launcher_security, server_tls
 from launcher.logs import parse_ranks_filter, parse_std
 
 log = logging.getLogger("launcher")
@@ -169,6 +170,7 @@ def _opt(*names: str, **kw):
             help="Elastic mode: seconds the leader waits for the cluster to settle before it "
                  "replans (default 0.25): longer folds a burst of failures into one switch, "
                  "shorter recovers sooner.")
+@launcher_options
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def launch_command(**params) -> int:
@@ -391,6 +393,7 @@ def build_config(params: dict) -> LaunchConfig:
         monitor_interval_s=params["monitor_interval"], local_addr=params["local_addr"],
         master_addr=master_addr, master_port=master_port, logs=logs, shutdown_timeout_s=timeout,
         signals=signals, health_source=health, elastic=elastic,
+        etcd=launcher_security(params), etcd_server=server_tls(params, rdzv),
     )
 
 

@@ -15,12 +15,17 @@ Used by ``hspmd-launch --standalone``, by ``scripts/demo`` and by the test fixtu
 * a missing binary gives one line that names both ways to install one;
 * ``AgentEtcd`` is the single member a node agent runs itself: the embedded etcd of
   ``--standalone`` (loopback, free ports), or the rendezvous store of torchrun's c10d and static
-  backends (every interface, the endpoint's port) served by one node; it dies with its agent,
-  even on SIGKILL.
+  backends served by one node at the endpoint's port, listening only on this node's addresses
+  the endpoint's host names (plus ``--local-addr`` when that host is loopback here), never on
+  every interface; it dies with its agent, even on SIGKILL;
+* with ``tls`` (``EtcdServerTLS``) a member serves clients over TLS only (its certificate and
+  key; with a client CA, ``--client-cert-auth``: a client must show a certificate that CA
+  signed); its ``/health`` is then read from a plain metrics listener on loopback.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import shutil
@@ -37,6 +42,7 @@ from typing import Optional, Sequence
 
 import psutil
 
+from launcher.api import EtcdServerTLS
 from launcher.node.workers import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -119,10 +125,18 @@ class EtcdMember:
     log_path: str = ""
     host: str = "127.0.0.1"  # the address the member listens on and advertises
     command_prefix: tuple[str, ...] = ()  # e.g. ("ip", "netns", "exec", NS): exec'd, same pid
+    tls: Optional[EtcdServerTLS] = None  # serve clients over TLS
+    metrics_port: Optional[int] = None  # a plain loopback listener for /health (with TLS)
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return _url("https" if self.tls else "http", self.host, self.client_port)
+
+    @property
+    def health_url(self) -> str:
+        if self.metrics_port:
+            return f"http://127.0.0.1:{self.metrics_port}/health"
+        return self.client_url + "/health"
 
     @property
     def peer_url(self) -> str:
@@ -149,7 +163,18 @@ class EtcdMember:
             "--heartbeat-interval", str(HEARTBEAT_MS),
             "--election-timeout", str(ELECTION_MS),
             "--log-level", "warn",
+            *self._security_args(),
         ]
+
+    def _security_args(self) -> list[str]:
+        args = []
+        if self.tls is not None:
+            args += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file]
+            if self.tls.client_ca_file:
+                args += ["--trusted-ca-file", self.tls.client_ca_file, "--client-cert-auth"]
+        if self.metrics_port:
+            args += ["--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}"]
+        return args
 
     def launch(self) -> None:
         """Start the process without waiting for health."""
@@ -170,7 +195,7 @@ class EtcdMember:
 
     def healthy(self, timeout: float = 0.5) -> bool:
         try:
-            with urllib.request.urlopen(self.client_url + "/health", timeout=timeout) as resp:
+            with urllib.request.urlopen(self.health_url, timeout=timeout) as resp:
                 return b'"health":"true"' in resp.read().replace(b" ", b"")
         except (urllib.error.URLError, OSError, ValueError):
             return False
@@ -222,11 +247,13 @@ class EtcdMember:
 class EtcdCluster:
     """``size`` etcd members on loopback (1 for the embedded single server, 3 or 5 for tests);
     with ``hosts``, member ``i`` listens on ``hosts[i]`` at ports 2379/2380 (its own address,
-    e.g. in its own network namespace), started under ``command_prefixes[i]`` if given."""
+    e.g. in its own network namespace), started under ``command_prefixes[i]`` if given; with
+    ``tls`` the members serve clients over TLS (peers stay plain, on loopback)."""
 
     def __init__(self, size: int = 1, base_dir: str | None = None, binary: str | None = None,
                  hosts: Optional[Sequence[str]] = None,
-                 command_prefixes: Optional[Sequence[Sequence[str]]] = None):
+                 command_prefixes: Optional[Sequence[Sequence[str]]] = None,
+                 tls: Optional[EtcdServerTLS] = None):
         if size < 1:
             raise ValueError(f"etcd cluster size must be >= 1, got {size}")
         for what, given in (("hosts", hosts), ("command_prefixes", command_prefixes)):
@@ -237,6 +264,7 @@ class EtcdCluster:
         os.makedirs(self.base_dir, exist_ok=True)
         binary = binary or find_etcd_binary()
         ports = [2379, 2380] * size if hosts else free_ports(2 * size)
+        metrics = free_ports(size) if tls else []
         self.members = [
             EtcdMember(
                 name=f"m{i}",
@@ -247,6 +275,8 @@ class EtcdCluster:
                 cluster_token=os.path.basename(self.base_dir),
                 host=hosts[i] if hosts else "127.0.0.1",
                 command_prefix=tuple(command_prefixes[i]) if command_prefixes else (),
+                tls=tls,
+                metrics_port=metrics[i] if tls else None,
             )
             for i in range(size)
         ]
@@ -295,32 +325,38 @@ class EtcdCluster:
 @dataclass
 class _AgentMember(EtcdMember):
     """An etcd member that dies with the agent that started it (no orphan on SIGKILL); with
-    ``listen_all`` it serves clients on every interface at its port (the c10d/static store)."""
+    ``listen_hosts`` it serves clients on those addresses at its port (the c10d/static store),
+    else on loopback. Its ``/health`` is read on a loopback metrics listener."""
 
-    listen_all: bool = False
+    listen_hosts: tuple[str, ...] = ()
     advertise_host: str = "127.0.0.1"
 
     def command(self) -> list[str]:
         cmd = super().command()
-        if self.listen_all:
-            cmd[cmd.index("--listen-client-urls") + 1] = f"http://0.0.0.0:{self.client_port}"
-            cmd[cmd.index("--advertise-client-urls") + 1] = (
-                f"http://{self.advertise_host}:{self.client_port}")
+        if self.listen_hosts:
+            scheme = "https" if self.tls else "http"
+            cmd[cmd.index("--listen-client-urls") + 1] = ",".join(
+                _url(scheme, h, self.client_port) for h in self.listen_hosts)
+            cmd[cmd.index("--advertise-client-urls") + 1] = _url(
+                scheme, self.advertise_host, self.client_port)
         return die_with_parent(tuple(cmd))
 
 
 class AgentEtcd:
     """A single etcd member run by the agent: the embedded one of ``--standalone`` (loopback,
-    free ports), or the rendezvous store of torchrun's c10d and static backends (every
-    interface, the endpoint's port) served by one node (the one at the endpoint, or node rank 0).
+    free ports), or the rendezvous store of torchrun's c10d and static backends served by one
+    node (the one at the endpoint, or node rank 0) at the endpoint's port, on the addresses of
+    this node that ``host`` names (``bind_addresses``), never on every interface.
 
     ``start()`` returns False when another process already serves the port (another agent on
     this host won; this agent is then a client like the others).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: Optional[int] = None,
-                 start_timeout_s: float = 20.0):
+                 start_timeout_s: float = 20.0, tls: Optional[EtcdServerTLS] = None,
+                 local_addr: Optional[str] = None):
         self.host, self.port, self.start_timeout_s = host, port, start_timeout_s
+        self.tls, self.local_addr = tls, local_addr
         self.member: Optional[_AgentMember] = None
         self._dir: Optional[str] = None
 
@@ -329,14 +365,16 @@ class AgentEtcd:
         return f"{self.host}:{self.member.client_port}" if self.member else ""
 
     def start(self) -> bool:
-        if self.port is not None and not _port_free(self.port):
+        hosts = bind_addresses(self.host, self.local_addr) if self.port is not None else ()
+        if self.port is not None and not _port_free(self.port, hosts):
             return False
-        ports = free_ports(2)
+        ports = free_ports(3)
         self._dir = tempfile.mkdtemp(prefix="hspmd-etcd-agent-")
         self.member = _AgentMember(
             name="agent", client_port=self.port or ports[0], peer_port=ports[1],
-            data_dir=os.path.join(self._dir, "agent.etcd"), listen_all=self.port is not None,
-            advertise_host=self.host, cluster_token=os.path.basename(self._dir))
+            data_dir=os.path.join(self._dir, "agent.etcd"), listen_hosts=hosts,
+            advertise_host=self.host, cluster_token=os.path.basename(self._dir), tls=self.tls,
+            metrics_port=ports[2])
         self.member.launch()
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
@@ -347,7 +385,9 @@ class AgentEtcd:
                 break
             if self.member.healthy() and _listens(self.member.proc.pid,
                                                   self.member.client_port):
-                log.info("serving etcd at %s", self.endpoint)
+                log.info("serving etcd at %s (%s)", self.endpoint,
+                         self.member.client_url.split("://")[0] + " on "
+                         + ",".join(hosts or ("127.0.0.1",)))
                 return True
             time.sleep(0.02)
         tail = self.member.log_tail()
@@ -363,12 +403,58 @@ class AgentEtcd:
             self._dir = None
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("0.0.0.0", port))
-        except OSError:
-            return False
+def bind_addresses(host: str, local_addr: Optional[str] = None) -> tuple[str, ...]:
+    """The addresses of this node that ``host`` names (IPv4 first), where a store served "at
+    ``host``" listens; when they are all loopback and ``host`` is a name other nodes may
+    resolve elsewhere, ``local_addr`` (``--local-addr``) too. ``EtcdStartError`` when ``host``
+    names no address of this node."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError as exc:
+        raise EtcdStartError(f"cannot serve etcd at {host!r}: the name does not resolve "
+                             f"({exc})") from None
+    mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
+            for a in addrs}
+    out: list[str] = []
+    for family in (socket.AF_INET, socket.AF_INET6):
+        for info in infos:
+            ip = info[4][0]
+            loopback4 = family == socket.AF_INET and ipaddress.ip_address(ip).is_loopback
+            if info[0] == family and ip not in out and (ip in mine or loopback4):
+                out.append(ip)
+    if not out:
+        raise EtcdStartError(f"cannot serve etcd at {host!r}: not an address of this node "
+                             "(give the node's own address, or --local-addr)")
+    named = not _is_ip(host) and host != "localhost"
+    if named and all(ipaddress.ip_address(ip).is_loopback for ip in out):
+        if local_addr:
+            out.extend(ip for ip in bind_addresses(local_addr) if ip not in out)
+        else:
+            log.warning("%s resolves to loopback here: the store is reachable from this host "
+                        "only (give --local-addr so that other nodes reach it)", host)
+    return tuple(out)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _url(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def _port_free(port: int, hosts: Sequence[str] = ()) -> bool:
+    for host in hosts or ("0.0.0.0",):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
     return True
 
 

@@ -25,15 +25,17 @@ namespace and link devices (``launcher.inject.topology``); without it the fault 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from typing import Optional
 
 import click
 
-from hspmd_elastic.coord.api import CoordinationError
-from hspmd_elastic.coord.client import EtcdClient, parse_endpoints
+from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
+from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.schema import job_prefix
+from launcher.etcd_security import subcommand_options, subcommand_security
 from launcher.inject.api import InjectError, ScenarioError
 from launcher.inject.detect import JobObserver, default_progress
 from launcher.inject.faults import InjectContext
@@ -78,6 +80,7 @@ def _check_job(job: str) -> str:
 @click.option("--topology", "topology_path", default=None,
               help="Network topology file (JSON: each node's network namespace and link "
                    "devices) for partition faults.")
+@subcommand_options
 @click.option("--wait-end", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="Seconds to wait after the last fault for the job to end (totals cover the "
                    "whole run).")
@@ -97,11 +100,11 @@ def command(scenario_path: str, job: str, etcd_endpoints: str, report_path: Opti
             topology = load_topology(topology_path)
         except TopologyError as exc:
             raise click.BadParameter(str(exc), param_hint="--topology") from None
+    security = subcommand_security()
     try:
-        endpoints = parse_endpoints(etcd_endpoints)
+        client = EtcdClient(etcd_endpoints, timeout=ETCD_TIMEOUT_S, security=security)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--etcd-endpoints") from None
-    client = EtcdClient(endpoints, timeout=ETCD_TIMEOUT_S)
     try:
         return _run(client, scenario, job, report_path, as_json, progress, log_dir, wait_end,
                     etcd_restart_cmd, etcd_restart_timeout, topology)
@@ -116,14 +119,16 @@ def _run(client: EtcdClient, scenario, job: str, report_path: Optional[str], as_
          etcd_restart_cmd: Optional[str] = None, etcd_restart_timeout: float = 60.0,
          topology: Optional[NetTopology] = None) -> int:
     try:
-        client.revision()
+        client.revision(prefix=job_prefix(job))
+    except EtcdAuthError as exc:
+        raise click.ClickException(str(exc)) from None
     except CoordinationError as exc:
         raise click.ClickException(f"cannot reach the job's etcd at "
                                    f"{','.join(client.endpoints)}: {exc}") from None
     observer = JobObserver(client, job, default_progress(progress)).start()
     ctx = InjectContext(client, job, log_dir=log_dir, etcd_restart_cmd=etcd_restart_cmd,
                         etcd_restart_timeout_s=etcd_restart_timeout, etcd_by_pid=True,
-                        topology=topology)
+                        topology=topology, env={**os.environ, **client.security.to_env()})
     harness = Harness(scenario, ctx, observer, wait_end_s=wait_end)
     previous = signal.signal(signal.SIGINT, lambda *_: harness.stop())
     try:

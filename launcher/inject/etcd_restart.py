@@ -7,8 +7,9 @@
   injection naming the code and the command's last output line;
 * **a member found by pid** (``find_member``): a process is signalled only once it is *proven*
   to be the job's etcd: the endpoint's host is this machine, exactly one process listens on
-  the endpoint's port, that process is an ``etcd`` binary, and a client connected to that one
-  endpoint reads the job's keys. ``how: stop`` is SIGSTOP for ``down_s`` then SIGCONT (the
+  the endpoint's port (on the endpoint's address or a wildcard one), that process is an
+  ``etcd`` binary, and a client connected to that one endpoint (with the ``HSPMD_ETCD_*`` TLS
+  and auth settings) reads the job's keys. ``how: stop`` is SIGSTOP for ``down_s`` then SIGCONT (the
   process keeps its parent); ``how: kill`` is SIGKILL, then the same command line (same data
   directory, working directory and environment) started again under a small keeper that stops
   it when the original parent exits, so the relaunched member ends with its owner (an agent's
@@ -35,9 +36,10 @@ from typing import Any, Optional
 
 import psutil
 
-from hspmd_elastic.coord.api import CoordinationError
+from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient, parse_endpoints
 from hspmd_elastic.coord.schema import job_prefix
+from hspmd_elastic.coord.security import EtcdSecurity, EtcdSecurityError
 from launcher.inject.api import InjectError, NotOwnedError, TargetNotFound
 
 log = logging.getLogger(__name__)
@@ -131,17 +133,21 @@ def _listeners(port: int, ips: set[str]) -> set[Optional[int]]:
             and c.laddr.port == port and (c.laddr.ip in ips or c.laddr.ip in _WILDCARD)}
 
 
-def _serves_job(endpoint: str, job: str) -> bool:
+def _serves_job(endpoint: str, job: str, security: Optional[EtcdSecurity]) -> bool:
     try:
-        with EtcdClient(parse_endpoints(endpoint), timeout=PROBE_TIMEOUT_S) as client:
+        security = EtcdSecurity.from_env().checked() if security is None else security
+        with EtcdClient(parse_endpoints(endpoint), timeout=PROBE_TIMEOUT_S,
+                        security=security) as client:
             return bool(client.get_prefix(job_prefix(job)))
-    except CoordinationError:
+    except (CoordinationError, EtcdSecurityError):
         return False
 
 
-def find_member(endpoint: str, job: str) -> FoundMember:
+def find_member(endpoint: str, job: str,
+                security: Optional[EtcdSecurity] = None) -> FoundMember:
     """The etcd process that serves ``job`` at ``endpoint``, or ``NotOwnedError`` naming which
-    proof failed (nothing is signalled here)."""
+    proof failed (nothing is signalled here). ``security``: how to reach it (default: from
+    ``HSPMD_ETCD_*``)."""
     host, _, port_text = endpoint.rpartition(":")
     ips = _local_ips(host)
     if ips is None:
@@ -165,7 +171,7 @@ def find_member(endpoint: str, job: str) -> FoundMember:
     binary = os.path.basename(argv[0]) if argv else name
     if binary != "etcd" and name != "etcd":
         raise NotOwnedError(f"pid {pid} listening on {endpoint} is {binary!r}, not etcd")
-    if not _serves_job(endpoint, job):
+    if not _serves_job(endpoint, job, security):
         raise NotOwnedError(f"etcd pid {pid} at {endpoint} holds no key of job {job}")
     return FoundMember(endpoint, pid, created, argv, cwd, dict(env), owner, owner_created)
 
@@ -179,9 +185,21 @@ def _same_process(found: FoundMember) -> bool:
         return False
 
 
-def _healthy(endpoint: str) -> bool:
+def _health_url(found: FoundMember) -> str:
+    """Where the relaunched member answers ``/health`` in plain HTTP: its metrics listener when
+    it has one (a member serving TLS), else its client endpoint."""
+    argv = list(found.argv)
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--listen-metrics-urls" and i + 1 < len(argv) else (
+            arg.partition("=")[2] if arg.startswith("--listen-metrics-urls=") else "")
+        if value.startswith("http://"):
+            return value.split(",")[0].rstrip("/") + "/health"
+    return f"http://{found.endpoint}/health"
+
+
+def _healthy(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=0.5) as resp:
+        with urllib.request.urlopen(url, timeout=0.5) as resp:
             return b'"health":"true"' in resp.read().replace(b" ", b"")
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -217,7 +235,7 @@ def restart_found(found: FoundMember, how: str, down_s: float, log_dir: str,
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not _healthy(found.endpoint):
+    while not _healthy(_health_url(found)):
         if keeper.poll() is not None or time.monotonic() >= deadline:
             raise InjectError(f"etcd at {found.endpoint} did not come back within "
                               f"{START_TIMEOUT_S:.0f}s after SIGKILL (log: {spec['log']})")
@@ -262,6 +280,8 @@ def wait_answering(client: EtcdClient, timeout_s: float = START_TIMEOUT_S) -> No
         try:
             client.revision()
             return
+        except EtcdAuthError:
+            return  # a refusal is an answer (with auth on, this user may not read key "\0")
         except CoordinationError as exc:
             if time.monotonic() >= deadline:
                 raise InjectError(f"the job's etcd did not answer within {timeout_s:g}s after "

@@ -11,6 +11,12 @@ is (``elastic_worker_env``): ``HSPMD_ETCD_ENDPOINTS``, ``HSPMD_JOB_ID``, ``HSPMD
 ``HSPMD_PROGRESS_FILE``; the agent adds ``TORCHELASTIC_ERROR_FILE`` for the failure summary.
 ``hspmd_elastic.elastic.api.WorkerIdentity.from_env`` reads it back.
 
+etcd's TLS and auth settings reach elastic workers as the agent has them
+(``EtcdSecurity.to_env``: ``HSPMD_ETCD_CACERT``, ``HSPMD_ETCD_CERT``, ``HSPMD_ETCD_KEY``,
+``HSPMD_ETCD_USER``, ``HSPMD_ETCD_TLS``, and the password as ``HSPMD_ETCD_PASSWORD`` or the path
+``HSPMD_ETCD_PASSWORD_FILE``), in the environment, never on a command line. Restart-mode workers
+never talk to etcd: their environment holds no etcd password (``SECRET_ENV`` is removed).
+
 Both modes: with ``--local-addr`` (the address other nodes reach this node at), the workers'
 gloo binds the interface that holds that address (``GLOO_SOCKET_IFNAME``, ``node_address_env``)
 unless the user set it. Without it gloo takes the address the hostname resolves to, and a
@@ -25,6 +31,7 @@ from typing import Mapping, Optional, Sequence
 import psutil
 
 from hspmd_elastic.coord.contract import PROGRESS_FILE_ENV
+from hspmd_elastic.coord.security import SECRET_ENV
 from launcher.api import LaunchConfig
 from launcher.node.rendezvous import RoundInfo
 
@@ -101,6 +108,8 @@ def worker_env(base: dict[str, str], config: LaunchConfig, info: RoundInfo, loca
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
     env.update(node_address_env(config.local_addr, base))
     env.update(config.extra_env)
+    for name in SECRET_ENV:  # the script never talks to etcd
+        env.pop(name, None)
     return env
 
 

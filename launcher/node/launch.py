@@ -5,7 +5,10 @@ one of ``--standalone``, or torchrun's c10d/static rendezvous store on the node 
 or node rank 0; ``launcher.standalone.AgentEtcd``), connects (c10d/static nodes wait up to
 ``STORE_WAIT_S`` for the serving node), runs the ``NodeAgent`` with the handled signals
 installed, prints the one-line error, and on every path stops what it started: a node that
-serves the store keeps it (at most ``LINGER_S``) until the other nodes left.
+serves the store keeps it (at most ``LINGER_S``) until the other nodes left. The client uses the
+``--hspmd-etcd-*`` TLS and auth settings (``config.etcd``); a refusal (handshake, password, no
+permission on the job's prefix: read and write are both tried) is one line at once, never a
+wait; the workers get the same settings through ``HSPMD_ETCD_*`` (``config.extra_env``).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Optional
 
 from hspmd_elastic.coord import schema
-from hspmd_elastic.coord.api import CoordinationError
+from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.api import LaunchConfig, LaunchError, RendezvousConnectionError, SignalReceived
 from launcher.node.agent import ETCD_TIMEOUT_S, NodeAgent
@@ -56,7 +60,7 @@ def _serve_store(config: LaunchConfig) -> Optional[AgentEtcd]:
     host, _, port = config.rdzv.endpoints[0].rpartition(":")
     if config.rdzv.backend == "c10d" and not is_local_address(host):
         return None
-    hosted = AgentEtcd(host, int(port))
+    hosted = AgentEtcd(host, int(port), tls=config.etcd_server, local_addr=config.local_addr)
     if not hosted.start():
         return None
     log.info("serving the rendezvous store (etcd) at %s:%s for --rdzv-backend %s", host, port,
@@ -66,15 +70,22 @@ def _serve_store(config: LaunchConfig) -> Optional[AgentEtcd]:
 
 def _connect(config: LaunchConfig, endpoints: tuple[str, ...], abort: list[int]) -> EtcdClient:
     """A client that reached etcd; c10d/static nodes wait for the serving node to come up."""
-    client = EtcdClient(list(endpoints), timeout=ETCD_TIMEOUT_S)
+    security = config.etcd.with_tls() if config.etcd_server else config.etcd
+    try:
+        client = EtcdClient(list(endpoints), timeout=ETCD_TIMEOUT_S, security=security)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from exc
     patient = config.rdzv.backend in ("c10d", "static") and not config.rdzv.standalone
     deadline = time.monotonic() + (min(config.rdzv.join_timeout_s, STORE_WAIT_S) if patient
                                    else 0.0)
     waited = False
     while True:
         try:
-            client.revision()
+            _check_access(client, config.rdzv.run_id)
             return client
+        except EtcdAuthError as exc:
+            client.close()
+            raise LaunchError(str(exc)) from exc
         except CoordinationError as exc:
             if abort:
                 client.close()
@@ -91,6 +102,16 @@ def _connect(config: LaunchConfig, endpoints: tuple[str, ...], abort: list[int])
                 log.info("waiting for the rendezvous store at %s", ",".join(endpoints))
             waited = True
             time.sleep(0.5)
+
+
+def _check_access(client: EtcdClient, job: str) -> None:
+    """etcd answers, and this client may read and write the job's prefix (with auth on, a
+    denial now is one line instead of an outage later). The write deletes a key nobody writes:
+    no revision, no event."""
+    prefix = schema.job_prefix(job)
+    client.revision(prefix=prefix)
+    if client.security.uses_auth or client.security.cert_file:
+        client.delete(prefix + "access-check")
 
 
 def _linger(client: EtcdClient, config: LaunchConfig) -> None:
@@ -119,7 +140,6 @@ def _preload_store() -> None:
 def launch(config: LaunchConfig) -> int:
     """Run one node agent to the end; returns torchrun's exit code. Raises LaunchError."""
     _omp_default(config)
-    _preload_store()
     embedded = hosted = client = None
     pending: list[int] = []
     previous = _install_signals(config, lambda signum, _f: pending.append(signum))
@@ -127,7 +147,7 @@ def launch(config: LaunchConfig) -> int:
         endpoints = config.rdzv.endpoints
         try:
             if config.rdzv.standalone:
-                embedded = AgentEtcd()
+                embedded = AgentEtcd(tls=config.etcd_server)
                 embedded.start()
                 endpoints = (embedded.endpoint,)
                 log.info("standalone: embedded etcd at %s, --rdzv-id=%s", embedded.endpoint,
@@ -136,6 +156,9 @@ def launch(config: LaunchConfig) -> int:
         except (EtcdNotFoundError, EtcdStartError) as exc:
             raise LaunchError(str(exc)) from exc
         client = _connect(config, endpoints, pending)
+        _preload_store()  # after a refused connection fails fast, before the lease exists
+        # the workers reach etcd as this agent does (elastic workers use it; see node/env.py)
+        config = replace(config, extra_env={**client.security.to_env(), **config.extra_env})
         # --local-addr names this node to the others (its records, stores and workers' gloo);
         # the hostname may resolve to loopback or to another network's address.
         agent = NodeAgent(config, client, hostname=config.local_addr)

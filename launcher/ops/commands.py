@@ -5,7 +5,9 @@
     python -m launcher.ops.commands status --job J      # the same, without the launcher
 
 Connection: ``--etcd-endpoints host:port[,host:port...]`` (default ``$HSPMD_ETCD_ENDPOINTS``),
-``--job`` (default ``$HSPMD_JOB_ID``). Promises: bad input is a click usage error naming the
+``--job`` (default ``$HSPMD_JOB_ID``), TLS and auth with ``--etcd-cacert``, ``--etcd-cert``,
+``--etcd-key``, ``--etcd-user``, ``--etcd-password-file`` (``launcher.etcd_security``; a read-only
+role is enough). Promises: bad input is a click usage error naming the
 bad value (exit 2); etcd unreachable or an unknown job is one line and exit 1; nothing is
 written to etcd; every etcd call has ``--timeout`` seconds.
 """
@@ -26,6 +28,7 @@ from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.client import EtcdClient, parse_endpoints
 
+from launcher.etcd_security import subcommand_options, subcommand_security
 from launcher.ops.api import DEFAULT_HOST, ENV_ENDPOINTS, ENV_JOB, OpsError
 
 DEFAULT_PORT = 8470
@@ -57,6 +60,7 @@ def _check_job(ctx, param, value: Optional[str]) -> str:
 
 
 def _connection_options(fn):
+    fn = subcommand_options(fn)
     fn = click.option("--timeout", type=click.FloatRange(min=0.0, min_open=True), default=5.0,
                       show_default=True, help="Seconds for each etcd call.")(fn)
     fn = click.option("--etcd-endpoints", envvar=ENV_ENDPOINTS, callback=_check_endpoints,
@@ -69,8 +73,9 @@ def _connection_options(fn):
 
 @contextmanager
 def _client(endpoints: str, timeout: float) -> Iterator[EtcdClient]:
+    security = subcommand_security()
     try:
-        client = EtcdClient(endpoints, timeout=timeout)
+        client = EtcdClient(endpoints, timeout=timeout, security=security)
     except (ValueError, CoordinationError) as exc:
         raise click.ClickException(f"cannot connect to etcd at {endpoints}: {exc}") from exc
     try:
