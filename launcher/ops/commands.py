@@ -1,7 +1,7 @@
 """``hspmd-launch status`` and ``hspmd-launch dashboard``: click commands over ``launcher.ops``.
 
     hspmd-launch status --job J [--watch | --wait] [--for S] [--json]
-    hspmd-launch dashboard --job J [--port P] [--host H]
+    hspmd-launch dashboard --job J [--port P] [--host H] [--allow-host NAME]... [--token-file F]
     python -m launcher.ops.commands status --job J      # the same, without the launcher
 
 Connection: ``--etcd-endpoints host:port[,host:port...]`` (default ``$HSPMD_ETCD_ENDPOINTS``),
@@ -57,6 +57,18 @@ def _check_job(ctx, param, value: Optional[str]) -> str:
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--job") from None
     return value
+
+
+def _read_token(ctx, param, value: Optional[str]) -> Optional[str]:
+    """``--token-file PATH`` -> the token it holds (never the token itself on the command line)."""
+    if value is None:
+        return None
+    from launcher.ops.access import TokenError, read_token
+
+    try:
+        return read_token(value)
+    except TokenError as exc:
+        raise click.BadParameter(str(exc), param_hint="--token-file") from None
 
 
 def _connection_options(fn):
@@ -222,16 +234,27 @@ def _watch_rich(cache, endpoints: str, stop: threading.Event, deadline: Optional
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
               help="TCP port (0: any free port; the URL is printed).")
 @click.option("--host", default=DEFAULT_HOST, show_default=True,
-              help="Address to listen on (loopback by default; the page has no login).")
-def dashboard(job: str, etcd_endpoints: str, timeout: float, port: int, host: str) -> int:
+              help="Address to listen on (loopback by default; any other needs --token-file).")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests whose Host header is NAME (a DNS name or address of "
+                   "this machine, or a reverse proxy's); repeatable.")
+@click.option("--token-file", "token", callback=_read_token, metavar="PATH",
+              help="File holding a bearer token (at least 16 characters): every request must "
+                   "then send 'Authorization: Bearer <token>'. Needed off loopback.")
+def dashboard(job: str, etcd_endpoints: str, timeout: float, port: int, host: str,
+              allow_hosts: tuple[str, ...], token: Optional[str]) -> int:
     """Serve a live page of the job, /api/state, /api/stream and Prometheus /metrics."""
+    from launcher.ops.access import is_loopback
     from launcher.ops.dashboard import DashboardServer
     from launcher.ops.state import JobStateCache
 
+    if token is None and not is_loopback(host):
+        raise click.UsageError(f"--host {host} is not a loopback address: give --token-file "
+                               "PATH (a bearer token every request must send) to serve there")
     with _ops_errors(), _client(etcd_endpoints, timeout) as client:
         cache = JobStateCache(client, job).start(timeout)
         try:
-            server = DashboardServer(cache, host, port)
+            server = DashboardServer(cache, host, port, allow_hosts, token=token)
             if not cache.view().nodes and not cache.view().events:
                 click.echo(f"note: job {job!r} has nothing under {schema.job_prefix(job)} yet; "
                            "the page fills in when it starts", err=True)
