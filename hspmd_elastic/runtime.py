@@ -12,6 +12,9 @@ abandons the step and switches again. It returns when every rank of the current 
 all steps (``RunResult``), or when the newest plan does not use this device (``EXCLUDED``); a plan
 that drains this device (``PlanRecord.drain``: a suspect GPU) first gets this rank's state by
 network, as a BSR source of that plan's switch (``RunResult.drained``), then the worker leaves.
+A worker that holds state never re-enters a plan after one it missed left its device out (a
+partition healed meanwhile): it leaves, and its agent starts a fresh worker, which joins
+through the BSR like any joiner (the fence is the plan version: see ``_left_out_since``).
 
 Progress goes to a ``ProgressReporter`` (default: ``HSPMD_PROGRESS_FILE`` if set, else nothing);
 the etcd worker key belongs to the node agent. Hooks for tests and tools: ``on_step(info)`` after
@@ -29,7 +32,8 @@ from typing import Callable, Optional
 
 import torch
 
-from hspmd_elastic.coord import EtcdClient
+from hspmd_elastic.coord import EtcdClient, schema
+from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.elastic.api import (ConfigurationError, Lifecycle, PlanWaitTimeout,
                                        ProgressReporter, SwitchTimings, TRANSITIONS, WorkerIdentity,
                                        WorkerProgress, WorkerState, reporter_from_env)
@@ -182,6 +186,8 @@ class _Worker:
                                       f"{self.identity.device} within "
                                       f"{self.timeouts.plan_wait_s:g}s")
             if self.identity.device in record.devices:
+                if self.held is not None and self._left_out_since(record.version):
+                    return None
                 return record
             if self.identity.device in record.drain and self.held is not None:
                 self.log.warning("plan v%d drains this device: handing its state over, then "
@@ -191,6 +197,27 @@ class _Worker:
                 self.log.warning("plan v%d does not use this device: leaving", record.version)
                 return None
             floor = record.version  # not used yet: a later plan may add us
+
+    def _left_out_since(self, version: int, most: int = 64) -> bool:
+        """True when a plan between ours and ``version`` did not use this device (read from
+        the plan history; more than ``most`` versions missed counts as left out)."""
+        missed = range(self.version + 1, version)
+        if len(missed) > most:
+            self.log.warning("%d plans passed since v%d: leaving", len(missed), self.version)
+            return True
+        for v in missed:
+            key = schema.plan_history_key(self.identity.job, v)
+            try:
+                kv = self.client.get(key, timeout=self.timeouts.etcd_s)
+                old = schema.decode(key, kv.value) if kv is not None else None
+            except CoordinationError as exc:  # cannot tell: a fresh worker is always safe
+                self.log.warning("cannot read plan v%d (%s): leaving", v, exc)
+                return True
+            if old is not None and self.identity.device not in old.devices:
+                self.log.warning("plan v%d left this device out while it was away: leaving "
+                                 "(its agent starts a fresh worker for v%d)", v, version)
+                return True
+        return False
 
     def _switch(self, record) -> bool:
         check_global_batch(plan_of(record), self.global_batch)

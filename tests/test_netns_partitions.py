@@ -10,6 +10,10 @@ network namespaces, a 3-member etcd, ``hspmd-launch --hspmd-elastic`` agents, re
 * a partition through the fault-injection harness: links down, healed by its timer or by
   ``InjectContext.close``; without a topology, or for a node the topology does not name, one
   line;
+* one node's data link only cut, etcd still reachable (three nodes): the peers leave their
+  collectives at the collective timeout, the agents report what they cannot reach, the leader
+  replans the node away (an ``unreachable`` change); after the heal the node rejoins as a joiner
+  through the BSR, and the parameters equal the reference;
 * a minority etcd member cut off for three lease TTLs: the clients fail over, nothing in the job
   notices (one plan, no leave, no failure), the parameters equal the reference.
 
@@ -42,15 +46,16 @@ REFERENCE = _elastic.reference_payload(CONFIG, steps=STEPS, global_batch=BATCH, 
                                        data_seed=DATA_SEED)
 
 
-def elastic_args(job: NetnsJob, node: str, gates: dict[int, str]) -> list[str]:
+def elastic_args(job: NetnsJob, node: str, gates: dict[int, str], nnodes: str = "2",
+                 comm_timeout: float = 10.0, timeout: float = 30.0) -> list[str]:
     config = job.topo.tmp / "model.json"
     config.write_text(CONFIG.to_json())
-    args = job.args(node, "2", 1, "--hspmd-elastic", "--hspmd-model", str(config),
+    args = job.args(node, nnodes, 1, "--hspmd-elastic", "--hspmd-model", str(config),
                     "--hspmd-global-batch", str(BATCH),
                     str(SCRIPTS / "elastic_train.py"), "--config", str(config),
                     "--steps", str(STEPS), "--global-batch", str(BATCH), "--seed", str(SEED),
                     "--data-seed", str(DATA_SEED), "--out", str(job.topo.tmp / "out"),
-                    "--timeout", "30", "--comm-timeout", "10")
+                    "--timeout", f"{timeout:g}", "--comm-timeout", f"{comm_timeout:g}")
     for step, path in gates.items():
         args += ["--gate", f"{step}:{path}"]
     return args
@@ -114,6 +119,67 @@ def test_a_node_cut_off_past_the_ttl_is_replanned_away_and_its_workers_stop(clus
     print(f"node-b after the heal: exit {code}")
     types = [(e.type, e.node) for e in job.events()]
     assert ("leave", "node-b") in types and "switch-failed" not in {t for t, _ in types}, types
+
+
+def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(netns, marker):
+    topo = netns(nodes=("node-a", "node-b", "node-c"), etcd_members=1)
+    job = NetnsJob(topo, base_env(marker), ttl=TTL)
+    comm_timeout = 3.0
+    try:
+        gates = {2: str(topo.tmp / "gate2"), 4: str(topo.tmp / "gate4")}
+        for node in topo.nodes:
+            # --timeout bounds the survivors' wait for the joiner's fresh worker to start
+            job.start(node, elastic_args(job, node, gates, nnodes="3",
+                                         comm_timeout=comm_timeout, timeout=90))
+        devices = ["node-a:0", "node-b:0", "node-c:0"]
+        before = at_step(job, devices, 2)
+        first, _ = read_plan(job.client, job.name)
+        assert sorted(first.devices) == devices
+        cut_at = time.time()
+        topo.cut("node-c", "data")  # etcd stays reachable: node-c keeps its lease
+        open(gates[2], "w").close()
+
+        def plan_where(pred, newer_than: int):
+            def check():
+                job.check_agents()
+                plan, _ = read_plan(job.client, job.name)
+                return plan if plan.version > newer_than and pred(plan) else None
+            return check
+
+        away = wait_until(plan_where(lambda p: "node-c:0" not in p.devices, first.version),
+                          60, "a plan without node-c", interval=0.05)
+        replan_s = away.created_at - cut_at
+        print(f"data link cut: replanned away after {replan_s:.2f}s "
+              f"(collective timeout {comm_timeout:g}s)")
+        assert replan_s < comm_timeout + 15, replan_s  # generous: timing is in benchmarks
+        assert sorted(away.devices) == ["node-a:0", "node-b:0"]
+        replan = wait_until(lambda: [e for e in job.events() if e.type == "replan"
+                                     and e.detail["version"] == away.version], 10,
+                            "the replan's journal")
+        assert replan[0].detail["changes"][0].startswith("unreachable node-c:0: unreachable "
+                                                         "over the data network from node-a, "
+                                                         "node-b"), replan[0].detail
+        changes = [(e.type, e.node) for e in job.events() if e.type == "unreachable"]
+        assert changes == [("unreachable", "node-c")], changes
+        at_step(job, ["node-a:0", "node-b:0"], 4)  # the survivors trained on, then wait
+        topo.heal("node-c", "data")
+        back = wait_until(plan_where(lambda p: "node-c:0" in p.devices, away.version), 60,
+                          "a plan with node-c again", interval=0.05)
+        open(gates[4], "w").close()
+        job.finish(90)
+        res = results(job)
+        assert sorted(res) == devices
+        _elastic.assert_recovered_in_memory(
+            res, {d: before[d].pid for d in ("node-a:0", "node-b:0")}, REFERENCE)
+        joiner = res["node-c:0"]
+        assert joiner["pid"] != before["node-c:0"].pid  # its old worker left with the cut
+        assert joiner["plan_version"] == back.version
+        joined = joiner["switches"][0]
+        assert joined["source"] == "bsr" and joined["bsr_bytes_received"] > 0, joined
+        types = [e.type for e in job.events()]
+        assert "switch-failed" not in types and "failure" not in types, types
+    finally:
+        job.close()
 
 
 def test_a_minority_etcd_member_cut_off_changes_nothing(cluster):

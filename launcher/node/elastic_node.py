@@ -73,6 +73,7 @@ class ElasticNode:
         self.monitor = monitor or ProgressMonitor(clock=clock, wall_clock=wall_clock)
         self.slots = SlotVerdicts()
         self.store = StoreServer(store_host or host, store_port)
+        self.plan: Optional[schema.PlanRecord] = None  # the newest plan applied
         self.plan_version = 0
         self.slot_plan: list[int] = []  # this node's slots in the current plan
         self.succeeded: set[int] = set()  # slots whose worker exited 0
@@ -112,6 +113,7 @@ class ElasticNode:
         if plan is not None and plan.version > self.plan_version:
             for w in self.workers.apply_plan(plan):
                 self._put_worker(w, plan.version)
+            self.plan = plan
             self.plan_version = plan.version
             self.plan_nodes = frozenset(node_of(d) for d in plan.devices)
             self.slot_plan = new_local_ranks(plan, self.node, ())
@@ -137,6 +139,11 @@ class ElasticNode:
             if not ex.ok and ex.pid not in self._killed_hung and not self._left(ex):
                 report_worker_exit(self.client, self.job, self.node, ex, self.plan_version,
                                    self._wall)
+        if self.plan is not None and any(self._left(ex) for ex in exits):
+            # A worker that left an older plan may exit after a newer one took its slot back
+            # (a healed partition): that plan gets a fresh worker now.
+            for w in self.workers.apply_plan(self.plan):
+                self._put_worker(w, self.plan.version)
         self._relay_progress()
         self.monitor.observe(self.records)
         for hang in self.monitor.new_hangs():
