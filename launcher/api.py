@@ -117,7 +117,8 @@ class ElasticSettings:
     """``--hspmd-elastic``: what the leader plans for. ``model_profile`` is a
     ``hspmd_elastic.planner.ModelProfile`` (from ``--hspmd-model``; when it comes from a
     ``ModelConfig`` JSON the planner checks its plans against that model), ``global_batch`` the
-    rows of every step (``--hspmd-global-batch``), the same whatever the plan."""
+    rows of every step (``--hspmd-global-batch``), the same whatever the plan; the declared
+    capacity and the redundancy guarantee come from ``launcher.capacity``."""
 
     model_profile: Any
     global_batch: int
@@ -126,6 +127,11 @@ class ElasticSettings:
     # kill is one event, and a burst that outlasts the window is still handled (the switch
     # follows the newest plan), so a short window costs at most an extra switch.
     debounce_s: float = 0.25
+    # What this node declares its devices to be (``launcher.capacity``): memory in bytes (0: the
+    # device's own, or its type's) and speed relative to the type's nominal.
+    device_memory_bytes: int = 0
+    device_speed: float = 1.0
+    redundancy: int = 0  # every parameter slice on this many nodes, a hard constraint (0: none)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from launcher.api import (
     LogSettings,
     RendezvousSettings,
 )
+from launcher.capacity import CAPACITY_FLAGS, capacity_settings
 from launcher.etcd_security import launcher_options, launcher_security, server_tls
 from launcher.logs import parse_ranks_filter, parse_std
 
@@ -170,6 +171,12 @@ def _opt(*names: str, **kw):
             help="Elastic mode: seconds the leader waits for the cluster to settle before it "
                  "replans (default 0.25): longer folds a burst of failures into one switch, "
                  "shorter recovers sooner.")
+@_opt("--hspmd-device-memory", default=None, help="Elastic mode: memory of each device of "
+      "this node as the planner sees it (24MiB, 1.5GiB): rehearse a cluster's layouts on CPUs.")
+@_opt("--hspmd-device-speed", default=None, help="Elastic mode: speed of this node's devices "
+      "relative to their type's nominal (default 1.0).")
+@_opt("--hspmd-redundancy", default=None, help="Elastic mode: every parameter slice on this "
+      "many nodes, a hard constraint; the job fails when no plan keeps it (default: none).")
 @launcher_options
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
@@ -386,7 +393,7 @@ def build_config(params: dict) -> LaunchConfig:
     timeout = params["shutdown_timeout"]
     if timeout is None:
         timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
-    elastic = _elastic(params)
+    elastic = _elastic(params, max_nodes)
     return LaunchConfig(
         rdzv=rdzv, nproc_per_node=nproc, entrypoint=entrypoint, entrypoint_name=name,
         node_id=node_id, role=params["role"], max_restarts=params["max_restarts"],
@@ -423,11 +430,12 @@ def parse_model(value: str):
         raise ConfigError(f"invalid --hspmd-model value {value!r}: {exc}") from None
 
 
-def _elastic(params: dict) -> Optional[ElasticSettings]:
+def _elastic(params: dict, max_nodes: int) -> Optional[ElasticSettings]:
     model, batch = params["hspmd_model"], params["hspmd_global_batch"]
     if not params["hspmd_elastic"]:
         for flag, given in (("--hspmd-model", model), ("--hspmd-global-batch", batch),
-                            ("--hspmd-debounce", params["hspmd_debounce"])):
+                            ("--hspmd-debounce", params["hspmd_debounce"]),
+                            *((f"--{k.replace('_', '-')}", params[k]) for k in CAPACITY_FLAGS)):
             if given is not None:
                 raise ConfigError(f"{flag} {given} is only used with --hspmd-elastic")
         return None
@@ -446,7 +454,7 @@ def _elastic(params: dict) -> Optional[ElasticSettings]:
                  "never restarted", params["max_restarts"])
     extra = {} if debounce is None else {"debounce_s": debounce}
     return ElasticSettings(model_profile=parse_model(model), global_batch=batch,
-                           model_spec=str(model), **extra)
+                           model_spec=str(model), **extra, **capacity_settings(params, max_nodes))
 
 
 def _health_source(value: str) -> str:

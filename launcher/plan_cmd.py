@@ -3,7 +3,9 @@
     hspmd-launch plan --devices 8xH800,8xH800,8xH20,8xH20 --model llama-13b --fail node0:3,7
 
 prints the plan the leader would choose (layout, estimated step time, memory per device, the
-next-best alternatives); ``--json`` prints the same as JSON. It runs the pure planner only: no
+next-best alternatives); ``--json`` prints the same as JSON. ``--device-memory``,
+``--redundancy`` and ``--all-devices`` ask what the leader of agents started with
+``--hspmd-device-memory`` and ``--hspmd-redundancy`` on CPU workers would plan. It runs the pure planner only: no
 etcd, no processes. Bad input is a usage error (exit 2) with one line naming the bad value; a
 model that fits no layout exits 1 with the planner's shortfall. Also runnable as
 ``python -m launcher.plan_cmd``.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from typing import Optional
 
 import click
@@ -20,8 +23,8 @@ import click
 from hspmd_elastic.coord.contract import parse_device_id
 from hspmd_elastic.plan import Plan, PlanError
 from hspmd_elastic.planner import (Inventory, PlanInfeasibleError, PlannerError, PlannerOptions,
-                                   inventory_from_dict, inventory_from_nodes, plan_for, preset,
-                                   profile_from_dict)
+                                   inventory_from_dict, inventory_from_nodes, parse_bytes,
+                                   plan_for, preset, profile_from_dict)
 
 
 def _load_json(path: str, param: str) -> object:
@@ -101,6 +104,18 @@ def _degrees(text: Optional[str], param: str) -> Optional[tuple[int, ...]]:
     return values
 
 
+def declare_memory(inventory: Inventory, size: Optional[str]) -> Inventory:
+    """Every device with ``size`` of memory (``--device-memory``, as the agents declare it)."""
+    if size is None:
+        return inventory
+    try:
+        memory = parse_bytes(size)
+    except PlannerError as exc:
+        raise click.BadParameter(str(exc), param_hint="--device-memory") from None
+    return Inventory(tuple(replace(d, spec=replace(d.spec, memory_bytes=memory))
+                           for d in inventory.devices))
+
+
 def load_profile(model: str):
     if model.endswith(".json") or os.path.isfile(model):
         return profile_from_dict(_load_json(model, "--model"))
@@ -124,11 +139,19 @@ def load_profile(model: str):
 @click.option("--pp", default=None, metavar="DEPTHS", help="Allowed pipeline depths, e.g. 1,2.")
 @click.option("--cross-node-replicas", is_flag=True,
               help="Prefer plans that keep every parameter slice on two nodes.")
+@click.option("--redundancy", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Every parameter slice on this many nodes, a hard constraint.")
+@click.option("--device-memory", default=None, metavar="SIZE",
+              help="Every device's memory, e.g. 24MiB (as --hspmd-device-memory declares it).")
+@click.option("--all-devices", is_flag=True,
+              help="Prefer plans that give every device a role (what the leader asks for on "
+                   "CPU workers).")
 @click.option("--alternatives", type=click.IntRange(min=0), default=3, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, ...],
                  degrade: tuple[str, ...], current: Optional[str], tp: Optional[str],
-                 pp: Optional[str], cross_node_replicas: bool, alternatives: int,
+                 pp: Optional[str], cross_node_replicas: bool, redundancy: int,
+                 device_memory: Optional[str], all_devices: bool, alternatives: int,
                  as_json: bool) -> None:
     """Show the plan the planner would choose for a (hypothetical) cluster."""
     try:
@@ -139,6 +162,7 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
         profile = load_profile(model)
     except PlannerError as exc:
         raise click.BadParameter(str(exc), param_hint="--model") from None
+    inventory = declare_memory(inventory, device_memory)
     failed = tuple(resolve_device(t, inventory, "--fail") for t in _tokens(fail))
     inventory = inventory.with_health(failed, _degrades(degrade, inventory))
     current_plan = None
@@ -148,7 +172,8 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
         except PlanError as exc:
             raise click.BadParameter(str(exc), param_hint="--current") from None
     options = PlannerOptions(tp_degrees=_degrees(tp, "--tp"), pp_degrees=_degrees(pp, "--pp"),
-                             cross_node_replicas=cross_node_replicas, alternatives=alternatives)
+                             cross_node_replicas=cross_node_replicas, redundancy=redundancy,
+                             use_all_devices=all_devices, alternatives=alternatives)
     try:
         result = plan_for(inventory, profile, global_batch, current_plan, options)
     except PlanInfeasibleError as exc:

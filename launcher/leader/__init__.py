@@ -30,6 +30,7 @@ from launcher.leader.planning import (
     PlannedLayout,
     PlannerFn,
     PlanningFailed,
+    RedundantPlanner,
     default_planner_options,
     make_layout,
     plan_record,
@@ -48,6 +49,7 @@ __all__ = [
     "EXIT_PREFIX", "GONE_NODE_STATES", "STALL_PREFIX", "TRANSITIONS", "Change", "ChangeKind",
     "ClusterSnapshot", "DeviceView", "Leader", "LeaderError", "LeaderState", "NodeView",
     "Outcome", "PlanDecision", "PlannedLayout", "PlannerFn", "PlanningFailed", "Publication",
+    "RedundantPlanner",
     "assumed_inventory", "build_snapshot", "decide", "default_planner_options", "make_layout",
     "plan_record", "select_nodes",
 ]

@@ -5,17 +5,21 @@ The seam to the data plane's planner is typed: ``PlannerFn`` is the signature of
 current ``Plan`` and ``PlannerOptions`` in; a ``PlanResult`` out). Promises:
 
 * ``make_layout`` hands the planner an inventory of the usable devices plus the current plan's
-  lost ones (as failed), with ints in device-id order, degraded devices as slowdowns, and the
-  current plan relabelled to those ints (``coord.contract.plan_of`` then ``Plan.relabel``; None
-  when the record holds no plan the planner reads), so the planner can prefer a cheap switch;
+  lost ones (as failed), with ints in device-id order, degraded devices as slowdowns, each
+  device's spec from its type with the memory and speed its node declared
+  (``planner.spec_for_device``), and the current plan relabelled to those ints
+  (``coord.contract.plan_of`` then ``Plan.relabel``; None when the record holds no plan the
+  planner reads), so the planner can prefer a cheap switch;
 * the published layout uses compact ids: ``PlannedLayout.devices[i]`` is the device of int
   ``i`` in ``plan``, which is the worker's rank in that plan's process group;
 * a plan the planner finds infeasible raises ``PlanningFailed`` (the caller keeps the current
   plan); any other planner failure, or no planner, gives ``fallback_dp_plan`` (from the
   planner's API) over the usable devices, and the layout says so (``planner``);
 * the planner's options come from ``default_planner_options`` unless the caller gives some: CPU
-  jobs ask for every worker slot to get a role, and a cluster of two nodes or more asks for
-  every parameter slice on two nodes;
+  jobs ask for every worker slot to get a role, and a cluster of two nodes or more prefers
+  every parameter slice on two nodes; ``RedundantPlanner`` wraps a planner so every plan keeps
+  every slice on ``--hspmd-redundancy`` nodes (a hard constraint, whatever the options), and
+  remembers why the last search found none (``shortfall``) so the agent can end the job;
 * importing this module does not import the planner (its search loads scipy): the planner
   package is imported when a plan is first made.
 """
@@ -23,7 +27,7 @@ current ``Plan`` and ``PlannerOptions`` in; a ``PlanResult`` out). Promises:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 from hspmd_elastic.coord import schema
@@ -64,6 +68,34 @@ class PlannedLayout:
     plan: Plan
     devices: tuple[str, ...]
     planner: str  # PLANNER_SEARCH or PLANNER_FALLBACK
+
+
+class RedundantPlanner:
+    """A ``PlannerFn`` that calls ``planner_fn`` with ``redundancy`` set on whatever options it
+    is given: every plan keeps every parameter slice on ``redundancy`` nodes, or the search
+    raises ``planner.RedundancyError``. ``shortfall`` is that error's line from the last call
+    ("" after a plan was found): no plan can keep the guarantee for this cluster."""
+
+    def __init__(self, planner_fn: PlannerFn, redundancy: int):
+        if redundancy < 1:
+            raise ValueError(f"redundancy={redundancy} must be >= 1")
+        self.planner_fn, self.redundancy = planner_fn, redundancy
+        self.shortfall = ""
+
+    def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
+                 current_plan: Optional[Plan] = None,
+                 options: Optional[PlannerOptions] = None) -> PlanResult:
+        from hspmd_elastic.planner import PlannerOptions, RedundancyError
+
+        opts = replace(options or PlannerOptions(), redundancy=self.redundancy)
+        try:
+            result = self.planner_fn(inventory, profile, global_batch,
+                                     current_plan=current_plan, options=opts)
+        except RedundancyError as exc:
+            self.shortfall = str(exc)
+            raise
+        self.shortfall = ""
+        return result
 
 
 def default_planner_options(devices: Sequence[DeviceView]) -> PlannerOptions:
@@ -123,19 +155,19 @@ def _inventory(universe: Sequence[str], usable: Mapping[str, DeviceView],
     from hspmd_elastic.planner import Device, Health, Inventory, spec_for_device
 
     devs = []
-    specs: dict[tuple, object] = {}  # one spec per (type, memory): thousands of devices share it
+    specs: dict[tuple, object] = {}  # one spec per (type, memory, speed): devices share it
 
-    def spec_of(type_name: str, memory: Optional[int]):
-        if (type_name, memory) not in specs:
-            specs[type_name, memory] = spec_for_device(type_name, memory)
-        return specs[type_name, memory]
+    def spec_of(type_name: str, memory: Optional[int], speed: float = 1.0):
+        if (type_name, memory, speed) not in specs:
+            specs[type_name, memory, speed] = spec_for_device(type_name, memory, speed=speed)
+        return specs[type_name, memory, speed]
 
     for dev in universe:
         view = usable.get(dev)
         if view is None:
             devs.append(Device(ids[dev], node_of(dev), spec_of(lost_type, None), Health.FAILED))
             continue
-        spec = spec_of(view.type, view.memory_bytes or None)
+        spec = spec_of(view.type, view.memory_bytes or None, view.declared_speed)
         health = Health.DEGRADED if view.state == "degraded" else Health.HEALTHY
         devs.append(Device(ids[dev], view.node, spec, health, 1.0 / max(view.speed, 1e-6)))
     return Inventory(tuple(devs))

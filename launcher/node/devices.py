@@ -2,8 +2,10 @@
 
 In elastic mode a worker slot is a device: slot ``<index>`` of node ``<node_id>`` is device
 ``contract.device_id(node_id, index)`` (a GPU slot uses the CUDA ordinal of the same number).
-``device_table`` is the node's stable table (index, type, memory, uuid), from the health
-source's accelerators when it sees some, else ``CPU`` slots; ``node_record`` is the record.
+``device_table`` is the node's stable table (index, type, memory, uuid, speed), from the health
+source's accelerators when it sees some, else ``CPU`` slots; the memory and speed the node
+declares (``--hspmd-device-memory``, ``--hspmd-device-speed``) replace what the devices report,
+so the leader's planner sees the devices as declared. ``node_record`` is the record.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ CPU_TYPE = "CPU"
 
 
 def device_table(node: str, count: int, device_type: str = CPU_TYPE,
-                 accelerators: Optional[Sequence[Any]] = None) -> list[schema.DeviceInfo]:
+                 accelerators: Optional[Sequence[Any]] = None, memory_bytes: int = 0,
+                 speed: float = 1.0) -> list[schema.DeviceInfo]:
     """The node's worker slots as devices: from the health source's ``accelerators`` (their
-    index, type, memory and uuid) when it sees some, else ``count`` slots of ``device_type``."""
+    index, type, memory and uuid) when it sees some, else ``count`` slots of ``device_type``;
+    ``memory_bytes`` (when > 0) and ``speed`` are what the node declares for each of them."""
+    if not speed > 0:
+        raise ValueError(f"node {node}: declared device speed {speed!r} must be > 0")
     if accelerators:
-        return [schema.DeviceInfo(index=a.index, type=a.type, memory_bytes=a.memory_bytes,
-                                  uuid=a.uuid) for a in sorted(accelerators, key=lambda a: a.index)]
+        return [schema.DeviceInfo(index=a.index, type=a.type,
+                                  memory_bytes=memory_bytes or a.memory_bytes, uuid=a.uuid,
+                                  speed=speed)
+                for a in sorted(accelerators, key=lambda a: a.index)]
     if count < 1:
         raise ValueError(f"node {node}: need at least one worker slot, got {count}")
-    return [schema.DeviceInfo(index=i, type=device_type, memory_bytes=0,
-                              uuid=device_id(node, i)) for i in range(count)]
+    return [schema.DeviceInfo(index=i, type=device_type, memory_bytes=memory_bytes,
+                              uuid=device_id(node, i), speed=speed) for i in range(count)]
 
 
 def node_record(host: str, devices: list[schema.DeviceInfo], state: str, started_at: float,

@@ -17,9 +17,10 @@ SUCCEEDED, or FAILED / INTERRUPTED) with its own ``TRANSITIONS`` table on the on
   finishes a worker only after every rank of its plan finished the last step; or, for scripts
   that report no progress, when every node of the current plan marked its slots done
   (``rdzv/rounds/<version>/done/<node>``). It fails when a switch failed for good (a
-  ``switch-failed`` event: state with no live owner and no checkpoint) or no usable device is
-  left; the agents then stop their workers, print torchrun's failure summary of their own
-  failed workers, and exit 1;
+  ``switch-failed`` event: state with no live owner and no checkpoint), no usable device is
+  left, or this agent's leader found no plan that keeps ``--hspmd-redundancy``
+  (``RedundantPlanner.shortfall``); the agents then stop their workers, print torchrun's
+  failure summary of their own failed workers, and exit 1;
 * after success the agents stop leading and wait (at most ``FINISH_WAIT_S``) until every worker
   of the job has exited by itself, so the store a plan uses outlives every rank that needs it;
 * on a terminal (stderr), a progress bar shows the wait for the first plan (nodes up of
@@ -54,7 +55,7 @@ from launcher.api import (
 )
 from launcher.console import ElasticWaits
 from launcher.health.api import HealthSource
-from launcher.leader import Leader, build_snapshot
+from launcher.leader import Leader, RedundantPlanner, build_snapshot
 from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
 from launcher.node.devices import device_table
 from launcher.node.elastic_node import ElasticNode
@@ -118,6 +119,7 @@ class ElasticMode:
         self._finished_worker = ""
         self._event_seq = 0
         self._switch_failed = ""
+        self._planner: Optional[RedundantPlanner] = None  # with --hspmd-redundancy
         self._marked_done: set[int] = set()
         self._next_judge = 0.0
         self._unused_since = 0  # the plan version since which plans give this node no device
@@ -230,7 +232,11 @@ class ElasticMode:
         workers = ElasticWorkers(self.job, self.node_id, cfg.entrypoint, self.client.endpoints,
                                    lambda version, lr: attempts(version)[lr], base_env=base,
                                    role=cfg.role, progress_dir=progress_dir)
-        leader = Leader(self.client, self.session, self.job, self.node_id, plan_for,
+        settings = self.settings
+        planner = plan_for
+        if settings.redundancy:
+            planner = self._planner = RedundantPlanner(plan_for, settings.redundancy)
+        leader = Leader(self.client, self.session, self.job, self.node_id, planner,
                         self.settings.model_profile, self.settings.global_batch,
                         debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes,
                         max_nodes=cfg.rdzv.max_nodes, hold=ctx.outage.reconciling)
@@ -240,7 +246,9 @@ class ElasticMode:
         except HealthConfigError as exc:
             raise LaunchError(str(exc)) from exc
         return ElasticNode(self.client, self.session, self.job, self.node_id, ctx.host,
-                           device_table(self.node_id, cfg.nproc_per_node, accelerators=gpus),
+                           device_table(self.node_id, cfg.nproc_per_node, accelerators=gpus,
+                                        memory_bytes=settings.device_memory_bytes,
+                                        speed=settings.device_speed),
                            workers, leader=leader, health=health, store_host=store_host,
                            monitor=monitor)
 
@@ -332,6 +340,7 @@ class ElasticMode:
         usable = len(build_snapshot(nodes, verdicts, self.node_id).usable())
         return JobView(finished_worker=self._finished_worker, nodes_done=nodes_done,
                        switch_failed=self._switch_failed, nodes=len(nodes),
+                       plan_shortfall=self._planner.shortfall if self._planner else "",
                        usable_devices=usable)
 
     def _records(self, prefix: str) -> list[tuple[str, object]]:

@@ -3,7 +3,8 @@
 ``judge(view)`` maps what one agent knows at one moment (``JobView``) to ``"running"``,
 ``SUCCEEDED`` or ``FAILED`` with a one-line reason; a recorded end (``rdzv/state``) always wins,
 so every agent ends the same way. A worker that finished the job, or every node of the plan
-done, is success; a ``switch-failed`` event, or no usable device left, is failure.
+done, is success; a ``switch-failed`` event, no usable device left, or (this agent leading) no
+plan that keeps the ``--hspmd-redundancy`` guarantee, is failure.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class JobView:
     switch_failed: str = ""  # the error of a switch-failed event
     nodes: int = 0  # live node records
     usable_devices: int = -1  # -1: not known
+    plan_shortfall: str = ""  # this agent's leader found no plan keeping --hspmd-redundancy
 
 
 def judge(view: JobView) -> tuple[str, str]:
@@ -40,6 +42,8 @@ def judge(view: JobView) -> tuple[str, str]:
         return FAILED, "switch failed: " + one_line(view.switch_failed)
     if view.nodes and view.usable_devices == 0:
         return FAILED, "no usable device left in the job"
+    if view.plan_shortfall:
+        return FAILED, "no plan keeps the redundancy guarantee: " + one_line(view.plan_shortfall)
     return "running", ""
 
 

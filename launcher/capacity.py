@@ -1,0 +1,72 @@
+"""Elastic mode's declared capacity and redundancy flags, parsed into ``ElasticSettings`` fields.
+
+A node can declare what its devices are, for the leader's planner: ``--hspmd-device-memory``
+(a size with a unit: ``24MiB``, ``1.5GiB``, ``512KiB``) and ``--hspmd-device-speed`` (relative
+to the device type's nominal speed, 1.0 by default). The agent advertises them in its node
+record (``DeviceInfo.memory_bytes`` and ``speed``), and the planner shards a model that does not
+fit the declared memory exactly as it would on real GPUs, so a cluster's layouts can be
+rehearsed on CPU workers. ``--hspmd-redundancy N`` makes "every parameter slice on N nodes" a
+hard constraint of the planner. Bad values raise ``ConfigError`` with one line naming them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from launcher.api import ConfigError
+
+CAPACITY_FLAGS = ("hspmd_device_memory", "hspmd_device_speed", "hspmd_redundancy")  # CLI params
+
+
+def parse_device_memory(value: Optional[str]) -> int:
+    """``--hspmd-device-memory``: bytes (0 when not given: the device's own, or the type's)."""
+    if value is None:
+        return 0
+    from hspmd_elastic.planner import PlannerError, parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except PlannerError:
+        raise ConfigError(f"invalid --hspmd-device-memory value {value!r}: use a size with a "
+                          "unit, KiB, MiB or GiB (e.g. 24MiB)") from None
+
+
+def parse_device_speed(value: Optional[str]) -> float:
+    """``--hspmd-device-speed``: a number > 0 (1.0 when not given)."""
+    if value is None:
+        return 1.0
+    try:
+        speed = float(value)
+    except (TypeError, ValueError):
+        speed = math.nan
+    if not (math.isfinite(speed) and speed > 0):
+        raise ConfigError(f"invalid --hspmd-device-speed value {value!r}: must be a number > 0 "
+                          "(relative to the device type's nominal speed, e.g. 0.5)")
+    return speed
+
+
+def parse_redundancy(value: Optional[str], max_nodes: int) -> int:
+    """``--hspmd-redundancy``: nodes every parameter slice must live on (0 when not given: no
+    guarantee; the leader then prefers two nodes when it has them)."""
+    if value is None:
+        return 0
+    try:
+        count = int(str(value).strip())
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ConfigError(f"invalid --hspmd-redundancy value {value!r}: must be an integer >= 1 "
+                          "(nodes every parameter slice lives on)")
+    if count > max_nodes:
+        raise ConfigError(f"invalid --hspmd-redundancy value {value!r}: the job has at most "
+                          f"{max_nodes} node{'s' if max_nodes != 1 else ''} (--nnodes), so no "
+                          f"slice can live on {count}")
+    return count
+
+
+def capacity_settings(params: dict, max_nodes: int) -> dict:
+    """The ``ElasticSettings`` fields of the three flags (``params``: the CLI's values)."""
+    return {"device_memory_bytes": parse_device_memory(params.get("hspmd_device_memory")),
+            "device_speed": parse_device_speed(params.get("hspmd_device_speed")),
+            "redundancy": parse_redundancy(params.get("hspmd_redundancy"), max_nodes)}
