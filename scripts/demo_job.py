@@ -4,14 +4,23 @@
 Elastic mode (the default, ``--mode elastic``):
 
 1. starts an embedded etcd (one member, loopback, free ports);
-2. runs two ``hspmd-launch --hspmd-elastic`` agents against it as two nodes of this host, two
-   gloo workers each, training the project's decoder with ``hspmd_elastic.runtime`` (float64);
-3. prints the job's journal (``events/``) live from an etcd watch: plans, failures, switches;
+2. runs two ``hspmd-launch --hspmd-elastic`` agents against it as two nodes of this host, three
+   gloo workers each, training the project's decoder with ``hspmd_elastic.runtime`` (float64).
+   The agents declare their devices small (``--hspmd-device-memory 1.1MiB``, where one replica
+   of the model needs about 1.7 MiB) and ask for every parameter slice on both nodes
+   (``--hspmd-redundancy 2``), so plan v1 shards the model: one pipeline per node (PP, DP 2);
+3. prints the job's journal (``events/``) live from an etcd watch: plans with their layouts,
+   failures, switches with the bytes BSR moved;
 4. SIGKILLs one worker mid-run (a real signal to a real process);
-5. the leader replans, the three survivors switch to the new plan in memory (fused BSR, no
-   restart, no checkpoint), the job finishes every step;
+5. the leader replans: five devices cannot repeat v1's layout, so plan v2 is specialized
+   differently (other TP degrees, layer splits and rows per pipeline); the survivors reshard
+   weights and AdamW state into it by fused BSR, in memory (no restart, no checkpoint), and the
+   job finishes every step;
 6. trains the same global batches fault-free in this process (the dense reference) and compares
-   every parameter.
+   every parameter (an element no rank holds counts as missing, never as equal).
+
+``--device-memory none`` declares nothing (the CPU type's 8 GiB): the planner then picks pure
+data parallelism and the switch moves no bytes, the way a tiny model on big devices should run.
 
 Restart mode (``--mode restart``): one agent, three workers of ``examples/ddp_train.py`` (an
 unmodified torchrun-style DDP script with snapshots), ``--max-restarts 1``; the fault makes the
@@ -175,20 +184,41 @@ ELASTIC_CONFIG = dict(vocab_size=64, hidden_size=32, num_heads=4, num_layers=4, 
                       seq_len=16, dtype="float64")
 ELASTIC_BATCH, ELASTIC_SEED, ELASTIC_DATA_SEED = 8, 3, 7
 NODES = ("node0", "node1")
+DEVICE_MEMORY = "1.1MiB"  # per device, as declared; one replica needs about 1.7 MiB
+REDUNDANCY = 2
 
 
-def show_event(ev) -> None:
+def plan_layout(client: EtcdClient, version: int) -> str:
+    """Plan ``version``'s specialization on one line (from ``plan/history``), or ""."""
+    from hspmd_elastic.coord.contract import plan_of
+    from hspmd_elastic.planner import layout_line
+
+    kv = client.get(schema.plan_history_key(JOB, version))
+    if kv is None:
+        return ""
+    rec = schema.decode(kv.key, kv.value)
+    return layout_line(plan_of(rec), rec.devices)
+
+
+def show_event(ev, client: EtcdClient) -> None:
     """One journal entry, as it arrives from the etcd watch."""
+    from hspmd_elastic.planner import fmt_bytes
+
     d, t = ev.detail, ev.timings
     if ev.type == "replan":
         text = (f"plan v{d.get('version')} over {d.get('devices')} device(s) ({d.get('reason')}); "
                 f"detect->publish {t.get('detect_to_publish_s', 0):.3f}s")
+        layout = plan_layout(client, d.get("version", 0))
+        if layout:
+            text += f"\n        layout {layout}"
     elif ev.type == "failure":
         text = f"{d.get('device')}: {d.get('reason')}"
     elif ev.type.startswith("switch"):
         text = (f"plan v{d.get('plan_version')} source={d.get('source')} "
                 + " ".join(f"{k}={t[k]:.3f}s" for k in ("stall_s", "regroup_s", "bsr_s",
                                                          "rebuild_s", "total_s") if k in t))
+        if "bsr_bytes_total" in t:
+            text += f" moved={fmt_bytes(t['bsr_bytes_total'])}"
         if d.get("error"):
             text += f" error={str(d['error'])[:200]}"
     else:
@@ -229,10 +259,14 @@ def run_elastic(args) -> int:
         say(f"etcd healthy at {etcd.endpoint_str}")
         client = EtcdClient(etcd.endpoint_str, timeout=2.0)
         watch = PrefixWatch(client, schema.events_prefix(JOB),
-                            lambda ev: ev.record is not None and show_event(ev.record), decode=True,
-                            initial=True, name="demo events")
+                            lambda ev: ev.record is not None and show_event(ev.record, client),
+                            decode=True, initial=True, name="demo events")
         watch.start(10.0)
         agents, echoes = {}, []
+        capacity = [] if args.device_memory == "none" else [
+            "--hspmd-device-memory", args.device_memory]
+        if args.redundancy:
+            capacity += ["--hspmd-redundancy", str(args.redundancy)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         seen = {"snapshot_loads": 0}
         try:
@@ -242,7 +276,7 @@ def run_elastic(args) -> int:
                        "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint_str,
                        "--rdzv-id", JOB, "--hspmd-node-id", node, "--hspmd-lease-ttl", "2",
                        "--shutdown-timeout", "5", "--hspmd-elastic", "--hspmd-model", str(model),
-                       "--hspmd-global-batch", str(ELASTIC_BATCH),
+                       "--hspmd-global-batch", str(ELASTIC_BATCH), *capacity,
                        str(ROOT / "tests" / "scripts" / "elastic_train.py"),
                        "--config", str(model), "--steps", str(args.steps),
                        "--global-batch", str(ELASTIC_BATCH), "--seed", str(ELASTIC_SEED),
@@ -275,6 +309,9 @@ def run_elastic(args) -> int:
             for echo in echoes:
                 echo.join(timeout=10)
             events = read_events(client, JOB)
+            versions = sorted(e.detail["version"] for e in events if e.type == "replan")
+            plan_before = plan_layout(client, versions[0]) if versions else ""
+            plan_after = plan_layout(client, versions[-1]) if versions else ""
         finally:
             for a in agents.values():
                 if a.poll() is None:
@@ -295,14 +332,22 @@ def run_elastic(args) -> int:
         shapes = {n: s.shape for n, s in param_specs(config).items()}
         got = gather_full([r["final_state"] for r in results.values()], shapes)
         ref = elastic_reference(args.steps)
-        diff = max(float((got[n] - ref[n].to(got[n].dtype)).abs().max()) for n in ref)
-        say(f"max |param - fault-free reference| = {diff:.3e} over {len(ref)} tensors")
+        missing = sum(int(torch.isnan(got[n]).sum()) for n in ref)  # held by no rank
+        if missing:
+            say(f"{missing} parameter element(s) are held by no rank: no comparison")
+        else:
+            diff = max(float((got[n] - ref[n].to(got[n].dtype)).abs().max()) for n in ref)
+            say(f"max |param - fault-free reference| = {diff:.3e} over {len(ref)} tensors")
     failures = [e for e in events if e.type == "failure"]
     recovered = sum(1 for f in failures if any(
         e.type == "switch-done" and e.seq > f.seq
         and e.detail.get("plan_version", 0) > (f.detail.get("plan_version") or 0)
         for e in events)) if all(c == 0 for c in codes.values()) else 0
     done_after = [e for e in events if e.type == "switch-done" and e.at > killed_at]
+    moved = int(sum(e.timings.get("bsr_bytes_total", 0) for e in done_after))
+    say(f"plan before the fault: {plan_before}")
+    say(f"plan after the fault:  {plan_after}")
+    say(f"the recovery switch moved {moved} B of weights and AdamW state by fused BSR")
     steps_done = min((r["steps_done"] for r in results.values()), default=0)
     result = {
         "faults": len(failures),
@@ -313,6 +358,9 @@ def run_elastic(args) -> int:
         "samples_lost": (args.steps - steps_done) * ELASTIC_BATCH if results else None,
         "max_param_diff": diff,
         "switch_seconds": round(done_after[0].at - killed_at, 3) if done_after else None,
+        "bytes_moved": moved,
+        "plan_before": plan_before,
+        "plan_after": plan_after,
         "exit_codes": codes,
         "mode": "elastic",
     }
@@ -328,13 +376,19 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kill-at", type=int, default=17, help="SIGKILL a worker after this step")
     ap.add_argument("--nproc", type=int, default=None,
-                    help="workers per node (default: 2 elastic, on 2 nodes; 3 restart)")
+                    help="workers per node (default: 3, on 2 nodes, elastic; 3 restart)")
+    ap.add_argument("--device-memory", default=DEVICE_MEMORY,
+                    help="elastic: memory each agent declares per device "
+                         f"(default {DEVICE_MEMORY}; 'none': the CPU type's 8 GiB)")
+    ap.add_argument("--redundancy", type=int, default=REDUNDANCY,
+                    help=f"elastic: --hspmd-redundancy of the agents (default {REDUNDANCY}; "
+                         "0: none)")
     ap.add_argument("--timeout", type=float, default=240.0)
     args = ap.parse_args()
     if args.mode == "restart":
         args.nproc = args.nproc or 3
         return run_restart(args)
-    args.nproc = args.nproc or 2
+    args.nproc = args.nproc or 3
     return run_elastic(args)
 
 
