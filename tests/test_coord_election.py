@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hspmd_elastic.coord import (
@@ -123,7 +125,8 @@ def test_publish_plan_is_fenced_and_compare_and_set(client, candidates):
     assert read_plan(client, JOB) == (None, 0)
     publish_plan(a, plan(1), read_revision=0)
     current, rev = read_plan(client, JOB)
-    assert current == plan(1)
+    assert current == dataclasses.replace(plan(1), leader="a", term=a.term)  # stamped
+    assert a.term > 0
     with pytest.raises(ConflictError):
         publish_plan(a, plan(2), read_revision=0, current_version=1)  # decided from a stale read
     with pytest.raises(ValueError, match="version"):

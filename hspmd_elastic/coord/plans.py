@@ -3,11 +3,13 @@
 Promises: ``publish_plan`` writes both keys in one transaction fenced on the leader's election
 key and on the ``plan/current`` revision the leader decided from, so a deposed leader gets
 ``FencedWriteRejected`` and a leader racing a newer plan gets ``ConflictError``; the version must
-be exactly one more than the current one.
+be exactly one more than the current one; the record is stamped with the leader's node and
+term (its fence), so etcd's revisions show which leadership wrote each plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from hspmd_elastic.coord import schema
@@ -34,6 +36,7 @@ def publish_plan(election: Election, plan: schema.PlanRecord, read_revision: int
             f"plan version {plan.version} must be current version {current_version} + 1"
         )
     job = election.job
+    plan = dataclasses.replace(plan, leader=election.node, term=election.term)
     payload = schema.encode(plan)
     current = schema.plan_current_key(job)
     res = election.fenced_txn(

@@ -306,6 +306,10 @@ class PlanRecord(Record):
     # Devices of the previous plan that leave this one alive (suspect: drained): they join the
     # switch's group after the plan's ranks, serve as BSR sources only, then leave.
     drain: list[str] = field(default_factory=list)
+    # Who wrote it: the leader's node and term (the create revision of its election key, the
+    # fence of the write). Optional: older values without them read as "" and 0.
+    leader: str = ""
+    term: int = 0
 
 
 @dataclass
