@@ -8,7 +8,10 @@ SIGKILLed mid-run forces a differently specialized plan: the survivors reshard w
 AdamW state by fused BSR into it (bytes moved, read from the journal's ``switch-done`` timings),
 every published plan keeps the guarantee, every DP replica ends equal, and the parameters equal
 the fault-free dense reference (float64; a slice nobody holds stays NaN and fails the check).
-When no plan can keep the guarantee, nothing is published and the job fails on every agent with
+A GPU that shows warning signs (a scripted ``suspect`` verdict) is drained: the next plan leaves
+it out while it still works, it serves as a BSR source in that switch (the bytes its state sent
+are in its ``drained`` event), then its worker leaves and the device stays out. When no plan can
+keep the guarantee, nothing is published and the job fails on every agent with
 one line naming the shortfall (the same judge ends a job whose fault leaves no such plan:
 ``tests/test_planner_capacity.py``).
 """
@@ -53,13 +56,14 @@ class Job:
         self.agents: dict[str, Launcher] = {}
         self.client = EtcdClient(etcd.endpoints, timeout=5.0)
 
-    def start(self, node: str, nproc: int, *flags: str) -> Launcher:
-        args = ["--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "etcd",
+    def start(self, node: str, nproc: int, *flags: str, nnodes: int = 2,
+              redundancy: int = 2) -> Launcher:
+        args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "etcd",
                 "--rdzv-endpoint", self.etcd.endpoint_str, "--rdzv-id", self.name,
                 "--hspmd-node-id", node, "--hspmd-lease-ttl", "2", "--shutdown-timeout", "5",
                 "--rdzv-conf", "join_timeout=60", "--hspmd-elastic",
                 "--hspmd-model", str(self.config), "--hspmd-global-batch", str(BATCH),
-                "--hspmd-redundancy", "2", *flags,
+                "--hspmd-redundancy", str(redundancy), *flags,
                 str(SCRIPTS / "elastic_train.py"), "--config", str(self.config),
                 "--steps", str(STEPS), "--global-batch", str(BATCH), "--seed", str(SEED),
                 "--data-seed", str(DATA_SEED), "--out", str(self.out),
@@ -214,3 +218,54 @@ def test_no_plan_keeps_the_redundancy_the_job_fails_naming_the_shortfall(job):
             "counting at most one replica per node: short by 109.0 KiB" in lines[-1], lines[-1]
         assert "started pid" not in agent.stderr()
     assert job.plans() == {}  # no plan breaking the guarantee was published
+
+
+def test_a_suspect_gpu_is_drained_its_state_leaves_by_network_then_it_is_released(job):
+    """One node, 3 workers declared at 150 KiB (no device holds a replica, so each holds a
+    shard nobody else has); node-a:2 turns suspect mid-run: plan v2 shards over the other two
+    and drains it; its shard reaches them by fused BSR (no checkpoint exists), then its worker
+    leaves, no failure is counted, and the result equals the fault-free reference."""
+    from launcher.health.scripted import Fault, encode_fault_script
+
+    job.start("node-a", 3, "--hspmd-device-memory", MEMORY, "--hspmd-health-source",
+              "scripted:etcd", nnodes=1, redundancy=1)
+    devices = [f"node-a:{i}" for i in range(3)]
+    pids = job.paused(devices)
+    assert sorted(job.plans()[1][1]) == devices
+    suspect = "node-a:2"
+    job.client.put(schema.fault_script_key(job.name, "node-a"), encode_fault_script(
+        [Fault(2, "suspect", reason="240 new correctable ECC error(s)")]))
+
+    def drain_plan():
+        for version, (_plan, names) in job.plans().items():
+            if version > 1:
+                return version, names
+        return None
+
+    version, names = wait_for(drain_plan, 30, "the plan that drains node-a:2")
+    rec = schema.decode(schema.plan_history_key(job.name, version), job.client.get(
+        schema.plan_history_key(job.name, version)).value)
+    assert suspect not in names and rec.drain == [suspect], rec
+    job.release.touch()
+    code = job.agents["node-a"].wait(60)
+    assert code == 0, job.agents["node-a"].stderr()[-6000:]
+    events = read_events(job.client, job.name)
+    drained = [e for e in events if e.type == "drained"]
+    assert [e.detail["device"] for e in drained] == [suspect], [(e.type, e.detail)
+                                                                for e in events]
+    sent = drained[0].timings["bsr_bytes_sent"]
+    assert sent > 0 and drained[0].detail["plan_version"] == version
+    changes = [(e.type, e.detail["devices"]) for e in events if e.type == "drain"]
+    assert changes == [("drain", [suspect])], changes
+    assert not {"failure", "fallback", "switch-failed"} & {e.type for e in events}
+    assert all(suspect not in names for v, (_p, names) in job.plans().items() if v >= version)
+    results = job.results()
+    assert set(results) == set(devices) - {suspect}  # the drained worker left, holding nothing
+    for dev, res in results.items():
+        assert res["pid"] == pids[dev] and res["state"] == "done", (dev, res["state"])
+        assert res["switches"][-1]["source"] == "bsr"
+    received = sum(r["switches"][-1]["bsr_bytes_received"] for r in results.values())
+    assert received >= sent
+    diff = check_replicas_and_reference(results)
+    print(f"drained {suspect}: sent {int(sent)} B by BSR; max diff {diff:.1e}")
+
