@@ -23,7 +23,7 @@ from hspmd_elastic.planner import (BUILTIN_SPECS, Device, Inventory, PlannerErro
                                    PlannerOptions, RedundancyError, estimate_plan, fmt_bytes,
                                    layout_line, parse_bytes, plan_for, profile_from_config,
                                    profile_from_dict, spec_for_device)
-from launcher.leader import RedundantPlanner, build_snapshot, decide, make_layout
+from launcher.leader import PlanningFailed, RedundantPlanner, build_snapshot, decide, make_layout
 from launcher.node.devices import device_table
 from launcher.node.judge import JobView, judge
 from hspmd_elastic.coord import schema
@@ -229,6 +229,16 @@ def test_the_redundant_planner_keeps_the_guarantee_and_the_agent_fails_the_job()
     assert state == "failed" and reason.startswith("no plan keeps the redundancy guarantee: "
                                                    "redundancy 2") and "short by" in reason
     assert judge(JobView(nodes=2, usable_devices=3))[0] == "running"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    rec = schema.NodeRecord(host="h", agent_pid=1, devices=device_table("a", 2), state="ready",
+                            started_at=0.0, store_endpoint="h:1")
+    d = decide(build_snapshot({"a": rec, "b": replace(rec)}, {}, "a"), None)
+    assert make_layout(d, None, broken, PROFILE, 4).planner == "fallback-dp"
+    with pytest.raises(PlanningFailed, match="no fallback plan under --hspmd-redundancy"):
+        make_layout(d, None, RedundantPlanner(broken, 2), PROFILE, 4)
 
 
 # ---- model JSON ----------------------------------------------------------------------------

@@ -74,7 +74,9 @@ class RedundantPlanner:
     """A ``PlannerFn`` that calls ``planner_fn`` with ``redundancy`` set on whatever options it
     is given: every plan keeps every parameter slice on ``redundancy`` nodes, or the search
     raises ``planner.RedundancyError``. ``shortfall`` is that error's line from the last call
-    ("" after a plan was found): no plan can keep the guarantee for this cluster."""
+    ("" after a plan was found): no plan can keep the guarantee for this cluster. Any other
+    failure of the planner is raised as ``PlanInfeasibleError``, so ``make_layout`` keeps the
+    current plan instead of publishing the fallback DP plan, which ignores the guarantee."""
 
     def __init__(self, planner_fn: PlannerFn, redundancy: int):
         if redundancy < 1:
@@ -85,7 +87,7 @@ class RedundantPlanner:
     def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
                  current_plan: Optional[Plan] = None,
                  options: Optional[PlannerOptions] = None) -> PlanResult:
-        from hspmd_elastic.planner import PlannerOptions, RedundancyError
+        from hspmd_elastic.planner import PlanInfeasibleError, PlannerOptions, RedundancyError
 
         opts = replace(options or PlannerOptions(), redundancy=self.redundancy)
         try:
@@ -94,6 +96,11 @@ class RedundantPlanner:
         except RedundancyError as exc:
             self.shortfall = str(exc)
             raise
+        except PlanInfeasibleError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no fallback plan: it ignores the guarantee
+            raise PlanInfeasibleError(f"the planner failed ({type(exc).__name__}: {exc}); no "
+                                      "fallback plan under --hspmd-redundancy") from exc
         self.shortfall = ""
         return result
 
