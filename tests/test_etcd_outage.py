@@ -4,8 +4,8 @@ TTL restarts nothing, and only an outage past ``--hspmd-etcd-outage-limit`` ends
 The pure policy (limit, slow answers, the reconcile window) on an injected clock; then restart
 mode against a real etcd frozen with SIGSTOP for three lease TTLs: the leases expire, every agent
 re-creates its records under a new lease, the workers' pids never change and no round or
-restart is counted; and an outage past the limit: exit 1 with the one-line root cause, no
-process left. (Elastic mode's case is in ``test_elastic_e2e.py``.)
+restart is counted; and an outage past the limit, in both modes: exit 1 with the one-line root
+cause, no worker left. (Elastic mode riding out a stall is in ``test_elastic_e2e.py``.)
 """
 
 from __future__ import annotations
@@ -163,3 +163,48 @@ def test_an_outage_past_the_limit_ends_the_agent_with_one_line(tmp_path, marker,
     for pid in workers:  # the agent stopped its workers before it exited
         assert not os.path.exists(f"/proc/{pid}") or \
             open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_elastic_mode_past_the_outage_limit_ends_with_one_line_and_no_worker_left(
+        tmp_path, marker, etcd_server):
+    from hspmd_elastic.graph.config import ModelConfig
+
+    job = f"out-{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "model.json"
+    config.write_text(ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2,
+                                  ffn_size=32, seq_len=8, dtype="float64").to_json())
+    agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
+                      "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
+                      "--hspmd-node-id", "solo", "--hspmd-lease-ttl", str(TTL),
+                      "--hspmd-etcd-outage-limit", "6", "--shutdown-timeout", "5",
+                      "--hspmd-elastic", "--hspmd-model", str(config),
+                      "--hspmd-global-batch", "4", str(SCRIPTS / "elastic_train.py"),
+                      "--config", str(config), "--steps", "6", "--global-batch", "4",
+                      "--out", str(tmp_path / "out"), "--pause-at", "2",
+                      "--release", str(tmp_path / "never")], base_env(marker), tmp_path, "solo")
+    etcd = etcd_server.members[0].proc
+    prefix = schema.workers_prefix(job)
+    with EtcdClient(etcd_server.endpoints, timeout=5.0) as client:
+        try:
+            def paused():
+                recs = [schema.decode(kv.key, kv.value) for kv in client.get_prefix(prefix)]
+                return [r.pid for r in recs] if len(recs) == 2 and all(
+                    r.step >= 2 for r in recs) else None
+
+            workers = wait_for(paused, 60, "both workers at step 2", proc=agent.proc)
+            os.kill(etcd.pid, signal.SIGSTOP)
+            code = agent.wait(60)
+        finally:
+            os.kill(etcd.pid, signal.SIGCONT)
+            if agent.proc.poll() is None:
+                agent.proc.kill()
+    assert code == 1
+    lines = [ln for ln in agent.stderr().splitlines() if ln.startswith("hspmd-launch: error:")]
+    assert len(lines) == 1 and "etcd unreachable for more than 6s" in lines[0], lines
+    assert "etcd unreachable, workers keep running" in agent.stderr()
+    for pid in workers:  # the agent stopped its workers before it exited
+        assert not os.path.exists(f"/proc/{pid}") or \
+            open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
+
