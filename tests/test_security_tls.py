@@ -312,3 +312,17 @@ def test_an_agents_own_etcd_listens_on_loopback_or_the_given_address_never_a_wil
     with pytest.raises(EtcdStartError, match="not an address of this node"):
         bind_addresses("192.0.2.1")
     assert bind_addresses("127.0.0.1") == ("127.0.0.1",)
+
+
+def test_standalone_serves_its_embedded_etcd_over_tls_with_client_certificates(pki, tmp_path):
+    """``--standalone`` with a server certificate: the agent reaches its own etcd over TLS with
+    its client certificate, and the job runs."""
+    env = clean_env(OMP_NUM_THREADS="1", HSPMD_ETCD_SERVER_CERT=pki.path("server.crt"),
+                    HSPMD_ETCD_SERVER_KEY=pki.path("server.key"))
+    args = ["--standalone", "--hspmd-etcd-cacert", pki.path("ca.crt"), "--hspmd-etcd-cert",
+            pki.path("client.crt"), "--hspmd-etcd-key", pki.path("client.key"),
+            "--no-python", "true"]
+    done = subprocess.run([LAUNCH, *args], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=str(REPO))
+    assert done.returncode == 0, done.stderr
+    assert "serving etcd at 127.0.0.1:" in done.stderr and "(https on 127.0.0.1)" in done.stderr
