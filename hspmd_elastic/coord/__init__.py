@@ -2,7 +2,9 @@
 
 This package is the only code in hspmd-elastic that talks to etcd. Errors are
 ``CoordinationError`` subclasses (see ``api.py``); keys and records are in ``schema.py`` and
-documented in docs/etcd-schema.md.
+documented in docs/etcd-schema.md. TLS and authentication: ``EtcdClient(..., security=
+EtcdSecurity(ca_file=..., cert_file=..., key_file=..., user=..., password=...))``
+(``security.py``, docs/security.md).
 
 Usage (a node agent)::
 
@@ -43,6 +45,7 @@ from hspmd_elastic.coord.api import (
     ConflictError,
     CoordinationError,
     DeleteOp,
+    EtcdAuthError,
     EtcdRequestError,
     EtcdTimeoutError,
     EtcdUnavailableError,
@@ -63,11 +66,12 @@ from hspmd_elastic.coord.election import Election
 from hspmd_elastic.coord.journal import append_event, read_events
 from hspmd_elastic.coord.plans import publish_plan, read_plan
 from hspmd_elastic.coord.lease import KeepAlive, LeasedSession, LeaseTracker, LeaseVerdict
+from hspmd_elastic.coord.security import EtcdSecurity
 from hspmd_elastic.coord.watch import PrefixWatch
 
 __all__ = [
     "Clock", "Compare", "CompareTarget", "ConflictError", "CoordinationError", "DeleteOp", "Election",
-    "EtcdClient", "EtcdRequestError", "EtcdTimeoutError", "EtcdUnavailableError", "EventType",
+    "EtcdAuthError", "EtcdClient", "EtcdRequestError", "EtcdSecurity", "EtcdTimeoutError", "EtcdUnavailableError", "EventType",
     "FencedWriteRejected", "GetOp", "KeepAlive", "KeyValue", "LeaseLostError", "LeaseTracker",
     "LeaseVerdict", "LeasedSession", "PrefixWatch", "PutOp", "RangeResult",
     "RecordError", "TxnResult", "WatchCompactedError", "WatchEvent", "append_event",
