@@ -328,7 +328,7 @@ class ElasticMode:
             if plan is not None and plan.version == version:
                 need = {node_of(d) for d in plan.devices}
                 prefix = schema.rdzv_round_prefix(self.job, version) + "done/"
-                done = {kv.key[len(prefix):] for kv in self.client.get_prefix(prefix)}
+                done = {rec.node for _, rec in self._records(prefix)}
                 nodes_done = need <= done
         self._read_switch_failures()
         nodes = {key.rsplit("/", 1)[-1]: rec
@@ -420,8 +420,8 @@ class ElasticMode:
                 for ex in node.workers.poll():
                     self.session.delete(schema.worker_key(self.job, self.node_id, ex.local_rank))
                 self._collect_exits()
-                if not node.workers.running() and not self.client.get_prefix(
-                        schema.workers_prefix(self.job)):
+                if not node.workers.running() and not self._records(
+                        schema.workers_prefix(self.job)):  # a bad key is no worker
                     break
             except CoordinationError as exc:
                 log.warning("[%s] node %s: finishing: %s", self.job, self.node_id, exc)
