@@ -113,6 +113,15 @@ class DashboardServer:
         self.stop()
 
 
+_HTML_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
+
+
+def _json(doc, **kw) -> str:
+    """JSON with ``<``, ``>`` and ``&`` escaped (they occur only inside strings), so no value
+    reads as markup to anything that looks at the bytes."""
+    return json.dumps(doc, **kw).translate(_HTML_SAFE)
+
+
 class _Handler(BaseHTTPRequestHandler):
     dashboard: DashboardServer
     timeout = SOCKET_TIMEOUT_S
@@ -189,7 +198,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _state(self) -> None:
         doc = self.dashboard.cache.view().document()
-        self._send(HTTPStatus.OK, "application/json", json.dumps(doc).encode("utf-8"))
+        self._send(HTTPStatus.OK, "application/json", _json(doc).encode("utf-8"))
 
     def _metrics(self) -> None:
         self._send(HTTPStatus.OK, CONTENT_TYPE, exposition(self.dashboard.registry))
@@ -222,7 +231,7 @@ class _Handler(BaseHTTPRequestHandler):
                     last_write = time.monotonic()
                 continue
             version = current
-            data = json.dumps(cache.view().document(), separators=(",", ":"))
+            data = _json(cache.view().document(), separators=(",", ":"))
             self.wfile.write(f"id: {version}\nevent: state\ndata: {data}\n\n".encode("utf-8"))
             self.wfile.flush()
             last_write = time.monotonic()
