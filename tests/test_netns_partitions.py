@@ -14,6 +14,11 @@ network namespaces, a 3-member etcd, ``hspmd-launch --hspmd-elastic`` agents, re
   collectives at the collective timeout, the agents report what they cannot reach, the leader
   replans the node away (an ``unreachable`` change); after the heal the node rejoins as a joiner
   through the BSR, and the parameters equal the reference;
+* restart mode, one node cut off entirely for longer than the TTL: the survivor starts a new
+  round without it and trains on from the snapshot; the cut node's worker completes no step
+  after the cut and never takes part in that round; after the heal the node's agent finds the
+  job moved on, stops its stale worker, and the next round has both nodes again; the final
+  parameters equal the fault-free reference;
 * a minority etcd member cut off for three lease TTLs: the clients fail over, nothing in the job
   notices (one plan, no leave, no failure), the parameters equal the reference.
 
@@ -302,3 +307,65 @@ def test_inject_cli_rejects_a_bad_topology_file_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert any("bad topology" in ln and "control must be a namespace or device name" in ln
                for ln in err), err
+
+
+def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_heal(cluster):
+    import torch
+
+    from hspmd_elastic.coord import schema
+    from inject_train import reference_params
+
+    topo, job = cluster
+    steps, batch = 60, 12  # paced: the last rounds still train while node-b comes back
+    progress, snapshot = topo.tmp / "progress", topo.tmp / "snapshot.pt"
+    script = [str(SCRIPTS / "inject_train.py"), "--steps", str(steps), "--batch", str(batch),
+              "--snapshot", str(snapshot), "--progress-dir", str(progress),
+              "--step-sleep", "0.25"]
+    for node in topo.nodes:
+        job.start(node, job.args(node, "1:2", 1, "--max-restarts", "3", *script))
+
+    def lines() -> list[dict]:
+        out = []
+        for path in progress.glob("rank*.jsonl"):
+            out += [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+        return out
+
+    def reached(pred):
+        def check():
+            job.check_agents()
+            return [ln for ln in lines() if pred(ln)] or None
+        return check
+
+    both = wait_until(reached(lambda ln: ln["rank"] == 1 and ln["step"] >= 3), 90,
+                      "both nodes training", interval=0.1)
+    r0 = both[0]["round"]
+    cut_at = time.time()
+    topo.cut("node-b")
+    def round_without_b():
+        job.check_agents()
+        kv = job.client.get(schema.rdzv_state_key(job.name))
+        st = schema.decode(kv.key, kv.value) if kv is not None else None
+        return st if st is not None and st.round > r0 and st.state == "closed" else None
+
+    closed = wait_until(round_without_b, 60, "a round without node-b", interval=0.05)
+    assert [p.node for p in closed.participants] == ["node-a"], closed
+    r1 = closed.round
+    first = wait_until(reached(lambda ln: ln["round"] == r1), 60, "training in that round",
+                       interval=0.05)
+    print(f"restart mode, node cut off (TTL {TTL:g}s): round {r1} without it closed "
+          f"{closed.at - cut_at:.2f}s after the cut, first step {first[0]['t'] - cut_at:.2f}s")
+    assert closed.at - cut_at < 4 * TTL + 10  # generous: timing belongs in benchmarks
+    assert all(ln["rank"] == 0 for ln in lines() if ln["round"] == r1)  # without node-b
+    topo.heal("node-b")
+    wait_until(reached(lambda ln: ln["round"] > r1 and ln["rank"] == 1), 90,
+               "node-b back in a later round", interval=0.1)
+    job.finish(120)
+    late = [ln for ln in lines() if ln["round"] == r0 and ln["t"] > cut_at + 0.5]
+    assert not late, late  # the cut node's worker completed no step after the cut
+    final = torch.load(snapshot, map_location="cpu")
+    assert final["step"] == steps
+    for name, value in reference_params(steps, batch).items():
+        torch.testing.assert_close(final["model"][name], value, rtol=1e-9, atol=1e-12)
+    err = job.agents["node-b"].stderr()
+    assert "etcd unreachable, workers keep running" in err, err[-3000:]
+
