@@ -3,7 +3,8 @@ steps lost, outcome), plus what the progress log says about the whole run (sampl
 
 Promises: ``finalize`` fills steps lost and samples lost from the progress points alone (pure);
 ``render_table`` is plain text, one line per fault, times in seconds since the scenario
-started (``-`` = did not happen); ``render_json`` is the versioned JSON form
+started (``-`` = did not happen), every value with control characters escaped (a value read
+from etcd or a process cannot write to the terminal); ``render_json`` is the versioned JSON form
 (``Report.to_dict``); ``all_handled`` says whether every fault was detected and recovered (or,
 for a fault the job should ride through, survived).
 """
@@ -15,6 +16,7 @@ from typing import Optional, Sequence
 
 from launcher.inject.api import RECOVERED, SURVIVED, FaultRow, ProgressPoint, Report
 from launcher.inject.detect import Baseline, lineage_gaps, steps_lost
+from launcher.ops.safe import clean
 
 
 def finalize(report: Report, points: Sequence[ProgressPoint],
@@ -51,17 +53,18 @@ COLUMNS = ("#", "fault", "target", "injected", "detected", "detected by", "switc
 
 
 def render_table(report: Report) -> str:
-    lines = [[str(r.index), r.fault, _target(r), _t(r.injected_at), _t(r.detected_at),
-              r.detected_by or "-", _t(r.recovered_at), r.recovered_by or "-",
-              "-" if r.steps_lost is None else str(r.steps_lost),
-              r.outcome + (" (escalated)" if r.escalated else "")] for r in report.rows]
+    lines = [[clean(c, 120) for c in (
+        str(r.index), r.fault, _target(r), _t(r.injected_at), _t(r.detected_at),
+        r.detected_by or "-", _t(r.recovered_at), r.recovered_by or "-",
+        "-" if r.steps_lost is None else str(r.steps_lost),
+        r.outcome + (" (escalated)" if r.escalated else ""))] for r in report.rows]
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(COLUMNS)]
-    out = [f"fault report: scenario {report.scenario or '-'}, job {report.job}"]
+    out = [f"fault report: scenario {clean(report.scenario or '-')}, job {clean(report.job)}"]
     out.append("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)).rstrip())
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     for r in report.rows:
         if r.note:
-            out.append(f"  #{r.index} {r.fault}: {r.note}")
+            out.append(f"  #{r.index} {r.fault}: {clean(r.note, 2000)}")
     samples = "unknown (no progress seen)" if report.samples_lost is None and \
         report.steps_skipped is None else (
             "unknown (batch size not reported)" if report.samples_lost is None
