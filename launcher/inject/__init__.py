@@ -4,6 +4,7 @@ and recovered, and how many steps and samples it cost.
 
 Start with ``api.py`` (errors, fault names, report rows); then ``scenario.py`` (the file
 format, pure), ``faults.py`` (each fault acting on real processes, etcd keys and etcd members),
+``targets.py`` (which processes a fault may signal: only those that prove they are the job's),
 ``detect.py`` (what the job recorded: detection and recovery, pure matching), ``harness.py``
 (the run, one fault at a time), ``report.py`` and ``command.py`` (the CLI).
 

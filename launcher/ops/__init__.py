@@ -15,6 +15,8 @@ Everything here reads the job's state from etcd and writes nothing back. Start w
 * ``progress.py``: progress bars for long waits (a rendezvous collecting nodes, a switch);
 * ``dashboard.py``: a stdlib HTTP server: ``/`` (one self-contained page, ``page.py``),
   ``/api/state``, ``/api/stream`` (Server-Sent Events on every change) and ``/metrics``;
+  ``access.py``: whom it answers (the ``Host`` header, a bearer token);
+* ``safe.py``: etcd strings on a terminal, as text (no markup, control characters escaped);
 * ``commands.py``: the ``status`` and ``dashboard`` click commands
   (``python -m launcher.ops.commands status --job J``).
 
