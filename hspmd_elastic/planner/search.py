@@ -285,17 +285,23 @@ def _draft_replicated(draft: Draft, num_layers: int, want: int) -> bool:
 def _refine(drafts, solver: Solver, inventory: Inventory, profile: ModelProfile,
             options: PlannerOptions, current_plan: Optional[Plan]) -> list[Candidate]:
     """Exact plans for the best drafts (the first ``options.refine`` with re-solved layer
-    splits), distinct, plus the candidates derived from ``current_plan``."""
+    splits), distinct, plus the candidates derived from ``current_plan``. A re-solved split that
+    moves a layer off the nodes ``options.redundancy`` needs falls back to the draft's split."""
     out, seen = [], set()
     wanted = options.refine + options.alternatives
     for draft in drafts:
         if len(out) >= wanted:
             break
+        resolve = len(out) < options.refine
         try:
-            plan = solver.exact(draft, resolve=len(out) < options.refine)
+            plan = solver.exact(draft, resolve=resolve)
+            cand = candidate(plan, "", inventory, profile, options, current_plan)
+            if resolve and cand is not None and \
+                    cand.estimate.replica_nodes < options.redundancy:
+                plan = solver.exact(draft, resolve=False)
+                cand = candidate(plan, "", inventory, profile, options, current_plan)
         except PlanError:
             continue
-        cand = candidate(plan, "", inventory, profile, options, current_plan)
         text = plan.to_json() if cand is not None else None
         if cand is not None and text not in seen:
             seen.add(text)
