@@ -88,8 +88,8 @@ def test_view_names_failed_gpu_and_the_plan_that_replaced_it():
     [failed] = doc["devices"]["failed"]
     assert failed["id"] == "b:1" and failed["reason"] == "Xid 79: fell off the bus"
     assert failed["xid"] == 79 and failed["replaced_by_plan"] == 2 and not failed["in_plan"]
-    assert doc["devices"]["counts"] == {"healthy": 2, "degraded": 1, "failed": 1, "unknown": 0,
-                                        "lost": 0}
+    assert doc["devices"]["counts"] == {"healthy": 2, "degraded": 1, "suspect": 0, "failed": 1,
+                                        "unknown": 0, "lost": 0}
     assert doc["plan"]["version"] == 2 and "b:1" not in doc["plan"]["devices"]
     stages = [[s["devices"] for s in p["stages"]] for p in doc["plan"]["pipelines"]]
     assert stages == [[["a:0", "a:1"]], [["b:0"]]]
@@ -276,3 +276,19 @@ def test_switches_as_the_leader_and_the_runtime_journal_them():
     assert recent[1]["duration_s"] == 0.2
     assert recent[2]["summary"] == "node b left (device b:0)"
     assert recent[4]["summary"] == "plan v1 -> v2 in 0.30s, 4.0 KiB moved"
+
+
+def test_a_suspect_gpu_is_counted_listed_rendered_and_exported():
+    records = [r for r in failed_gpu_job() if r[0] != schema.device_key(JOB, "a", 1)]
+    records.append(health("a", 1, "suspect", "row remapping pending"))
+    view = JobView.build(JOB, records, now=NOW, revision=42)
+    doc = view.document()
+    assert doc["devices"]["counts"]["suspect"] == 1
+    assert [d["id"] for d in doc["devices"]["suspect"]] == ["a:1"]
+    out = io.StringIO()
+    Console(file=out, width=140, color_system=None).print(render(view, "127.0.0.1:2379"))
+    assert "1 suspect" in out.getvalue()
+    families = {f.name: f for f in text_string_to_metric_families(
+        exposition(make_registry(lambda: view)).decode())}
+    assert any(s.labels["health"] == "suspect" and s.value == 1
+               for s in families["hspmd_devices"].samples)

@@ -16,7 +16,7 @@ ENV_JOB = "HSPMD_JOB_ID"
 DEFAULT_HOST = "127.0.0.1"
 
 # Health of a device as the ops views show it: the verdict states plus what a verdict cannot say.
-HEALTH_STATES = ("healthy", "degraded", "failed", "unknown", "lost")
+HEALTH_STATES = ("healthy", "degraded", "suspect", "failed", "unknown", "lost")
 RECENT_EVENTS = 50  # events listed in a document (counters use the whole journal)
 THROUGHPUT_SAMPLES = 600  # samples of the step-throughput chart kept by a cache
 

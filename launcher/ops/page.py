@@ -21,7 +21,7 @@ PAGE = r"""<!doctype html>
 <title>hspmd-elastic dashboard</title>
 <style>
 :root{--bg:#f4f6f9;--card:#fff;--ink:#1d2733;--mute:#6b7785;--line:#e1e6ec;
---healthy:#2e9d5b;--degraded:#e0a100;--failed:#d6333a;--unknown:#9aa5b1;--lost:#8e44ad;
+--healthy:#2e9d5b;--degraded:#e0a100;--suspect:#e06a00;--failed:#d6333a;--unknown:#9aa5b1;--lost:#8e44ad;
 --accent:#2f6fdf}
 *{box-sizing:border-box}
 body{margin:0;background:var(--bg);color:var(--ink);
@@ -53,6 +53,7 @@ font-weight:600;white-space:nowrap}
 .gpu{width:92px;border-radius:5px;padding:5px 6px;color:#fff;font-size:12px}
 .gpu .n{font-weight:700}.gpu .r{font-size:11px;opacity:.95;overflow-wrap:anywhere}
 .h-healthy{background:var(--healthy)}.h-degraded{background:var(--degraded)}
+.h-suspect{background:var(--suspect)}
 .h-failed{background:var(--failed)}.h-unknown{background:var(--unknown)}
 .h-lost{background:var(--lost)}
 .legend{display:flex;gap:12px;font-size:12px;color:var(--mute);margin-top:8px}
@@ -92,7 +93,8 @@ progress{width:160px;vertical-align:middle}
 <main>
 <section id="cluster"><h2>Cluster map</h2><div id="nodes" class="nodes"></div>
 <div class="legend"><span><i class="h-healthy"></i>healthy</span>
-<span><i class="h-degraded"></i>degraded</span><span><i class="h-failed"></i>failed</span>
+<span><i class="h-degraded"></i>degraded</span><span><i class="h-suspect"></i>suspect</span>
+<span><i class="h-failed"></i>failed</span>
 <span><i class="h-unknown"></i>no verdict</span><span><i class="h-lost"></i>lost</span></div>
 <div id="waits" class="waits"></div></section>
 <section id="plan"><h2>Plan</h2><div id="plan-body"></div></section>
@@ -103,11 +105,12 @@ progress{width:160px;vertical-align:middle}
 <script>
 "use strict";
 const SVGNS = "http://www.w3.org/2000/svg";
-const COLORS = {healthy:"#2e9d5b", degraded:"#e0a100", failed:"#d6333a", unknown:"#9aa5b1",
-  lost:"#8e44ad"};
+const COLORS = {healthy:"#2e9d5b", degraded:"#e0a100", suspect:"#e06a00", failed:"#d6333a",
+  unknown:"#9aa5b1", lost:"#8e44ad"};
 const EVCOLORS = {failure:"#d6333a", "switch-failed":"#d6333a", fallback:"#d6333a",
   "switch-start":"#2f6fdf", "switch-done":"#2e9d5b", replan:"#2f6fdf", join:"#2e9d5b",
-  recover:"#2e9d5b", leave:"#8e44ad", restart:"#b07d00", degrade:"#e0a100", stall:"#e0a100"};
+  recover:"#2e9d5b", leave:"#8e44ad", restart:"#b07d00", degrade:"#e0a100", stall:"#e0a100",
+  drain:"#e06a00", drained:"#e06a00", unreachable:"#8e44ad"};
 function el(tag, attrs, ...kids) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {

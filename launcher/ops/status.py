@@ -27,7 +27,7 @@ from launcher.ops.events import event_dict, format_bytes
 from launcher.ops.safe import clean, text
 from launcher.ops.view import JobView
 
-HEALTH_STYLE = {"healthy": "green", "degraded": "yellow", "failed": "bold red",
+HEALTH_STYLE = {"healthy": "green", "degraded": "yellow", "suspect": "dark_orange", "failed": "bold red",
                 "unknown": "grey62", "lost": "magenta"}
 NODE_STYLE = {"running": "green", "ready": "green", "joining": "cyan", "switching": "yellow",
               "draining": "yellow", "leaving": "grey62", "failed": "bold red", "lost": "magenta"}

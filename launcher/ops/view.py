@@ -27,7 +27,7 @@ from hspmd_elastic.coord.api import RecordError
 from hspmd_elastic.coord.contract import parse_device_id, plan_of
 from hspmd_elastic.plan import PlanError
 
-from launcher.ops.api import RECENT_EVENTS, STATUS_FORMAT, STATUS_VERSION
+from launcher.ops.api import HEALTH_STATES, RECENT_EVENTS, STATUS_FORMAT, STATUS_VERSION
 from launcher.ops.events import SwitchView, counters_of, event_dict, switches_of
 
 
@@ -39,7 +39,7 @@ class DeviceView:
     type: str = ""
     memory_bytes: int = 0
     uuid: str = ""
-    health: str = "unknown"  # healthy | degraded | failed | unknown | lost
+    health: str = "unknown"  # healthy | degraded | suspect | failed | unknown | lost
     reason: str = ""
     xid: Optional[int] = None
     slowdown: Optional[float] = None
@@ -177,9 +177,9 @@ class JobView:
         return [d for n in self.nodes for d in n.devices]
 
     def device_counts(self) -> dict[str, int]:
-        counts = {s: 0 for s in ("healthy", "degraded", "failed", "unknown", "lost")}
+        counts = {s: 0 for s in HEALTH_STATES}
         for d in self.devices:
-            counts[d.health] += 1
+            counts[d.health if d.health in counts else "unknown"] += 1
         return counts
 
     def document(self) -> dict[str, Any]:
@@ -197,6 +197,7 @@ class JobView:
                 "counts": self.device_counts(),
                 "failed": [d.to_dict() for d in devices if d.health == "failed"],
                 "degraded": [d.to_dict() for d in devices if d.health == "degraded"],
+                "suspect": [d.to_dict() for d in devices if d.health == "suspect"],
                 "lost": [d.to_dict() for d in devices if d.health == "lost"],
             },
             "plan": self.plan.to_dict() if self.plan else None,
