@@ -19,8 +19,9 @@ network namespaces, a 3-member etcd, ``hspmd-launch --hspmd-elastic`` agents, re
   after the cut and never takes part in that round; after the heal the node's agent finds the
   job moved on, stops its stale worker, and the next round has both nodes again; the final
   parameters equal the fault-free reference;
-* a minority etcd member cut off for three lease TTLs: the clients fail over, nothing in the job
-  notices (one plan, no leave, no failure), the parameters equal the reference.
+* a minority etcd member cut off for three lease TTLs, then every member: the clients fail over,
+  the workers train to the end while no member answers, nothing in the job notices (one plan,
+  no leave, no failure), the parameters equal the reference.
 
 Workers wait at gates (``elastic_train.py --gate STEP:FILE``), so every cut and heal hits a known
 state; every wait is a poll with a deadline.
@@ -238,7 +239,7 @@ def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(n
         job.close()
 
 
-def test_a_minority_etcd_member_cut_off_changes_nothing(cluster):
+def test_a_minority_etcd_member_then_every_member_cut_off_change_nothing(cluster):
     topo, job = cluster
     gates = {2: str(topo.tmp / "gate2")}
     for node in topo.nodes:
@@ -248,15 +249,25 @@ def test_a_minority_etcd_member_cut_off_changes_nothing(cluster):
     topo.cut(member)
     time.sleep(3 * TTL)  # the fault's length, not a synchronisation
     topo.heal(member)
-    open(gates[2], "w").close()
+    for m in topo.members:  # no etcd at all, for 3 lease TTLs: every lease expires
+        topo.cut(m.name)
+    open(gates[2], "w").close()  # the workers train to the end meanwhile
+    time.sleep(3 * TTL)
+    healed_at = time.time()
+    for m in topo.members:
+        topo.heal(m.name)
     job.finish(90)
     res = results(job)
     _elastic.assert_recovered_in_memory(res, {d: r.pid for d, r in before.items()}, REFERENCE)
     assert all(r["plan_version"] == 1 and len(r["switches"]) == 1 for r in res.values()), \
         {d: (r["plan_version"], len(r["switches"])) for d, r in res.items()}
+    outs = sorted((topo.tmp / "out").glob("*.pt"))
+    assert all(p.stat().st_mtime < healed_at for p in outs), "training waited for etcd"
     types = [e.type for e in job.events()]
     assert types.count("replan") == 1 and not {"leave", "failure", "switch-failed"} & set(types), \
         types
+    for node, agent in job.agents.items():
+        assert "etcd unreachable, workers keep running" in agent.stderr(), node
 
 
 def test_partition_fault_cuts_and_heals_links_through_the_topology_file(netns, tmp_path):
