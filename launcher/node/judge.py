@@ -47,7 +47,12 @@ def judge(view: JobView) -> tuple[str, str]:
     return "running", ""
 
 
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}
+
+
 def one_line(text: str, limit: int = MAX_REASON) -> str:
-    """The first line of ``text``, cut to ``limit`` characters."""
+    """The first line of ``text``, cut to ``limit`` characters, control characters escaped (it
+    may come from etcd and is printed on a terminal)."""
     line = str(text).strip().splitlines()[0] if str(text).strip() else ""
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    line = line if len(line) <= limit else line[:limit - 3] + "..."
+    return line.translate(_CONTROLS)
