@@ -1,9 +1,17 @@
 """Device types and inventories: the built-in spec table and the ways to build an inventory.
 
 The table holds dense BF16 peak TFLOP/s, memory, and per-device bandwidth inside a node and
-across nodes for H100, H800, H20, A100, L40S and a CPU worker. Users extend it with
+across nodes for H100, H200, H800, H20, A100, L40S and a CPU worker. Users extend it with
 ``register_device_type`` or by passing ``types=`` (a name -> ``DeviceSpec`` mapping) to the
 builders, which never mutate the table they are given.
+
+Names as the NVIDIA driver gives them (``"NVIDIA H100 80GB HBM3"``, or the agent's type
+``"H100-80GB-HBM3"``, ``"A100-SXM4-80GB"``, ``"H200-NVL"``) map to a table entry by
+``known_type``: the whole name, else its first dash- or blank-separated word that is one.
+``spec_for_device`` (the leader's inventory of real devices) gives an unknown GPU the
+conservative ``generic_gpu_spec`` under its own name and logs a warning naming it once; typed
+inventories (``inventory_from_nodes``, ``hspmd-launch plan --devices``) accept the same names and
+still refuse unknown ones.
 
 An inventory comes from a node list such as ``"8xH800,8xH800,16xH20"`` (one item per node, ids
 assigned in order) or from a JSON object (``inventory_from_dict``). Unknown type names and
@@ -12,6 +20,7 @@ malformed items raise ``PlannerError`` naming the bad value and the valid ones.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import replace
 from typing import Any, Mapping, Optional
@@ -22,6 +31,8 @@ from hspmd_elastic.planner.api import GiB, Device, DeviceSpec, Health, Inventory
 # it reaches a larger share of its (small) peak than an H800 does.
 BUILTIN_SPECS: dict[str, DeviceSpec] = {
     "H100": DeviceSpec("H100", 989.0, 80 * GiB, 450.0, 50.0, mfu=0.45),
+    # H100's compute with 141 GB of HBM3e (NVML reports about 140 GiB).
+    "H200": DeviceSpec("H200", 989.0, 141 * GiB, 450.0, 50.0, mfu=0.45),
     "H800": DeviceSpec("H800", 989.0, 80 * GiB, 200.0, 50.0, mfu=0.45),
     "H20": DeviceSpec("H20", 148.0, 96 * GiB, 450.0, 50.0, mfu=0.65),
     "A100": DeviceSpec("A100", 312.0, 80 * GiB, 300.0, 25.0, mfu=0.5),
@@ -33,6 +44,15 @@ BUILTIN_SPECS: dict[str, DeviceSpec] = {
 }
 
 _registered: dict[str, DeviceSpec] = {}
+_warned_unknown: set[str] = set()
+log = logging.getLogger(__name__)
+
+
+def generic_gpu_spec(name: str) -> DeviceSpec:
+    """A conservative spec for a GPU missing from the table (named ``name``): an A100's fifth
+    of compute at a low share of peak, PCIe between GPUs, a slow NIC; the caller gives the
+    memory the device reports. Plans then load it lightly rather than overload it."""
+    return DeviceSpec(name, 60.0, 16 * GiB, 16.0, 6.25, mfu=0.35)
 
 
 def register_device_type(spec: DeviceSpec) -> None:
@@ -48,31 +68,50 @@ def spec_table(types: Optional[Mapping[str, DeviceSpec]] = None) -> dict[str, De
     return table
 
 
+def known_type(name: str, table: Mapping[str, DeviceSpec]) -> Optional[str]:
+    """The table key a device name means (``"NVIDIA H100 80GB HBM3"`` -> ``"H100"``), or None."""
+    text = str(name).strip().upper()
+    if text in table:
+        return text
+    words = [w for w in re.split(r"[\s_-]+", text) if w]
+    if words and words[0] == "NVIDIA":
+        words = words[1:]
+    if "-".join(words) in table:
+        return "-".join(words)
+    return next((w for w in words if w in table), None)
+
+
 def lookup_spec(name: str, types: Optional[Mapping[str, DeviceSpec]] = None) -> DeviceSpec:
     table = spec_table(types)
-    try:
-        return table[str(name).upper()]
-    except KeyError:
-        raise PlannerError(f"unknown device type {name!r}; known: {', '.join(sorted(table))}") \
-            from None
+    key = known_type(name, table)
+    if key is None:
+        raise PlannerError(f"unknown device type {name!r}; known: {', '.join(sorted(table))}")
+    return table[key]
 
 
 def spec_for_device(type_name: str, memory_bytes: Optional[int] = None,
                     types: Optional[Mapping[str, DeviceSpec]] = None,
                     speed: float = 1.0) -> DeviceSpec:
     """The spec of a device as a health source names it (``"H100-80GB-HBM3"``, ``"H20"``):
-    the exact name if known, else its first dash-separated word; memory taken from the device
-    when given. ``speed`` (declared by the node, relative to the type's nominal) scales the
-    peak FLOP/s and divides the fixed cost per micro-batch; the spec is then named
+    the table entry ``known_type`` finds; an unknown name gets ``generic_gpu_spec`` under that
+    name, with a warning naming it (once per name). Memory is taken from the device when given
+    (NVML's measured total). ``speed`` (declared by the node, relative to the type's nominal)
+    scales the peak FLOP/s and divides the fixed cost per micro-batch; the spec is then named
     ``<type>@<speed>`` (``CPU@0.5``) so layouts tell the two kinds apart."""
     if not (isinstance(speed, (int, float)) and 0 < speed < float("inf")):
         raise PlannerError(f"device speed={speed!r} must be a number > 0")
     table = spec_table(types)
-    name = str(type_name).upper()
-    spec = table.get(name) or table.get(name.split("-")[0])
-    if spec is None:
-        raise PlannerError(f"unknown device type {type_name!r}; known: {', '.join(sorted(table))}"
-                           " (register_device_type adds one)")
+    key = known_type(type_name, table)
+    if key is not None:
+        spec = table[key]
+    else:
+        spec = generic_gpu_spec(str(type_name))
+        if spec.name not in _warned_unknown:
+            _warned_unknown.add(spec.name)
+            log.warning("device type %r is not in the planner's table (%s): planned with a "
+                        "conservative profile (%.0f TFLOP/s peak, %.0f%% of it, its reported "
+                        "memory); register_device_type gives it its real one", spec.name,
+                        ", ".join(sorted(table)), spec.peak_tflops, 100 * spec.mfu)
     if memory_bytes:
         spec = replace(spec, memory_bytes=int(memory_bytes))
     if speed != 1.0:
