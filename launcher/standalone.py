@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 # in well under a second after its leader dies.
 HEARTBEAT_MS = 10
 ELECTION_MS = 50
+# Every plan is kept in etcd's MVCC history until a compaction; an embedded etcd compacts what is
+# older than this (etcd's periodic mode), so a long job's history cannot fill etcd's quota.
+AUTO_COMPACTION_RETENTION = "1h"
 START_TIMEOUT_S = 20.0
 STOP_GRACE_S = 5.0
 
@@ -163,6 +166,8 @@ class EtcdMember:
             "--heartbeat-interval", str(HEARTBEAT_MS),
             "--election-timeout", str(ELECTION_MS),
             "--log-level", "warn",
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", AUTO_COMPACTION_RETENTION,
             *self._security_args(),
         ]
 

@@ -93,6 +93,23 @@ def test_lost_lease_is_reported_regranted_and_keys_recreated(client):
     assert client.get(key) is None  # stop() revokes: owned keys vanish at once
 
 
+def test_put_many_is_one_revision_of_owned_keys_under_the_lease(client):
+    keys = [schema.worker_key(JOB, "n1", i) for i in range(3)]
+    session = LeasedSession(client, ttl=2)
+    try:
+        before = client.revision(prefix=schema.job_prefix(JOB))
+        rev = session.put_many({k: f"v{i}".encode() for i, k in enumerate(keys)})
+        assert rev == before + 1  # three keys, one write
+        kvs = [client.get(k) for k in keys]
+        assert [kv.value for kv in kvs] == [b"v0", b"v1", b"v2"]
+        assert {kv.lease for kv in kvs} == {session.lease_id} and {kv.mod_revision
+                                                                   for kv in kvs} == {rev}
+        assert session.owned_keys() == sorted(keys)
+    finally:
+        session.stop()
+    assert all(client.get(k) is None for k in keys)
+
+
 def test_etcd_away_longer_than_ttl_loses_and_regrants(etcd_server, client):
     key = schema.node_key(JOB, "n2")
     lost, regranted = Recorder(), Recorder()

@@ -131,7 +131,7 @@ class AckHarness:
     """One node ``n`` with two slots, its plans put by hand (no leader), its workers real
     processes; the test writes their progress reports as the runtime would."""
 
-    def __init__(self, etcd, tmp_path):
+    def __init__(self, etcd, tmp_path, clock=None):
         self.tmp = tmp_path
         self.client = EtcdClient(etcd.endpoints, timeout=1.0)
         self.session = LeasedSession(self.client, ttl=2, name="agent n")
@@ -140,17 +140,19 @@ class AckHarness:
                                                  str(tmp_path / "exit_${local_rank}")],
                                       etcd.endpoints, _log_paths(tmp_path))
         self.node = ElasticNode(self.client, self.session, JOB, "n", "127.0.0.1",
-                                device_table("n", 2), self.workers, wall_clock=self.wall)
+                                device_table("n", 2), self.workers, wall_clock=self.wall,
+                                plan_recheck_s=0.0,  # each tick reads the plan
+                                **({"clock": clock} if clock is not None else {}))
 
     def publish(self, version: int, devices: list[str]) -> None:
         rec = schema.PlanRecord(version=version, reason="t", devices=devices, strategy={},
                                 store_endpoint="", created_at=0.0)
         self.client.put(schema.plan_current_key(JOB), schema.encode(rec))
 
-    def report(self, lr: int, version: int, state: str) -> None:
+    def report(self, lr: int, version: int, state: str, step: int = 0) -> None:
         self.wall.now += 1.0
         data = {"pid": self.workers.running()[lr], "global_rank": lr, "local_rank": lr,
-                "plan_version": version, "step": 0, "last_progress_at": self.wall.now,
+                "plan_version": version, "step": step, "last_progress_at": self.wall.now,
                 "steps_per_s": 0.0, "state": state}
         _atomic_write(self.workers.progress_file(lr), json.dumps(data))
 
@@ -288,3 +290,37 @@ def test_old_versions_acks_are_pruned(harness):
     prefix = schema.switch_prefix(JOB)
     assert [k for k in h.session.owned_keys() if k.startswith(prefix)] == [
         schema.switch_ack_key(JOB, v, "n") for v in (5, 6, 7, 8, 9)]
+
+
+def test_progress_records_are_written_at_most_once_a_second_in_one_transaction(etcd_server,
+                                                                                tmp_path):
+    mono = FakeClock(100.0)
+    h = AckHarness(etcd_server, tmp_path, clock=mono)
+    h.node.start()
+    try:
+        h.publish(1, ["n:0", "n:1"])
+        h.tick()
+
+        def steps():
+            return {lr: (schema.decode(kv.key, kv.value).step, kv.mod_revision)
+                    for lr in (0, 1) if (kv := h.client.get(schema.worker_key(JOB, "n", lr)))}
+
+        h.report(0, 1, "training", step=1)
+        h.report(1, 1, "training", step=1)
+        h.tick()  # a new plan version in the reports: written at once
+        first = steps()
+        assert {lr: s for lr, (s, _r) in first.items()} == {0: 1, 1: 1}
+        assert first[0][1] == first[1][1]  # both slots in one revision
+        for step in (2, 3, 4):  # steps within the same second: no write
+            h.report(0, 1, "training", step=step)
+            h.report(1, 1, "training", step=step)
+            h.tick()
+            assert steps() == first
+        mono.advance(1.0)
+        h.tick()
+        later = steps()
+        assert {lr: s for lr, (s, _r) in later.items()} == {0: 4, 1: 4}
+        assert later[0][1] == later[1][1] > first[0][1]
+    finally:
+        h.close()
+

@@ -4,9 +4,12 @@ workers can switch. ``ElasticNode`` bundles the small pieces beside it into one 
 
 * the node record ``nodes/<node>`` carries the device table (``devices.py``) and the endpoint
   of the store this agent hosts (``store.py``);
+* the agent follows ``plan/current`` through a watch (a read every ``PLAN_RECHECK_S`` as well, so
+  a missed event costs at most that long), not a read per tick;
 * the agent owns ``workers/<node>/<local_rank>``: written when it starts a worker, updated from
-  the worker's progress file (``coord.contract.read_progress``) when it changed, deleted when
-  the worker exits;
+  the worker's progress file (``coord.contract.read_progress``) when it changed, all changed
+  slots in one transaction and at most once per ``PROGRESS_WRITE_S`` (at once when a worker
+  moved to another plan version), deleted when the worker exits;
 * a worker exit is reported once (``exits.py``): a ``failure`` event and a sticky failed
   verdict for its slot; every exit's verdict is sticky before any etcd call, so a failed call
   loses none; a worker whose heartbeat stalls (``hangs.py``) gets a ``stall`` event and a
@@ -31,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Callable, Optional
 
@@ -40,7 +44,9 @@ from hspmd_elastic.coord.contract import (LEFT_STATES, WorkerProgress, WorkerSta
                                           node_of, read_progress)
 from hspmd_elastic.coord.journal import append_event
 from hspmd_elastic.coord.lease import LeasedSession
+from hspmd_elastic.coord.api import EventType, WatchEvent
 from hspmd_elastic.coord.plans import read_plan
+from hspmd_elastic.coord.watch import PrefixWatch
 from hspmd_elastic.coord.valid import decode_or_none
 from launcher.health.api import HealthSource, Verdict
 from launcher.health.verdicts import VerdictPublisher
@@ -56,16 +62,22 @@ from launcher.node.workers import Worker
 
 log = logging.getLogger(__name__)
 
+PLAN_RECHECK_S = 5.0  # a plain read of plan/current at least this often, besides the watch
+PROGRESS_WRITE_S = 1.0  # progress records: at most one write per this long per agent
+
 
 class ElasticNode:
     """The agent's elastic mode in one object: ``start()``, ``tick()`` every monitor interval,
-    ``stop()``. ``leader`` is this agent's ``launcher.leader.Leader`` (None: never leads)."""
+    ``stop()``. ``leader`` is this agent's ``launcher.leader.Leader`` (None: never leads).
+    ``plan_recheck_s``: how often ``tick`` reads ``plan/current`` besides the watch (0: every
+    tick, synchronous)."""
 
     def __init__(self, client: EtcdClient, session: LeasedSession, job: str, node: str,
                  host: str, devices: list[schema.DeviceInfo], workers: ElasticWorkers,
                  leader: Optional[Leader] = None, health: Optional[HealthSource] = None,
                  monitor: Optional[ProgressMonitor] = None, store_host: Optional[str] = None,
                  store_port: int = 0, reach: Optional[ReachProbe] = None,
+                 plan_recheck_s: float = PLAN_RECHECK_S,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time):
         self.client, self.session, self.job, self.node, self.host = client, session, job, node, host
@@ -89,11 +101,20 @@ class ElasticNode:
         self._reach_written: frozenset = frozenset()  # what reach/<node> holds
         self._reach_peers_at = float("-inf")
         self._peers: dict[str, str] = {}  # the plan's other nodes -> their store endpoints
+        self._plan_lock = threading.Lock()
+        self._watched: Optional[schema.PlanRecord] = None  # the newest plan the watch delivered
+        self._plan_watch: Optional[PrefixWatch] = None
+        self._plan_read_at = float("-inf")
+        self._plan_recheck_s = plan_recheck_s
+        self._progress_written_at = float("-inf")
         self.publisher = VerdictPublisher(client, job, node, lease=lambda: session.lease_id or 0,
                                           clock=clock, wall_clock=wall_clock)
 
     def start(self, state: str = "ready") -> "ElasticNode":
         self.store.start()
+        self._plan_watch = PrefixWatch(self.client, schema.plan_current_key(self.job),
+                                       self._on_plan, decode=True, initial=True,
+                                       name=f"plan-{self.node}").start(self.client.timeout)
         self.put_node(state)
         self.publish_verdicts()
         if self.leader is not None:
@@ -109,7 +130,7 @@ class ElasticNode:
         """One level-triggered round: follow the plan, report exits and hangs, publish
         verdicts, move this node's switch ack forward. Raises CoordinationError when etcd
         cannot be reached (the agent decides how long to tolerate that)."""
-        plan, _ = read_plan(self.client, self.job)
+        plan = self._newest_plan()
         if plan is not None and plan.version > self.plan_version:
             for w in self.workers.apply_plan(plan):
                 self._put_worker(w, plan.version)
@@ -159,6 +180,26 @@ class ElasticNode:
         self.publish_verdicts()
         self._probe_reach()
         self._ack()  # last: whatever happens to this write, the verdicts above are out
+
+    def _on_plan(self, ev: WatchEvent) -> None:
+        rec = getattr(ev, "record", None)
+        if ev.type is EventType.PUT and isinstance(rec, schema.PlanRecord):
+            with self._plan_lock:
+                if self._watched is None or rec.version > self._watched.version:
+                    self._watched = rec
+
+    def _newest_plan(self) -> Optional[schema.PlanRecord]:
+        """What the watch delivered; a plain read when there is no watch or the last read is
+        ``PLAN_RECHECK_S`` old (level-triggered: a lost event cannot stall the node)."""
+        now = self._clock()
+        if self._plan_watch is None or now - self._plan_read_at >= self._plan_recheck_s:
+            plan, _ = read_plan(self.client, self.job)
+            self._plan_read_at = now
+            if plan is not None:
+                self._on_plan(WatchEvent(EventType.PUT, schema.plan_current_key(self.job),
+                                         b"", 0, record=plan))
+        with self._plan_lock:
+            return self._watched
 
     def _probe_reach(self) -> None:
         """Arm the data-link probe while a local worker waits for a plan after it trained,
@@ -221,16 +262,27 @@ class ElasticNode:
                          schema.encode(rec))
 
     def _relay_progress(self) -> None:
-        """Copy each live worker's latest progress report into its etcd record when it changed
-        (a report of another pid, e.g. a previous worker's, is ignored)."""
+        """Copy the live workers' latest progress reports into their etcd records when they
+        changed (a report of another pid, e.g. a previous worker's, is ignored): the changed
+        slots in one transaction, at most once per ``PROGRESS_WRITE_S``, at once when a worker
+        moved to another plan version."""
+        changed, urgent = {}, False
         for lr, pid in self.workers.running().items():
             report = read_progress(self.workers.progress_file(lr), lr)
             if report is None or report.pid != pid:
                 continue
             self.reports[lr] = report  # before the etcd write: the acks need it either way
-            record = report.to_worker_record()
-            if record != self.records.get(lr):
-                self._put_record(record)
+            record, old = report.to_worker_record(), self.records.get(lr)
+            if record != old:
+                changed[lr] = record
+                urgent = urgent or old is None or old.plan_version != record.plan_version
+        now = self._clock()
+        if not changed or (not urgent and now - self._progress_written_at < PROGRESS_WRITE_S):
+            return
+        self.session.put_many({schema.worker_key(self.job, self.node, lr): schema.encode(rec)
+                               for lr, rec in changed.items()})
+        self.records.update(changed)
+        self._progress_written_at = now
 
     def _left(self, ex: WorkerExit) -> bool:
         """The worker left by itself because the newest plan does not use its device (its
@@ -282,6 +334,8 @@ class ElasticNode:
         """Stop the workers and the leader, close the store (the agent owns the session)."""
         self.workers.stop(grace_s)
         self.reach.stop(timeout)
+        if self._plan_watch is not None:
+            self._plan_watch.stop(timeout)
         if self.leader is not None:
             self.leader.stop(timeout)
         self.store.close()
