@@ -43,9 +43,8 @@ from typing import Optional
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp, RecordError
-from hspmd_elastic.coord.contract import DONE_STATES, LEFT_STATES, node_of
+from hspmd_elastic.coord.contract import DONE_STATES, LEFT_STATES
 from hspmd_elastic.coord.lifecycle import StateMachine
-from hspmd_elastic.coord.plans import read_plan
 from hspmd_elastic.coord.valid import decode_or_none, decode_valid
 from launcher.api import (
     LaunchError,
@@ -324,9 +323,10 @@ class ElasticMode:
         version, nodes_done = self.node.plan_version, False
         if version and self.node.done:
             self._mark_done(version)
-            plan, _ = read_plan(self.client, self.job)
+            plan = decode_or_none(self.client.get(schema.plan_current_key(self.job)), log,
+                                  f"[{self.job}] node {self.node_id}")  # bad: no verdict yet
             if plan is not None and plan.version == version:
-                need = {node_of(d) for d in plan.devices}
+                need = {d.rpartition(":")[0] for d in plan.devices}  # a bad id: never done
                 prefix = schema.rdzv_round_prefix(self.job, version) + "done/"
                 done = {rec.node for _, rec in self._records(prefix)}
                 nodes_done = need <= done
