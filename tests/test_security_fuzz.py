@@ -27,7 +27,7 @@ from launcher.ops.commands import main as ops_main
 from launcher.ops.dashboard import DashboardServer
 from launcher.ops.state import JobStateCache
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
                      seq_len=8, dtype="float64")
