@@ -2,7 +2,8 @@
 
 Promises:
 
-* every key lives under ``/hspmd/v1/jobs/<job_id>/`` and is built by one function here; numbers
+* every key lives under ``/hspmd/v1/jobs/<job_id>/`` and is built by one function of ``keys.py``
+  (re-exported here); numbers
   in keys are zero-padded so lexicographic order is numeric order;
 * every value is a UTF-8 JSON object with ``"schema": 1`` and a ``"kind"`` naming its record
   type; no pickle, no base64; fields added after a record type was first written have defaults
@@ -25,13 +26,42 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from hspmd_elastic.coord.api import RecordError
+from hspmd_elastic.coord.keys import (  # noqa: F401 (re-exported: the schema's key builders)
+    PAD,
+    ROOT,
+    ID_RE,
+    job_prefix,
+    nodes_prefix,
+    node_key,
+    devices_prefix,
+    device_key,
+    workers_prefix,
+    worker_key,
+    reach_prefix,
+    reach_key,
+    leader_key,
+    election_prefix,
+    election_key,
+    plan_current_key,
+    plan_history_prefix,
+    plan_history_key,
+    events_prefix,
+    event_key,
+    event_seq_key,
+    fault_script_key,
+    switch_prefix,
+    switch_ack_key,
+    rdzv_prefix,
+    rdzv_state_key,
+    rdzv_round_prefix,
+    rdzv_join_key,
+    rdzv_master_key,
+    rdzv_done_key,
+)
 from hspmd_elastic.coord.valid import parse_value
 
 SCHEMA_VERSION = 1
-ROOT = "/hspmd/v1/jobs/"
-PAD = 12  # digits of zero-padded versions and sequence numbers in keys
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 DEVICE_STATES = ("healthy", "degraded", "suspect", "failed")
 NODE_STATES = ("joining", "ready", "running", "switching", "draining", "leaving", "failed")
@@ -48,145 +78,6 @@ RDZV_STATES = ("joining", "closed", "succeeded", "failed")
 MAX_VALUE_BYTES = 64 * 1024
 MAX_VALUE_BYTES_BY_KIND = {"plan": 1 << 20, "rdzv_state": 1 << 20, "fault_script": 1 << 20,
                            "event": 256 * 1024}
-
-
-# ------------------------------------------------------------------------------------ key builders
-def _ident(what: str, value: str) -> str:
-    if not isinstance(value, str) or not _ID_RE.match(value):
-        raise ValueError(
-            f"{what} {value!r} is not valid: use 1-128 characters from [A-Za-z0-9._-], "
-            "starting with a letter or digit"
-        )
-    return value
-
-
-def _number(what: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _padded(what: str, value: int) -> str:
-    if _number(what, value) >= 10**PAD:
-        raise ValueError(f"{what} {value} does not fit in {PAD} digits")
-    return f"{value:0{PAD}d}"
-
-
-def job_prefix(job: str) -> str:
-    """``/hspmd/v1/jobs/<job_id>/``: everything a job writes lives under it."""
-    return f"{ROOT}{_ident('job id', job)}/"
-
-
-def nodes_prefix(job: str) -> str:
-    return job_prefix(job) + "nodes/"
-
-
-def node_key(job: str, node: str) -> str:
-    return nodes_prefix(job) + _ident("node id", node)
-
-
-def devices_prefix(job: str, node: Optional[str] = None) -> str:
-    base = job_prefix(job) + "devices/"
-    return base if node is None else f"{base}{_ident('node id', node)}/"
-
-
-def device_key(job: str, node: str, index: int) -> str:
-    return f"{devices_prefix(job, node)}{_number('device index', index)}"
-
-
-def workers_prefix(job: str, node: Optional[str] = None) -> str:
-    base = job_prefix(job) + "workers/"
-    return base if node is None else f"{base}{_ident('node id', node)}/"
-
-
-def worker_key(job: str, node: str, local_rank: int) -> str:
-    return f"{workers_prefix(job, node)}{_number('local rank', local_rank)}"
-
-
-def reach_prefix(job: str) -> str:
-    return f"{job_prefix(job)}reach/"
-
-
-def reach_key(job: str, node: str) -> str:
-    return f"{reach_prefix(job)}{_ident('node_id', node)}"
-
-
-def leader_key(job: str) -> str:
-    return job_prefix(job) + "leader"
-
-
-def election_prefix(job: str) -> str:
-    return job_prefix(job) + "election/"
-
-
-def election_key(job: str, lease_id: int) -> str:
-    """A candidate's key: named by its lease (16 hex digits), bound to that lease."""
-    return f"{election_prefix(job)}{_number('lease id', lease_id):016x}"
-
-
-def plan_current_key(job: str) -> str:
-    return job_prefix(job) + "plan/current"
-
-
-def plan_history_prefix(job: str) -> str:
-    return job_prefix(job) + "plan/history/"
-
-
-def plan_history_key(job: str, version: int) -> str:
-    return plan_history_prefix(job) + _padded("plan version", version)
-
-
-def events_prefix(job: str) -> str:
-    return job_prefix(job) + "events/"
-
-
-def event_key(job: str, seq: int) -> str:
-    return events_prefix(job) + _padded("event seq", seq)
-
-
-def event_seq_key(job: str) -> str:
-    """Counter holding the last allocated event sequence number."""
-    return job_prefix(job) + "event_seq"
-
-
-def fault_script_key(job: str, node: str) -> str:
-    """A node's scripted device faults (fault drills), read by the ``scripted:etcd`` source."""
-    return f"{job_prefix(job)}faults/{_ident('node id', node)}"
-
-
-def switch_prefix(job: str, version: Optional[int] = None) -> str:
-    base = job_prefix(job) + "switch/"
-    return base if version is None else f"{base}{_padded('plan version', version)}/"
-
-
-def switch_ack_key(job: str, version: int, node: str) -> str:
-    """A node's progress through the switch to plan ``version`` (a barrier)."""
-    return switch_prefix(job, version) + _ident("node id", node)
-
-
-def rdzv_prefix(job: str) -> str:
-    """Restart-mode rendezvous (torchrun semantics): rounds of nodes."""
-    return job_prefix(job) + "rdzv/"
-
-
-def rdzv_state_key(job: str) -> str:
-    return rdzv_prefix(job) + "state"
-
-
-def rdzv_round_prefix(job: str, rnd: int) -> str:
-    return f"{rdzv_prefix(job)}rounds/{_padded('round', rnd)}/"
-
-
-def rdzv_join_key(job: str, rnd: int, node: str) -> str:
-    return rdzv_round_prefix(job, rnd) + "joined/" + _ident("node id", node)
-
-
-def rdzv_master_key(job: str, rnd: int) -> str:
-    return rdzv_round_prefix(job, rnd) + "master"
-
-
-def rdzv_done_key(job: str, rnd: int, node: str) -> str:
-    return rdzv_round_prefix(job, rnd) + "done/" + _ident("node id", node)
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -478,7 +369,7 @@ def match_key(key: str) -> tuple[str, KeySpec, dict[str, str]]:
     if not key.startswith(ROOT):
         raise RecordError(key, f"key is not under {ROOT}")
     job, sep, rest = key[len(ROOT):].partition("/")
-    if not sep or not _ID_RE.match(job):
+    if not sep or not ID_RE.match(job):
         raise RecordError(key, "key does not name a valid job id")
     for spec in REGISTRY:
         m = spec.regex.match(rest)
