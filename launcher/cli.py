@@ -175,6 +175,8 @@ def _opt(*names: str, **kw):
       "this node as the planner sees it (24MiB, 1.5GiB): rehearse a cluster's layouts on CPUs.")
 @_opt("--hspmd-device-speed", default=None, help="Elastic mode: speed of this node's devices "
       "relative to their type's nominal (default 1.0).")
+@_opt("--hspmd-device", default=None, help="Elastic mode: where workers compute: auto "
+      "(cuda:LOCAL_RANK when CUDA is available, else CPU; the default), cuda or cpu.")
 @_opt("--hspmd-redundancy", default=None, help="Elastic mode: every parameter slice on this "
       "many nodes, a hard constraint; the job fails when no plan keeps it (default: none).")
 @launcher_options
@@ -394,12 +396,14 @@ def build_config(params: dict) -> LaunchConfig:
     if timeout is None:
         timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     elastic = _elastic(params, max_nodes)
+    from launcher.placement import device_env
+
     return LaunchConfig(
         rdzv=rdzv, nproc_per_node=nproc, entrypoint=entrypoint, entrypoint_name=name,
         node_id=node_id, role=params["role"], max_restarts=params["max_restarts"],
         monitor_interval_s=params["monitor_interval"], local_addr=params["local_addr"],
         master_addr=master_addr, master_port=master_port, logs=logs, shutdown_timeout_s=timeout,
-        signals=signals, health_source=health, elastic=elastic,
+        signals=signals, health_source=health, elastic=elastic, extra_env=device_env(params),
         etcd=launcher_security(params), etcd_server=server_tls(params, rdzv),
     )
 

@@ -8,7 +8,9 @@ source failed a device, ``CUDA_VISIBLE_DEVICES`` naming the usable ones. Elastic
 no rank (the plan gives it, and it changes per plan), only who the worker is and where etcd
 is (``elastic_worker_env``): ``HSPMD_ETCD_ENDPOINTS``, ``HSPMD_JOB_ID``, ``HSPMD_NODE_ID``,
 ``LOCAL_RANK``, ``HSPMD_PLAN_VERSION`` (the plan that started it) and
-``HSPMD_PROGRESS_FILE``; the agent adds ``TORCHELASTIC_ERROR_FILE`` for the failure summary.
+``HSPMD_PROGRESS_FILE``; the agent adds ``TORCHELASTIC_ERROR_FILE`` for the failure summary,
+and ``HSPMD_DEVICE`` (``DEVICE_ENV``: ``--hspmd-device``, auto, cuda or cpu, through
+``LaunchConfig.extra_env``; ``hspmd_elastic.devices`` reads it under the same name).
 ``hspmd_elastic.elastic.api.WorkerIdentity.from_env`` reads it back.
 
 etcd's TLS and auth settings reach elastic workers as the agent has them
@@ -36,6 +38,7 @@ from launcher.api import LaunchConfig
 from launcher.node.rendezvous import RoundInfo
 
 LOCAL_RANK_MACRO = "${local_rank}"
+DEVICE_ENV = "HSPMD_DEVICE"  # hspmd_elastic.devices.DEVICE_ENV: where an elastic worker computes
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
 
