@@ -2,9 +2,9 @@
 
 Promises:
 
-* every key lives under ``/hspmd/v1/jobs/<job_id>/`` and is built by one function of ``keys.py``
-  (re-exported here); numbers
-  in keys are zero-padded so lexicographic order is numeric order;
+* every key lives under ``/hspmd/v1/jobs/<job_id>/`` and is built by one function of
+  ``keys.py`` (re-exported here); numbers in keys are zero-padded so lexicographic order is
+  numeric order;
 * every value is a UTF-8 JSON object with ``"schema": 1`` and a ``"kind"`` naming its record
   type; no pickle, no base64; fields added after a record type was first written have defaults
   and may be absent from older values (they decode to the default);
