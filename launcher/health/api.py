@@ -67,7 +67,7 @@ class DeviceInfo:
     """One accelerator of a node as the health source sees it.
 
     ``type`` is the model the planner groups devices by (``"H100-80GB-HBM3"``); ``name`` is the
-    driver's full marketing name.
+    driver's full marketing name; ``pci_bus_id`` the driver's PCI address (``""`` when unknown).
     """
 
     index: int
@@ -75,6 +75,7 @@ class DeviceInfo:
     uuid: str
     memory_bytes: int
     type: str
+    pci_bus_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ class FakeGpu:
 
     name: str = "NVIDIA H100 80GB HBM3"
     uuid: str = ""
+    pci_bus_id: str = ""
     memory_total: int = 80 * 1024**3
     ecc_uncorrected_volatile: int = 0
     ecc_corrected_volatile: int = 0
@@ -59,6 +60,7 @@ class FakeNvml:
         self.gpus = gpus
         for i, gpu in enumerate(gpus):
             gpu.uuid = gpu.uuid or f"GPU-00000000-0000-0000-0000-{i:012d}"
+            gpu.pci_bus_id = gpu.pci_bus_id or f"00000000:{0x18 + i:02X}:00.0"
         self.driver_missing = driver_missing
         self.initialized = 0
         self.event_sets_freed = 0
@@ -119,6 +121,11 @@ class FakeNvml:
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         return self._gpu(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
+        info = _real.nvmlPciInfo_t()
+        info.busId = self._gpu(handle, "nvmlDeviceGetPciInfo").pci_bus_id.encode()
+        return info
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
         total = self._gpu(handle, "nvmlDeviceGetMemoryInfo").memory_total

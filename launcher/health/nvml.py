@@ -51,6 +51,7 @@ from launcher.health.nvml_driver import (  # noqa: F401 (probe_nvml, device_type
     Unsupported,
     handle_key,
     driver_text,
+    pci_bus_id,
     device_type,
     probe_nvml,
 )
@@ -265,7 +266,8 @@ class NvmlHealthSource:
             log.warning("%s: cannot read its identity (%s); not monitored", self._gpu_name(index),
                         exc)
             return
-        dev = _Device(DeviceInfo(index, name, uuid, memory, device_type(name)), handle)
+        dev = _Device(DeviceInfo(index, name, uuid, memory, device_type(name),
+                                 pci_bus_id(self._nvml, handle)), handle)
         self._devices.append(dev)
         self._by_handle[handle_key(handle)] = index
         self._guarded(dev, "ecc", self._read_ecc_baseline, now)

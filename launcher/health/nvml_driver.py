@@ -1,6 +1,7 @@
 """The NVIDIA driver's vocabulary for ``nvml.NvmlHealthSource``: event bits, which events fail a
 device and which are only logged, the error names that mean "no driver" or "not supported",
-device names as planner types, and ``probe_nvml`` (does the driver load?). No state, no threads.
+device names as planner types, a GPU's PCI address, and ``probe_nvml`` (does the driver load?).
+No state, no threads.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def device_type(name: str) -> str:
 
 def driver_text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def pci_bus_id(nvml: Any, handle: Any) -> str:
+    """The GPU's PCI address as the driver writes it (``"00000000:18:00.0"``); ``""`` when the
+    driver or nvidia-ml-py cannot say (the inventory does not need it)."""
+    try:
+        return driver_text(nvml.nvmlDeviceGetPciInfo(handle).busId)
+    except Exception:  # noqa: BLE001 - an address we cannot read is only not shown
+        return ""
 
 
 def handle_key(handle: Any) -> Any:

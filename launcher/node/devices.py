@@ -6,10 +6,17 @@ In elastic mode a worker slot is a device: slot ``<index>`` of node ``<node_id>`
 source's accelerators when it sees some, else ``CPU`` slots; the memory and speed the node
 declares (``--hspmd-device-memory``, ``--hspmd-device-speed``) replace what the devices report,
 so the leader's planner sees the devices as declared. ``node_record`` is the record.
+
+The accelerators come from NVML (``launcher.health.nvml``): index, name, UUID, total memory
+and PCI bus id. The record's ``type`` is the driver's name as a type (``"H100-80GB-HBM3"``),
+which the leader's planner maps to its device profile (``planner.spec_for_device``: a GPU it does
+not know gets a conservative profile, with a warning naming it); ``device_table`` logs each GPU
+with the profile it maps to, so that warning shows in this node's log when the agent starts.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional, Sequence
 
@@ -17,6 +24,20 @@ from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.contract import device_id
 
 CPU_TYPE = "CPU"
+log = logging.getLogger(__name__)
+
+
+def inventory_lines(accelerators: Sequence[Any]) -> list[str]:
+    """One line per GPU: index, name, memory, UUID, PCI bus id and the planner's profile."""
+    from hspmd_elastic.planner import spec_for_device
+
+    lines = []
+    for a in sorted(accelerators, key=lambda a: a.index):
+        profile = spec_for_device(a.type, a.memory_bytes or None).name
+        pci = getattr(a, "pci_bus_id", "") or "unknown"
+        lines.append(f"GPU {a.index}: {a.name}, {a.memory_bytes / 2**30:.1f} GiB, {a.uuid}, "
+                     f"PCI {pci}, planner profile {profile}")
+    return lines
 
 
 def device_table(node: str, count: int, device_type: str = CPU_TYPE,
@@ -28,6 +49,8 @@ def device_table(node: str, count: int, device_type: str = CPU_TYPE,
     if not speed > 0:
         raise ValueError(f"node {node}: declared device speed {speed!r} must be > 0")
     if accelerators:
+        for line in inventory_lines(accelerators):
+            log.info("node %s: %s", node, line)
         return [schema.DeviceInfo(index=a.index, type=a.type,
                                   memory_bytes=memory_bytes or a.memory_bytes, uuid=a.uuid,
                                   speed=speed)
