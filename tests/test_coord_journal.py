@@ -39,3 +39,22 @@ def test_concurrent_appends_get_unique_consecutive_numbers(etcd_server):
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_batch_is_consecutive_in_few_transactions_and_interleaves_with_single_appends(
+        etcd_server):
+    from hspmd_elastic.coord import NewEvent, append_events
+
+    job = "jbatch"
+    with EtcdClient(etcd_server.endpoints, timeout=2.0) as client:
+        append_event(client, job, "replan", node="a")
+        before = client.revision(prefix=schema.job_prefix(job))
+        batch = [NewEvent("join", f"n{i}", {"devices": [f"n{i}:0"]}) for i in range(250)]
+        written = append_events(client, job, batch, per_txn=100)
+        assert [e.seq for e in written] == list(range(2, 252))
+        assert client.revision(prefix=schema.job_prefix(job)) == before + 3  # 100 + 100 + 50
+        append_event(client, job, "replan", node="a")
+        events = read_events(client, job)
+        assert [e.seq for e in events] == list(range(1, 253))
+        assert [e.node for e in events[1:251]] == [f"n{i}" for i in range(250)]
+        assert events[-1].type == "replan"

@@ -63,7 +63,7 @@ from hspmd_elastic.coord.api import (
 )
 from hspmd_elastic.coord.client import EtcdClient, parse_endpoints
 from hspmd_elastic.coord.election import Election
-from hspmd_elastic.coord.journal import append_event, read_events
+from hspmd_elastic.coord.journal import NewEvent, append_event, append_events, read_events
 from hspmd_elastic.coord.plans import publish_plan, read_plan
 from hspmd_elastic.coord.lease import KeepAlive, LeasedSession, LeaseTracker, LeaseVerdict
 from hspmd_elastic.coord.security import EtcdSecurity
@@ -73,7 +73,7 @@ __all__ = [
     "Clock", "Compare", "CompareTarget", "ConflictError", "CoordinationError", "DeleteOp", "Election",
     "EtcdAuthError", "EtcdClient", "EtcdRequestError", "EtcdSecurity", "EtcdTimeoutError", "EtcdUnavailableError", "EventType",
     "FencedWriteRejected", "GetOp", "KeepAlive", "KeyValue", "LeaseLostError", "LeaseTracker",
-    "LeaseVerdict", "LeasedSession", "PrefixWatch", "PutOp", "RangeResult",
+    "LeaseVerdict", "LeasedSession", "NewEvent", "PrefixWatch", "PutOp", "RangeResult",
     "RecordError", "TxnResult", "WatchCompactedError", "WatchEvent", "append_event",
-    "parse_endpoints", "publish_plan", "read_events", "read_plan", "schema",
+    "append_events", "parse_endpoints", "publish_plan", "read_events", "read_plan", "schema",
 ]

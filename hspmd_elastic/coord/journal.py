@@ -1,7 +1,8 @@
 """The job's event journal: ``events/<seq>`` with gap-free sequence numbers.
 
-Promises: ``append_event`` allocates the next sequence number with a compare-and-set on
-``event_seq`` and writes the event in the same transaction, so concurrent writers never share or
+Promises: ``append_event`` (``append_events`` for several, up to ``EVENTS_PER_TXN`` per
+transaction) allocates the next sequence number with a compare-and-set on ``event_seq`` and
+writes the event in the same transaction, so concurrent writers never share or
 skip a number; a transaction retried after a lost answer is recognised (the event is found
 written) instead of being appended twice; it gives up with ``EtcdTimeoutError`` after ``timeout``
 seconds of contention.
@@ -10,11 +11,25 @@ seconds of contention.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, EtcdTimeoutError, PutOp
 from hspmd_elastic.coord.client import EtcdClient
+
+EVENTS_PER_TXN = 100  # etcd refuses a transaction of more than 128 operations by default
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """An event to append: its type, node, detail and timings (``EventRecord`` without the
+    sequence number and time, which the append assigns)."""
+
+    type: str
+    node: Optional[str] = None
+    detail: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def append_event(client: EtcdClient, job: str, type: str, node: Optional[str] = None,
@@ -22,22 +37,43 @@ def append_event(client: EtcdClient, job: str, type: str, node: Optional[str] = 
                  timings: Optional[dict[str, float]] = None, timeout: float = 5.0,
                  wall_clock: Callable[[], float] = time.time) -> schema.EventRecord:
     """Append one event to ``job``'s journal and return it (with its sequence number)."""
+    return append_events(client, job, [NewEvent(type, node, dict(detail or {}),
+                                                dict(timings or {}))], timeout, wall_clock)[0]
+
+
+def append_events(client: EtcdClient, job: str, events: Sequence[NewEvent],
+                  timeout: float = 5.0, wall_clock: Callable[[], float] = time.time,
+                  per_txn: int = EVENTS_PER_TXN) -> list[schema.EventRecord]:
+    """Append ``events`` in order with consecutive sequence numbers, ``per_txn`` of them per
+    transaction (one compare-and-set of ``event_seq`` each: a leader's hundreds of change events
+    cost a few writes, not hundreds); returns them as written."""
+    out: list[schema.EventRecord] = []
+    for i in range(0, len(events), per_txn):
+        out += _append_chunk(client, job, events[i:i + per_txn], timeout, wall_clock)
+    return out
+
+
+def _append_chunk(client, job, events, timeout, wall_clock) -> list[schema.EventRecord]:
     counter_key = schema.event_seq_key(job)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         kv = client.get(counter_key)
         last = schema.decode(counter_key, kv.value).value if kv else 0
-        event = schema.EventRecord(seq=last + 1, type=type, node=node, detail=dict(detail or {}),
-                                   timings=dict(timings or {}), at=wall_clock())
-        payload = schema.encode(event)
+        at = wall_clock()
+        records = [schema.EventRecord(seq=last + 1 + i, type=e.type, node=e.node,
+                                      detail=dict(e.detail), timings=dict(e.timings), at=at)
+                   for i, e in enumerate(events)]
+        payloads = [schema.encode(r) for r in records]
         res = client.txn(
             [Compare(counter_key, CompareTarget.MOD, "==", kv.mod_revision if kv else 0)],
-            [PutOp(counter_key, schema.CounterRecord(value=last + 1).to_json()),
-             PutOp(schema.event_key(job, last + 1), payload)],
+            [PutOp(counter_key, schema.CounterRecord(value=last + len(records)).to_json()),
+             *(PutOp(schema.event_key(job, r.seq), p) for r, p in zip(records, payloads))],
         )
-        if res.succeeded or _already_written(client, job, event.seq, payload):
-            return event
-    raise EtcdTimeoutError(f"append {type} event to job {job}: sequence contended for {timeout}s")
+        if res.succeeded or _already_written(client, job, records[-1].seq, payloads[-1]):
+            return records
+    kinds = ", ".join(sorted({e.type for e in events}))
+    raise EtcdTimeoutError(f"append {kinds} event(s) to job {job}: sequence contended for "
+                           f"{timeout}s")
 
 
 def _already_written(client: EtcdClient, job: str, seq: int, payload: bytes) -> bool:

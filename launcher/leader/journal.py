@@ -4,7 +4,8 @@ Promises: one event per change of the decision (``leave``, ``join``, ``failure``
 ``drain``, ``unreachable``,
 ``degrade``, ``recover``; changes marked ``journaled``, i.e. failures and stalls a node agent
 journaled already, are not repeated), then one ``replan`` event with the version, the reason,
-the planner, the store, the step and the timings of detection -> publication. The plan is out
+the planner, the store, the step and the timings of detection -> publication, all in as few
+transactions as etcd allows (``coord.journal.append_events``). The plan is out
 already when this runs: a journal write that fails is logged, never retried, never raised.
 """
 
@@ -16,7 +17,7 @@ from typing import Callable, Optional
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.journal import append_event
+from hspmd_elastic.coord.journal import NewEvent, append_events
 from launcher.leader.decide import PlanDecision
 from launcher.leader.planning import PlannedLayout
 from launcher.leader.snapshot import ClusterSnapshot
@@ -29,19 +30,17 @@ def journal_publication(client: EtcdClient, job: str, node: str, decision: PlanD
                         snap: ClusterSnapshot, timings: dict[str, float],
                         wall_clock: Callable[[], float]) -> None:
     """The change events and the replan event of one publication by ``node``'s leader."""
+    events = [NewEvent(c.kind.value, c.node, {"devices": list(c.devices), "detail": c.detail,
+                                               "plan_version": decision.version})
+              for c in decision.changes if not c.journaled]
+    events.append(NewEvent("replan", node, {
+        "version": decision.version, "previous_version": current.version if current else 0,
+        "reason": decision.reason, "devices": len(layout.devices),
+        "planner": layout.planner, "store_endpoint": decision.store_endpoint,
+        "step": snap.step, "changes": [c.describe() for c in decision.changes],
+    }, timings))
     try:
-        for change in decision.changes:
-            if change.journaled:
-                continue
-            append_event(client, job, change.kind.value, node=change.node,
-                         detail={"devices": list(change.devices), "detail": change.detail,
-                                 "plan_version": decision.version}, wall_clock=wall_clock)
-        append_event(client, job, "replan", node=node, detail={
-            "version": decision.version, "previous_version": current.version if current else 0,
-            "reason": decision.reason, "devices": len(layout.devices),
-            "planner": layout.planner, "store_endpoint": decision.store_endpoint,
-            "step": snap.step, "changes": [c.describe() for c in decision.changes],
-        }, timings=timings, wall_clock=wall_clock)
+        append_events(client, job, events, wall_clock=wall_clock)
     except CoordinationError as exc:
         log.warning("[%s] leader %s: plan v%d published but not journaled: %s", job, node,
                     decision.version, exc)
