@@ -126,7 +126,8 @@ class Publication:
 
 
 class WatchedWorld:
-    """What the leader's watches delivered, keyed like the records; one lock, no I/O."""
+    """What the leader's watches delivered, keyed like the records; one lock, no I/O. The
+    snapshot is built again only after a change (a generation counter), not on every tick."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -136,6 +137,8 @@ class WatchedWorld:
         self.reach: dict[str, schema.ReachRecord] = {}
         self.plan: Optional[schema.PlanRecord] = None
         self.plan_rev = 0
+        self._generation = 0  # bumped by every change: the snapshot is rebuilt only after one
+        self._cached: Optional[tuple[int, str, ClusterSnapshot]] = None
 
     def apply(self, ev: WatchEvent) -> None:
         try:
@@ -162,17 +165,23 @@ class WatchedWorld:
                 table[key] = ev.record
             else:
                 table.pop(key, None)
+            self._generation += 1
 
     def set_plan_locked(self, plan: Optional[schema.PlanRecord], revision: int) -> None:
         if plan is not None and revision >= self.plan_rev:
             self.plan, self.plan_rev = plan, revision
+            self._generation += 1
 
     def snapshot(self, self_node: str) -> tuple[ClusterSnapshot, Optional[schema.PlanRecord]]:
         with self.lock:
+            cached = self._cached
+            if cached is not None and cached[:2] == (self._generation, self_node):
+                return cached[2], self.plan
             planned = frozenset(node_of(d) for d in self.plan.devices) if self.plan else \
                 frozenset()
             snap = build_snapshot(dict(self.nodes), dict(self.verdicts), self_node,
                                   dict(self.workers), reach=dict(self.reach), planned=planned)
+            self._cached = (self._generation, self_node, snap)
             return snap, self.plan
 
 
