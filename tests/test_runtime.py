@@ -187,10 +187,27 @@ def test_checkpoint_written_under_tp2_pp2_reads_back_under_one_device(tmp_path):
     assert sorted(p.name for p in (tmp_path / "step-00000003").iterdir()) == [
         "manifest.json", "shard-0.pt", "shard-1.pt", "shard-2.pt", "shard-3.pt"]
     new = simple_plan(num_layers=2, global_batch=4)
-    loaded = load_shards(str(tmp_path), 3, CONFIG, new, 0)
+    stats: dict = {}
+    loaded = load_shards(str(tmp_path), 3, CONFIG, new, 0, stats)
     assert torch.equal(loaded["layers.1.attn.wq.weight"], params["layers.1.attn.wq.weight"])
     assert torch.equal(loaded["embed.weight.exp_avg_sq"], 2 * params["embed.weight"])
     assert int(loaded["optim.step"]) == 3
+    everything = sum(t.numel() * t.element_size() for t in loaded.values())
+    assert stats["bytes_read"] == everything  # one device holds it all: it reads it all
+    # Under TP 2 over two devices, each rank reads its own half of the TP-sharded tensors
+    # (and the replicated ones whole), never another rank's share.
+    tp2 = simple_plan(tp=2, num_layers=2, global_batch=4)
+    reads = []
+    for rank in (0, 1):
+        st: dict = {}
+        mine = load_shards(str(tmp_path), 3, CONFIG, tp2, rank, st)
+        assert st["bytes_read"] == sum(t.numel() * t.element_size() for t in mine.values())
+        reads.append(st["bytes_read"])
+        ranges = state_specs(CONFIG, tp2)["layers.1.attn.wq.weight"].annotation.local_slices(
+            rank, params["layers.1.attn.wq.weight"].shape)
+        assert torch.equal(mine["layers.1.attn.wq.weight"],
+                           params["layers.1.attn.wq.weight"][tuple(slice(*r) for r in ranges)])
+    assert all(everything / 2 <= r < everything for r in reads), (reads, everything)
     (tmp_path / "step-00000003" / "shard-2.pt").unlink()  # an incomplete checkpoint is skipped
     assert latest_complete(str(tmp_path)) == -1
 

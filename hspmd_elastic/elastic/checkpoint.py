@@ -152,28 +152,45 @@ class CheckpointWriter:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
 
-def load_shards(root: str, step: int, config: ModelConfig, plan: Plan,
-                rank: int) -> dict[str, torch.Tensor]:
-    """This rank's local state tensors under ``plan``, read from checkpoint ``step``."""
+def load_shards(root: str, step: int, config: ModelConfig, plan: Plan, rank: int,
+                stats: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """This rank's local state tensors under ``plan``, read from checkpoint ``step``.
+
+    Lean: shard files are memory-mapped and only the parts that overlap this rank's own slices
+    are copied out, so a rank reads about its share of the checkpoint, not whole files or the
+    whole model. ``stats["bytes_read"]`` (when given) counts the bytes copied out of the files.
+    A slice that no shard covers is a ``CheckpointError`` naming the tensor."""
     path = step_dir(root, step)
     if not _complete(path):
         raise CheckpointError(f"checkpoint {path} is incomplete or missing")
-    pieces: dict[str, list] = {}
     specs = state_specs(config, plan)
+    wanted = {name: spec.annotation.local_slices(rank, spec.shape) for name, spec in specs.items()}
+    out = {name: torch.empty(tuple(hi - lo for lo, hi in ranges),
+                             dtype=getattr(torch, specs[name].dtype))
+           for name, ranges in wanted.items() if ranges is not None}
+    filled = {name: torch.zeros(t.shape, dtype=torch.bool) for name, t in out.items()}
+    read = 0
     for shard in _shards(path) or []:
-        for name, box, tensor in _read_shard(os.path.join(path, shard), specs):
-            pieces.setdefault(name, []).append((box, tensor))
-    out = {}
-    for name, spec in specs.items():
-        ranges = spec.annotation.local_slices(rank, spec.shape)
-        if ranges is None:
-            continue
-        if name not in pieces:
-            raise CheckpointError(f"checkpoint {path} lacks tensor {name}")
-        full = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
-        for box, tensor in pieces[name]:
-            full[tuple(slice(lo, hi) for lo, hi in box)] = tensor.to(full.dtype)
-        out[name] = full[tuple(slice(lo, hi) for lo, hi in ranges)].clone()
+        for name, box, tensor in _read_shard(os.path.join(path, shard), specs, mmap=True):
+            if name not in out:
+                continue
+            mine = wanted[name]
+            cut = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, mine)]
+            if any(lo >= hi for lo, hi in cut):
+                continue
+            dst = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _d) in zip(cut, mine))
+            if bool(filled[name][dst].all()):
+                continue  # a replica of what another shard gave already: not read again
+            src = tensor[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _b) in zip(cut, box))]
+            out[name][dst] = src.to(out[name].dtype)
+            filled[name][dst] = True
+            read += src.numel() * src.element_size()
+    for name, mask in filled.items():
+        if not bool(mask.all()):
+            raise CheckpointError(f"checkpoint {path} lacks part of tensor {name} "
+                                  f"({int((~mask).sum())} element(s) of rank {rank}'s slice)")
+    if stats is not None:
+        stats["bytes_read"] = stats.get("bytes_read", 0) + read
     return out
 
 
@@ -182,11 +199,13 @@ def _plain(ranges):
     return None if ranges is None else tuple((int(lo), int(hi)) for lo, hi in ranges)
 
 
-def _read_shard(file: str, specs: Mapping) -> list[tuple[str, tuple, torch.Tensor]]:
+def _read_shard(file: str, specs: Mapping,
+                mmap: bool = False) -> list[tuple[str, tuple, torch.Tensor]]:
     """(name, box, tensor) of every piece in one shard file, each checked against ``specs``
-    (the plan's state tensors); loaded with ``weights_only=True``, so it runs no code."""
+    (the plan's state tensors); loaded with ``weights_only=True``, so it runs no code;
+    ``mmap``: the tensors map the file, and only what is copied out of them is read."""
     try:
-        data = torch.load(file, map_location="cpu", weights_only=True)
+        data = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - unpickling errors come in many types
         raise CheckpointError(f"checkpoint shard {file} is not readable as tensors only: "
                               f"{str(exc).splitlines()[0][:200] if str(exc) else exc!r}") \
