@@ -16,6 +16,10 @@ A worker that holds state never re-enters a plan after one it missed left its de
 partition healed meanwhile): it leaves, and its agent starts a fresh worker, which joins
 through the BSR like any joiner (the fence is the plan version: see ``_left_out_since``).
 
+The worker computes where ``hspmd_elastic.devices.select_device`` puts it (``HSPMD_DEVICE``:
+``cuda:<LOCAL_RANK>`` when CUDA is available and allowed, else the CPU); its model, optimizer
+state, undo copy and BSR buffers live there, and its process groups use that device's backend.
+
 Progress goes to a ``ProgressReporter`` (default: ``HSPMD_PROGRESS_FILE`` if set, else nothing);
 the etcd worker key belongs to the node agent. Hooks for tests and tools: ``on_step(info)`` after
 every step, ``on_switch(timings)`` after every switch; ``RunResult.final_state`` holds this rank's
@@ -42,6 +46,7 @@ from hspmd_elastic.elastic.group import (GroupFormer, RegroupAborted, RegroupTim
                                          StoreUnreachable, wait_keys)
 from hspmd_elastic.elastic.watchdog import PlanWatcher, Watchdog
 from hspmd_elastic.coord.contract import plan_of
+from hspmd_elastic.devices import DeviceSettingError, select_device, use_device
 from hspmd_elastic.graph.comm import CommTimeoutError
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
@@ -121,6 +126,11 @@ class _Context(logging.LoggerAdapter):
 class _Worker:
     def __init__(self, identity, config, sample, global_batch, steps, optim, seed, timeouts,
                  reporter, on_step, on_switch, checkpoint_dir, checkpoint_every, fault_injector):
+        try:
+            device = select_device(identity.device_setting, identity.local_rank)
+        except DeviceSettingError as exc:
+            raise ConfigurationError(str(exc)) from None
+        use_device(device)
         self.identity, self.config, self.sample = identity, config, sample
         self.global_batch, self.steps, self.optim, self.seed = global_batch, steps, optim, seed
         self.timeouts, self.reporter = timeouts, reporter
@@ -135,9 +145,10 @@ class _Worker:
                                  security=identity.etcd_security)
         self.plans = PlanWatcher(self.client, identity.job)
         inject = None if fault_injector is None else (lambda what: fault_injector(self.step, what))
-        self.former = GroupFormer(timeouts.comm_s, connect_timeout_s=timeouts.regroup_s)
+        self.former = GroupFormer(timeouts.comm_s, connect_timeout_s=timeouts.regroup_s,
+                                  device=device)
         self.watchdog = Watchdog(self.plans, lambda: self.version, timeouts.comm_s, inject,
-                                 on_abandon=self.former.reaper.abandoned)
+                                 on_abandon=self.former.abandoned)
         writer = (CheckpointWriter(checkpoint_dir, checkpoint_every)
                   if checkpoint_dir and checkpoint_every else None)
         self.checkpoints = writer
@@ -149,6 +160,8 @@ class _Worker:
 
     # ------------------------------------------------------------------------ main loop
     def run(self) -> RunResult:
+        self.log.info("computing on %s (process groups: %s)", self.former.device,
+                      self.former.backend)
         try:
             self.plans.start(self.timeouts.etcd_s)
             while self.lifecycle.state not in (WorkerState.DONE, WorkerState.EXCLUDED):
@@ -306,7 +319,7 @@ class _Worker:
         specs = held.model.state_tensors()
         self.result.final_state = {
             name: (tuple(specs[name][1].local_slices(self.rank, _full_shape(self.config, name))),
-                   p.detach().clone())
+                   p.detach().to("cpu", copy=True))
             for name, p in held.model.params.items()}
         self.log.info("finished %d steps", self.step)
         return True

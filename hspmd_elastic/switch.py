@@ -68,7 +68,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Held:
-    """What a rank holds between switches: its plan, its model and a one-step undo copy.
+    """What a rank holds between switches: its plan, its model and a one-step undo copy, both on
+    the model's device (``model.device``: the undo buffers are copies of its state tensors).
 
     ``train_step`` keeps the undo copy cheaply: the state is copied once the step's
     communication succeeded (a failed step copies nothing), into the same buffers every step
@@ -203,7 +204,8 @@ class GraphSwitch:
         try:
             comm = Comm.create(plan, self.config, rank, timeout_s=self.timeouts.comm_s,
                                waiter=self.watchdog, store=self.former.store,
-                               aborted=self._superseded(record.version))
+                               aborted=self._superseded(record.version),
+                               device=self.former.device)
         except CommTimeoutError:
             raise
         except RuntimeError as exc:  # a peer left the switch: creating sub-groups timed out
@@ -280,7 +282,8 @@ class GraphSwitch:
             return self._fallback(record, plan, rank, holdings, exc, timings)
         local = held.tensors_at(decision.resume_step) if rank in decision.owners else {}
         timings.rolled_back = rank in decision.rollback
-        received, stats = execute_fused(schedule, rank, local, timeout_s=self.timeouts.comm_s,
+        received, stats = execute_fused(schedule, rank, local, device=self.former.device,
+                                        timeout_s=self.timeouts.comm_s,
                                         should_abort=self._superseded(record.version))
         totals = schedule.link_stats()
         timings.bsr_bytes_total = totals.total_bytes

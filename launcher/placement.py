@@ -1,8 +1,8 @@
 """``--hspmd-device auto|cuda|cpu``: where elastic workers compute, parsed for the worker
 environment.
 
-The setting reaches each elastic worker as ``HSPMD_DEVICE`` (``launcher.node.env.DEVICE_ENV``),
-and the worker turns it into its device (``hspmd_elastic.devices.select_device``: ``auto`` is
+The setting reaches each elastic worker as ``HSPMD_DEVICE`` (``launcher.node.env.DEVICE_ENV``;
+without the flag a worker keeps the agent's own ``HSPMD_DEVICE``, if any), and the worker turns it into its device (``hspmd_elastic.devices.select_device``: ``auto`` is
 ``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU). Restart mode runs any script, which
 places itself: the flag is refused there. ``cuda`` on a node where torch cannot use CUDA is
 refused here, before any worker starts. Bad values raise ``ConfigError`` with one line naming
@@ -44,10 +44,12 @@ def parse_device_setting(value: Optional[str]) -> str:
 
 
 def device_env(params: dict) -> dict[str, str]:
-    """The workers' environment from ``--hspmd-device`` (``params``: the CLI's values)."""
+    """The workers' environment from ``--hspmd-device`` (``params``: the CLI's values). Not
+    given: nothing, so workers keep an ``HSPMD_DEVICE`` the agent's environment has, else
+    ``auto``."""
     value = params.get("hspmd_device")
     if not params.get("hspmd_elastic"):
         if value is not None:
             raise ConfigError(f"--hspmd-device {value} is only used with --hspmd-elastic")
         return {}
-    return {DEVICE_ENV: parse_device_setting(value)}
+    return {} if value is None else {DEVICE_ENV: parse_device_setting(value)}

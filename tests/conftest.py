@@ -15,6 +15,9 @@ import pytest
 
 # Multi-process tests on a 2-core machine: one intra-op thread per process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Elastic workers of the suite compute on CPUs, also on a machine with GPUs (gpu-marked tests
+# choose their device themselves).
+os.environ.setdefault("HSPMD_DEVICE", "cpu")
 
 from hspmd_elastic.coord import EtcdClient  # noqa: E402
 from launcher.standalone import EtcdCluster  # noqa: E402
@@ -22,6 +25,11 @@ from launcher.standalone import EtcdCluster  # noqa: E402
 # Helpers shared by the tests that launch real jobs (tests/scripts/launch_harness.py).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from launch_harness import assert_no_leftovers, new_marker  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: needs CUDA; skipped, with the reason, where torch cannot use it")
 
 
 @pytest.fixture

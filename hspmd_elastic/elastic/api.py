@@ -29,6 +29,7 @@ from hspmd_elastic.coord.contract import (  # noqa: F401 - the worker's vocabula
 )
 from hspmd_elastic.coord.lifecycle import IllegalTransition, StateMachine  # noqa: F401
 from hspmd_elastic.coord.security import EtcdSecurity, EtcdSecurityError
+from hspmd_elastic.devices import DeviceSettingError, setting_from_env
 from hspmd_elastic.graph.comm import CommTimeoutError
 
 
@@ -96,14 +97,17 @@ class Lifecycle(StateMachine[WorkerState]):
 # ------------------------------------------------------------------------------- identity
 @dataclass(frozen=True)
 class WorkerIdentity:
-    """Who this worker is: a device (worker slot) ``<node_id>:<local_rank>`` of a job, and how
-    it reaches etcd (endpoints; TLS and auth from ``HSPMD_ETCD_*``, as its agent has them)."""
+    """Who this worker is: a device (worker slot) ``<node_id>:<local_rank>`` of a job, how it
+    reaches etcd (endpoints; TLS and auth from ``HSPMD_ETCD_*``, as its agent has them), and
+    where it may compute (``device_setting``: ``HSPMD_DEVICE``, auto, cuda or cpu; see
+    ``hspmd_elastic.devices``)."""
 
     job: str
     node: str
     local_rank: int
     etcd_endpoints: str
     etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
+    device_setting: str = "auto"
 
     @property
     def device(self) -> str:
@@ -126,8 +130,12 @@ class WorkerIdentity:
             security = EtcdSecurity.from_env(env).checked()
         except EtcdSecurityError as exc:
             raise ConfigurationError(f"worker environment: {exc}") from exc
+        try:
+            setting = setting_from_env(env)
+        except DeviceSettingError as exc:
+            raise ConfigurationError(f"worker environment: {exc}") from None
         return cls(env["HSPMD_JOB_ID"], env["HSPMD_NODE_ID"], local_rank,
-                   env["HSPMD_ETCD_ENDPOINTS"], security)
+                   env["HSPMD_ETCD_ENDPOINTS"], security, setting)
 
 
 # ------------------------------------------------------------------------------- progress

@@ -14,6 +14,19 @@ whichever thread drops it. ``GroupReaper`` keeps such groups (the default group 
 the previous plan's sub-groups, through ``retire``) on a daemon thread until every abandoned
 collective has ended, then drops them there; groups still held when the process exits are never
 destroyed, so neither training nor exit waits for them.
+
+On CUDA (``hspmd_elastic.devices``: the backend is ``cpu:gloo,cuda:nccl``) a collective whose
+peer died never ends by itself: its kernel spins on the GPU until NCCL's own timeout.
+``end_process_groups`` is the one place that leaves every group of the process: on gloo it
+destroys them as before; when a group has an NCCL part it aborts them (torch's
+``_abort_process_group``: every communicator at once, in one NCCL group call, so two hung
+communicators cannot block each other's abort), which also ends the abandoned collectives.
+``GroupFormer.abandoned`` (the watchdog's ``on_abandon``) calls it as soon as a collective is left
+in flight on NCCL, so the GPU is free within the watchdog's limit, not NCCL's timeout; the next
+plan's group is formed in the same process. On NCCL the default group is created with
+``device_id`` (eager communicator creation; sub-groups split from it), then warmed by one
+``all_reduce`` under the regroup deadline, so every rank's communicator exists before the BSR's
+``batch_isend_irecv`` (which needs every rank when it is a group's first operation).
 """
 
 from __future__ import annotations
@@ -24,8 +37,10 @@ import threading
 import time
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
+from hspmd_elastic.devices import backend_for, nccl_environment, use_device, uses_nccl
 from hspmd_elastic.elastic.api import ConfigurationError, ElasticError
 
 log = logging.getLogger(__name__)
@@ -45,6 +60,46 @@ class RegroupTimeout(ElasticError):
 
 class StoreUnreachable(ElasticError):
     """The plan's store cannot be reached (its host died): a newer plan will name another."""
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process without waiting for what runs in them, and
+    forget them (``dist.is_initialized()`` is False afterwards)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)
+    if abort is not None:  # torch >= 2.5
+        abort()
+        return
+    for pg in list(c10d._world.pg_names):  # torch 2.4: abort each NCCL part, then destroy
+        try:
+            backend = pg._get_backend(torch.device("cuda"))
+        except RuntimeError:
+            continue
+        stop = getattr(backend, "abort", None) or getattr(backend, "_shutdown", None)
+        if stop is not None:
+            stop()
+    dist.destroy_process_group()
+
+
+def end_process_groups() -> Optional[object]:
+    """Leave every process group of this process: destroyed on gloo, aborted when the default
+    group has an NCCL part (see the module docstring). Returns the default group's object, for
+    ``GroupReaper.retire``; None when there was none. Never raises: a group broken by a dead peer
+    still goes away."""
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    nccl = uses_nccl(dist.get_backend())
+    try:
+        if nccl:
+            abort_process_groups()
+        else:
+            dist.destroy_process_group()
+    except RuntimeError as exc:  # a group broken by a dead peer still goes away
+        log.warning("%s the old process group raised (%s); continuing",
+                    "aborting" if nccl else "destroying", exc)
+    return world
 
 
 def version_prefix(version: int) -> str:
@@ -137,13 +192,17 @@ class GroupReaper:
 
 
 class GroupFormer:
-    """Owns this process's connection to the plan's store and its default process group."""
+    """Owns this process's connection to the plan's store and its default process group, on
+    ``device`` with the backend ``devices.backend_for`` gives it."""
 
     def __init__(self, timeout_s: float, connect_timeout_s: float = 30.0,
-                 reaper: Optional[GroupReaper] = None):
+                 reaper: Optional[GroupReaper] = None,
+                 device: torch.device | str = "cpu"):
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.reaper = reaper or GroupReaper()
+        self.device = torch.device(device)
+        self.backend = backend_for(self.device)
         self._stores: dict[str, dist.Store] = {}
         self.store: Optional[dist.Store] = None  # the current version's PrefixStore
 
@@ -160,35 +219,81 @@ class GroupFormer:
         return self._stores[endpoint]
 
     def leave(self) -> float:
-        """Destroy the current process group (and its sub-groups); returns the seconds spent."""
+        """Leave the current process group and its sub-groups (``end_process_groups``);
+        returns the seconds spent."""
         start = time.monotonic()
-        if dist.is_initialized():
-            world = dist.group.WORLD
-            try:
-                dist.destroy_process_group()
-            except RuntimeError as exc:  # a group broken by a dead peer still goes away
-                log.warning("destroying the old process group raised (%s); continuing", exc)
+        world = end_process_groups()
+        if world is not None:
             self.reaper.retire(world, what="the previous default group")
             del world
         self.store = None
         return time.monotonic() - start
 
+    def abandoned(self, done: threading.Event) -> None:
+        """A collective was left in flight (the watchdog's ``on_abandon``): the reaper keeps
+        its groups alive until it ends; on NCCL the groups are aborted now, which ends it."""
+        self.reaper.abandoned(done)
+        if uses_nccl(self.backend) and dist.is_initialized():
+            log.info("a collective was abandoned on NCCL: aborting this plan's communicators")
+            self.leave()
+
     def form(self, version: int, endpoint: str, rank: int, world: int,
              aborted: Callable[[], bool], deadline: float) -> None:
-        """Leave the old group and form plan ``version``'s: ``rank`` of ``world``."""
+        """Leave the old group and form plan ``version``'s: ``rank`` of ``world``.
+
+        Every rank announces its backend on arrival; one that differs from rank 0's (workers of
+        one job on different ``--hspmd-device`` settings) is a ``ConfigurationError``."""
         self.leave()
         store = dist.PrefixStore(version_prefix(version), self._client(endpoint))
         try:
-            store.set(f"arrive/{rank}", "1")
+            store.set(f"arrive/{rank}", self.backend)
         except RuntimeError as exc:
             self._stores.pop(endpoint, None)
             raise StoreUnreachable(f"plan v{version}: the store at {endpoint} failed: "
                                    f"{exc}") from exc
         wait_keys(store, [f"arrive/{r}" for r in range(world)], aborted, deadline,
                   f"plan v{version}: ranks arriving")
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=self.timeout_s))
+        self._check_backend(store, rank, version)
+        nccl = uses_nccl(self.backend)
+        if nccl:
+            nccl_environment(self.timeout_s)
+            use_device(self.device)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=self.timeout_s),
+                                **({"device_id": self.device} if nccl else {}))
+        if nccl:
+            self._warm(version, aborted, deadline)
         self.store = store
+
+    def _check_backend(self, store: dist.Store, rank: int, version: int) -> None:
+        if rank == 0:
+            return
+        try:
+            first = store.get("arrive/0").decode("utf-8", "replace")
+        except RuntimeError as exc:
+            raise StoreUnreachable(f"plan v{version}: the store failed: {exc}") from exc
+        if first != self.backend:
+            raise ConfigurationError(
+                f"plan v{version}: rank 0 communicates over {first!r}, this rank over "
+                f"{self.backend!r} (device {self.device}): every worker of a job must run on "
+                "the same kind of device (--hspmd-device)")
+
+    def _warm(self, version: int, aborted: Callable[[], bool], deadline: float) -> None:
+        """One small ``all_reduce`` on the device, polled against ``aborted`` and ``deadline``
+        (NCCL's ``wait`` only orders streams): every rank's communicator is up afterwards."""
+        probe = torch.zeros(1, device=self.device)
+        work = dist.all_reduce(probe, async_op=True)
+        delay = _POLL_FIRST_S
+        while not work.is_completed():
+            if aborted():
+                raise RegroupAborted(f"plan v{version}: NCCL warm-up: a newer plan was "
+                                     "published")
+            if time.monotonic() >= deadline:
+                raise RegroupTimeout(f"plan v{version}: the NCCL warm-up all_reduce did not "
+                                     "complete by the deadline")
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        work.wait()
 
 
 def wait_keys(store: dist.Store, keys: list[str], aborted: Callable[[], bool], deadline: float,

@@ -8,6 +8,10 @@ through one ``Waiter``. The default waiter gives each wait a deadline and raises
 ``CommTimeoutError``; the runtime can pass its own waiter (a watchdog that also watches for plan
 changes) without touching the graph code.
 
+The sub-groups use the backend the default group was formed with (``gloo`` on CPU workers,
+``cpu:gloo,cuda:nccl`` on CUDA ones: ``hspmd_elastic.devices.backend_for`` chooses it once), and
+``Comm.device`` is where the plan's tensors live (receive buffers of the pipeline, the loss).
+
 Creating the groups blocks inside gloo until every member connects (up to the group timeout).
 ``Comm.create(..., store=, aborted=)`` first meets every rank of the world at a barrier on
 ``store`` that it polls, so a rank that never comes (dead, or gone to a newer plan) costs the
@@ -106,18 +110,21 @@ class Comm:
     groups: dict[tuple[int, ...], object]
     rank: int
     waiter: Waiter
+    device: torch.device = torch.device("cpu")
     _pending: list = field(default_factory=list)
 
     @classmethod
     def create(cls, plan: Plan, config: ModelConfig, rank: int, *, timeout_s: float = 60.0,
                waiter: Optional[Waiter] = None, store=None,
                aborted: Optional[Callable[[], bool]] = None,
-               barrier_key: str = "comm-create") -> "Comm":
+               barrier_key: str = "comm-create",
+               device: torch.device | str = "cpu") -> "Comm":
         """Create the plan's groups; every rank of the default group must call this.
 
         With ``store`` (a store every rank shares, fresh keys for ``barrier_key``), the ranks
         first meet at a polled barrier there, abandoned with ``CommAborted`` as soon as
-        ``aborted()`` is true, or with ``CommTimeoutError`` after ``timeout_s``."""
+        ``aborted()`` is true, or with ``CommTimeoutError`` after ``timeout_s``. The groups
+        use the default group's backend; ``device`` is where the plan's tensors live."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if max(plan.devices) >= world:
             raise PlanError(f"plan uses device {max(plan.devices)} but the world has {world} ranks")
@@ -126,11 +133,12 @@ class Comm:
             store_barrier(store, barrier_key, rank, world, time.monotonic() + timeout_s,
                           aborted or (lambda: False))
         groups = {}
+        backend = dist.get_backend() if dist.is_initialized() else "gloo"
         for members in group_members(plan, config):
-            group = dist.new_group(list(members), timeout=timeout, backend="gloo")
+            group = dist.new_group(list(members), timeout=timeout, backend=backend)
             if rank in members:
                 groups[members] = group
-        return cls(groups, rank, waiter or deadline_waiter(timeout_s))
+        return cls(groups, rank, waiter or deadline_waiter(timeout_s), torch.device(device))
 
     def group(self, devices: Sequence[int]):
         return self.groups[tuple(sorted(devices))]

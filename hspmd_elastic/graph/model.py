@@ -62,7 +62,7 @@ class Attention(nn.Module):
         k = apply_rope(heads(self.wk(x)), cos, sin)
         v = heads(self.wv(x))
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-        causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
         out = (probs @ v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.wo(out)

@@ -66,20 +66,23 @@ def _tag(microbatch: int, direction: str) -> int:
 
 
 def run_schedule(schedule, links: StageLinks, comm, *, forward: Callable, loss_of: Callable,
-                 activation_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+                 activation_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
     """Execute ``schedule`` on this stage; returns the sum of this stage's micro-batch losses.
 
     ``forward(m, x)`` runs the stage on micro-batch ``m`` (``x`` is None on the first stage);
     ``loss_of(m, out)`` turns the last stage's output into the weighted loss to backpropagate.
+    Receive buffers and the loss live on ``device``.
     """
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
-    total = torch.zeros((), dtype=dtype)
+    total = torch.zeros((), dtype=dtype, device=device)
     for direction, m in schedule:
         if direction == FORWARD:
             x = None
             if links.recv_activation is not None:
-                x = comm.recv(torch.empty(activation_shape, dtype=dtype), links.recv_activation,
+                x = comm.recv(torch.empty(activation_shape, dtype=dtype, device=device),
+                              links.recv_activation,
                               _tag(m, FORWARD)).requires_grad_(True)
             out = forward(m, x)
             if links.recv_gradient is None:
@@ -93,8 +96,8 @@ def run_schedule(schedule, links: StageLinks, comm, *, forward: Callable, loss_o
             if links.recv_gradient is None:
                 out.backward()
             else:
-                grad = comm.recv(torch.empty(activation_shape, dtype=dtype), links.recv_gradient,
-                                 _tag(m, BACKWARD))
+                grad = comm.recv(torch.empty(activation_shape, dtype=dtype, device=device),
+                                 links.recv_gradient, _tag(m, BACKWARD))
                 torch.autograd.backward(out, grad)
             for dst in links.send_gradient:
                 comm.send(x.grad, dst, _tag(m, BACKWARD))

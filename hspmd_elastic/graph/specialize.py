@@ -14,12 +14,17 @@ the input of resharding.
 Process groups: the default group's ranks are the plan's devices; building creates the plan's
 sub-groups, which every rank of the default group must do together (``Comm.create``).
 
+Placement: parameters, their AdamW moments and every activation live on ``comm.device`` (the CPU,
+or the worker's GPU: ``hspmd_elastic.devices``); the global batch may come from the host and is
+moved there. The step counter stays a host scalar (reading it never waits for the GPU).
+
 State tensors are named and annotated as ``state.state_specs`` says (parameters, their AdamW
 moments, the step counter).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -52,9 +57,12 @@ class SpecializedModel:
         self.pipeline = pipe
         stage = pipe.stages[self.placement.stage]
         self.tp = TPGroup(stage.devices, self.placement.tp_rank, comm)
-        self.module = StageModule(config, stage.layers, self.tp,
-                                  first=self.placement.stage == 0,
-                                  last=self.placement.stage == len(pipe.stages) - 1)
+        self.device = comm.device
+        # parameters and rope tables are allocated on the device, not moved there
+        with (self.device if self.device.type != "cpu" else contextlib.nullcontext()):
+            self.module = StageModule(config, stage.layers, self.tp,
+                                      first=self.placement.stage == 0,
+                                      last=self.placement.stage == len(pipe.stages) - 1)
         self.params = dict(self.module.named_parameters())
         self.optimizer = ShardedAdamW(self.params, optim)
         self._sync = sync_ops(plan.param_layouts(config), rank)
@@ -68,12 +76,15 @@ class SpecializedModel:
     def build(cls, config: ModelConfig, plan: Plan, rank: int, *, seed: int = 0,
               state: Optional[Mapping[str, torch.Tensor]] = None, comm: Optional[Comm] = None,
               optim: AdamWConfig = AdamWConfig(), timeout_s: float = 60.0,
-              waiter: Optional[Waiter] = None) -> "SpecializedModel":
+              waiter: Optional[Waiter] = None,
+              device: torch.device | str = "cpu") -> "SpecializedModel":
         """Build ``rank``'s graph. Every rank of the world must call this (or ``Comm.create``)
-        together, since it creates the plan's process groups; pass ``comm`` to reuse them."""
+        together, since it creates the plan's process groups; pass ``comm`` to reuse them (its
+        device wins over ``device``)."""
         plan.check_model(config)
         if comm is None:
-            comm = Comm.create(plan, config, rank, timeout_s=timeout_s, waiter=waiter)
+            comm = Comm.create(plan, config, rank, timeout_s=timeout_s, waiter=waiter,
+                               device=device)
         model = cls(config, plan, rank, comm, optim)
         if state is None:
             model.init_params(seed)
@@ -96,6 +107,7 @@ class SpecializedModel:
 
         ``before_update()`` runs after the step's last communication, before the update."""
         self._check_batch(batch)
+        batch = batch.to(self.device, non_blocking=True)
         self.optimizer.zero_grad()
         pi = self.placement.pipeline
         mb = self.pipeline.microbatch_size
@@ -113,7 +125,7 @@ class SpecializedModel:
 
         dtype = torch_dtype(self.config)
         loss = run_schedule(self._schedule, self._links, self.comm, forward=forward,
-                            loss_of=loss_of, dtype=dtype,
+                            loss_of=loss_of, dtype=dtype, device=self.device,
                             activation_shape=(mb, self.config.seq_len, self.config.hidden_size))
         grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
                  for n, p in self.params.items()}

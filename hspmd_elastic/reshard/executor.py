@@ -19,8 +19,12 @@ the caller polls; an abandoned helper ends at that deadline or when the group is
 the process group must be rebuilt as after a timeout. Receives land only in fresh buffers, so
 an abandoned exchange never writes into the caller's tensors.
 
-With NCCL, call ``torch.cuda.set_device`` first and run one collective on the group before the
-first exchange, as ``batch_isend_irecv`` requires when it is a group's first operation.
+On CUDA (``device`` a GPU, the group's CUDA part NCCL), packing, the staged receive buffers and
+unpacking stay on the device; completion is polled (NCCL's ``wait`` only orders streams), then
+each work is waited on by the calling thread so that its stream orders the unpacking after the
+transfers. Call ``torch.cuda.set_device`` first and run one collective on the group before the
+first exchange, as ``batch_isend_irecv`` requires when it is a group's first operation
+(``elastic.group.GroupFormer`` warms every plan's group so).
 """
 
 from __future__ import annotations
@@ -106,16 +110,24 @@ def _landing(out: dict[str, torch.Tensor], new_origin, msg: Message) -> torch.Te
     return target.view(-1) if target.is_contiguous() else None
 
 
-def _wait_all(works, deadline: float, backend: str, pending: list[str]) -> None:
+def _describe(works, pending: list[str], rank: int) -> list[str]:
+    """One description per work: NCCL coalesces a whole batch into one work."""
+    if len(works) == len(pending):
+        return pending
+    return [f"the {len(pending)} sends/receives of rank {rank}"] * len(works)
+
+
+def _wait_all(works, deadline: float, polled: bool, pending: list[str]) -> None:
+    """Wait for ``works`` by ``deadline``: gloo's ``wait(timeout)``, or (``polled``: NCCL)
+    polling completion, since NCCL's ``wait`` only orders streams."""
     for work, what in zip(works, pending):
         remaining = deadline - time.monotonic()
         try:
-            if backend == "gloo":
+            if not polled:
                 if remaining <= 0 and not work.is_completed():
                     raise ReshardTimeoutError(f"{what} not done by the deadline")
                 work.wait(timeout=datetime.timedelta(seconds=max(remaining, 0.001)))
             else:
-                # NCCL's wait() only orders streams; poll completion so the deadline holds.
                 while not work.is_completed():
                     if time.monotonic() > deadline:
                         raise ReshardTimeoutError(f"{what} not done by the deadline")
@@ -128,14 +140,14 @@ def _wait_all(works, deadline: float, backend: str, pending: list[str]) -> None:
             raise ReshardCommError(f"{what} failed: {exc}") from exc
 
 
-def _wait_abortable(works, deadline: float, backend: str, pending: list[str],
+def _wait_abortable(works, deadline: float, polled: bool, pending: list[str],
                     should_abort: Callable[[], bool], poll_s: float, rank: int) -> None:
     """``_wait_all`` on a helper thread; ``ReshardAborted`` as soon as ``should_abort()``."""
     done, error = threading.Event(), []
 
     def wait() -> None:
         try:
-            _wait_all(works, deadline, backend, pending)
+            _wait_all(works, deadline, polled, pending)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
             error.append(exc)
         done.set()
@@ -224,11 +236,18 @@ def execute_fused(
 
     copied = time.monotonic()
     stats.local_s = copied - packed
+    polled = device.type == "cuda"
+    pending = _describe(works, pending, rank)
     if works and should_abort is not None:
-        _wait_abortable(works, deadline, str(dist.get_backend(group)), pending, should_abort,
-                        poll_s, rank)
+        _wait_abortable(works, deadline, polled, pending, should_abort, poll_s, rank)
     elif works:
-        _wait_all(works, deadline, str(dist.get_backend(group)), pending)
+        _wait_all(works, deadline, polled, pending)
+    if polled:  # complete: on this thread's stream, the unpacking now follows the transfers
+        for work, what in zip(works, pending):
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise ReshardCommError(f"{what} failed: {exc}") from exc
     communicated = time.monotonic()
     stats.comm_s = communicated - packed
 
