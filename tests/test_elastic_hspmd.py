@@ -1,19 +1,19 @@
-"""The HSPMD path end to end: real etcd, two ``hspmd-launch --hspmd-elastic`` agents as nodes of
-this host, real gloo workers, real SIGKILLs.
+"""The HSPMD path end to end: real etcd, ``hspmd-launch --hspmd-elastic`` agents as nodes of this
+host, real gloo workers, real SIGKILLs.
 
 The agents declare their devices small (``--hspmd-device-memory``), so the leader's planner
-shards the model (TP and/or PP) as it would on GPUs that cannot hold a replica, and
-``--hspmd-redundancy 2`` makes "every parameter slice on both nodes" a hard constraint. A worker
+shards the model (TP and/or PP) as it would on GPUs that cannot hold a replica. A worker
 SIGKILLed mid-run forces a differently specialized plan: the survivors reshard weights and
 AdamW state by fused BSR into it (bytes moved, read from the journal's ``switch-done`` timings),
-every published plan keeps the guarantee, every DP replica ends equal, and the parameters equal
-the fault-free dense reference (float64; a slice nobody holds stays NaN and fails the check).
+every DP replica ends equal, and the parameters equal the fault-free dense reference (float64; a
+slice nobody holds stays NaN and fails the check).
 A GPU that shows warning signs (a scripted ``suspect`` verdict) is drained: the next plan leaves
 it out while it still works, it serves as a BSR source in that switch (the bytes its state sent
-are in its ``drained`` event), then its worker leaves and the device stays out. When no plan can
-keep the guarantee, nothing is published and the job fails on every agent with
-one line naming the shortfall (the same judge ends a job whose fault leaves no such plan:
-``tests/test_planner_capacity.py``).
+are in its ``drained`` event), then its worker leaves and the device stays out. With
+``--hspmd-redundancy 2`` ("every parameter slice on both nodes", a hard constraint) and no plan
+that can keep it, nothing is published and the job fails on every agent with one line naming
+the shortfall (the same judge ends a job whose fault leaves no such plan, and the planner never
+returns a plan that breaks it: ``tests/test_planner_capacity.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from hspmd_elastic.coord import read_events, schema
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.graph.config import ModelConfig
-from hspmd_elastic.planner.cost import replica_nodes
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
 
@@ -153,23 +152,21 @@ def check_replicas_and_reference(results: dict[str, dict]) -> float:
 
 
 def test_a_worker_kill_reshards_into_a_differently_specialized_plan(job):
-    """2 nodes x 3 workers declared at 150 KiB: plan v1 shards the model (TP and/or PP) and
-    keeps every slice on both nodes; SIGKILLing node-b:2 forces a plan with another TP degree,
-    layer split or pipeline count; the survivors move real bytes by BSR and finish equal to the
-    fault-free reference."""
-    for node in NODES:
-        job.start(node, 3, "--hspmd-device-memory", MEMORY)
-    devices = [f"{n}:{i}" for n in NODES for i in range(3)]
+    """One node, 5 workers declared at 200 KiB (one replica needs about 235 KiB): plan v1 shards
+    the model (TP and/or PP) over two replicas; SIGKILLing node-a:4 forces a plan with another
+    TP degree, layer split or pipeline count; the survivors move real bytes by BSR, every DP
+    replica ends equal, and the result equals the fault-free reference."""
+    job.start("node-a", 5, "--hspmd-device-memory", "200KiB", nnodes=1, redundancy=1)
+    devices = [f"node-a:{i}" for i in range(5)]
     pids = job.paused(devices)
     v1, names1 = job.plans()[1]
     assert any(s.tp > 1 for p in v1.pipelines for s in p.stages) or \
         any(len(p.stages) > 1 for p in v1.pipelines), v1
-    victim = "node-b:2"
+    victim = "node-a:4"
     os.kill(pids[victim], signal.SIGKILL)
     job.release.touch()
-    for node, agent in job.agents.items():
-        code = agent.wait(60)
-        assert code == 0, f"{node} exited {code}:\n{agent.stderr()[-6000:]}"
+    code = job.agents["node-a"].wait(60)
+    assert code == 0, job.agents["node-a"].stderr()[-6000:]
     plans = job.plans()
     last = max(plans)
     v2, names2 = plans[last]
@@ -177,14 +174,6 @@ def test_a_worker_kill_reshards_into_a_differently_specialized_plan(job):
     assert specialization(v2) != specialization(v1), (v1, v2)
     before, after = roles(v1, names1), roles(v2, names2)
     assert any(before[d] != after[d] for d in after), (before, after)
-    for version, (plan, names) in plans.items():  # the guarantee holds in every published plan
-        nodes = {i: n.rsplit(":", 1)[0] for i, n in enumerate(names)}
-
-        class Dev:  # what replica_nodes reads of a device
-            def __init__(self, node):
-                self.node = node
-
-        assert replica_nodes(plan, {i: Dev(n) for i, n in nodes.items()}) >= 2, version
     events = read_events(job.client, job.name)
     done = [e for e in events if e.type == "switch-done"
             and e.detail.get("plan_version") == last]
@@ -196,6 +185,7 @@ def test_a_worker_kill_reshards_into_a_differently_specialized_plan(job):
         assert res["state"] == "done" and res["steps_done"] == STEPS, (dev, res["state"])
         assert res["pid"] == pids[dev], f"{dev} was restarted"
         assert all(s["source"] in ("init", "bsr") for s in res["switches"]), res["switches"]
+    assert len(v2.pipelines) >= 2, v2  # replicas to compare
     diff = check_replicas_and_reference(results)
     print(f"v1 {specialization(v1)} -> v{last} {specialization(v2)}: "
           f"{int(done[0].timings['bsr_bytes_total'])} B moved, max diff {diff:.1e}")

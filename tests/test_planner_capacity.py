@@ -154,7 +154,8 @@ def test_speed_scales_flops_and_fixed_costs():
 
 
 def test_a_worker_kill_forces_a_differently_specialized_plan():
-    """The end-to-end test's scenario, planned: 2 nodes x 3 devices of 150 KiB."""
+    """2 nodes x 3 devices of 150 KiB: one sharded replica per node; a lost device forces
+    another TP degree and layer split on its node, and both nodes keep a replica."""
     inv = inventory(2, 3, 150 * KiB)
     options = PlannerOptions(use_all_devices=True, cross_node_replicas=True)
     before = plan_for(inv, PROFILE, 4, options=options)
