@@ -1,5 +1,6 @@
-"""scripts/gpu_check: one clear line without a GPU, the NVML step on a scripted driver, and the
-communication step over gloo on CPUs."""
+"""scripts/gpu_check: every GPU step skipped without a GPU (one line with --strict), the NVML step
+on a scripted driver, the communication step over gloo on CPUs, and the elastic in-memory switch
+step rehearsed on a CPU worker."""
 
 from __future__ import annotations
 
@@ -18,16 +19,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check")
 
 
-def test_without_gpus_exits_nonzero_with_one_line():
+def test_without_gpus_every_gpu_step_is_skipped_and_strict_fails_with_one_line():
     if probe_nvml(pynvml) is None:
         pytest.skip("this machine has an NVIDIA driver")
     env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.run([SCRIPT], capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 1
-    assert proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("gpu_check: FAIL: no usable NVIDIA GPU: no NVIDIA driver")
+    proc = subprocess.run([SCRIPT, "--only", "nvml,comm,unit,kill,mfu"], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("gpu_check: SKIP nvml: no usable NVIDIA GPU: no NVIDIA driver")
+    for step in ("comm", "unit", "kill"):
+        assert f"gpu_check: SKIP {step}: skipped: no CUDA (torch " in proc.stdout, step
+    assert "gpu_check: SKIP mfu: skipped: the training step has no bf16 compute" in proc.stdout
+    assert lines[-1] == "gpu_check: PASS (0 passed, 5 skipped: nvml, comm, unit, kill, mfu)"
+    strict = subprocess.run([SCRIPT, "--strict"], capture_output=True, text=True, timeout=60,
+                            env=env)
+    assert strict.returncode == 1 and strict.stdout == ""
+    assert strict.stderr.strip().splitlines() == [
+        "gpu_check: FAIL: nvml cannot run here: no usable NVIDIA GPU: no NVIDIA driver "
+        "(NVMLError_LibraryNotFound: NVML Shared Library Not Found)"]
 
 
 def test_nvml_step_on_a_scripted_driver(capsys):
@@ -54,3 +64,18 @@ def test_comm_step_over_gloo():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "gloo rank 1/2: all_reduce, batch_isend_irecv ring" in proc.stdout
     assert proc.stdout.strip().endswith("gpu_check: PASS")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_switch_step_rehearsed_on_a_cpu_worker(tmp_path):
+    """The elastic step of the GPU check on a CPU worker: a real etcd, agent and worker; two
+    scripted health changes make two in-memory switches of the same process."""
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    proc = subprocess.run([SCRIPT, "--only", "switches", "--device", "cpu", "--budget", "120",
+                           "--keep", str(tmp_path)], capture_output=True, text=True,
+                          timeout=140, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = proc.stdout.splitlines()[0]
+    assert line.startswith("gpu_check: PASS switches: 1 worker on cpu, pid "), line
+    assert "v1->v2" in line and "v2->v3" in line and "6 steps done" in line, line

@@ -5,6 +5,13 @@ background thread (list, then watch) and re-read from etcd while a caller waits 
 missed event is repaired on the next poll. ``Watchdog`` is a ``graph.comm.Waiter``: it waits for a
 pending ``Work`` until it completes, its deadline passes (``CommTimeoutError``) or a plan newer than
 the one the worker runs is published (``SwitchRequested``), whichever comes first.
+
+A collective it leaves in flight goes to ``on_abandon`` (the runtime passes
+``GroupFormer.abandoned``): on gloo the reaper keeps its groups until gloo ends it; on NCCL, whose
+kernel would spin until NCCL's own timeout, the plan's communicators are aborted there and then
+(``elastic.group.end_process_groups``), so the rank is out of its collective within this limit.
+Waits work the same on both backends: completion is a ``Work``'s future (NCCL completes it when
+the GPU work ends), never a blocking ``wait``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,38 @@
-"""The GPU check behind ``scripts/gpu_check``: NVML health source, then a 2-process NCCL exchange.
+"""The GPU check behind ``scripts/gpu_check``: one prepared command for a machine with NVIDIA GPUs.
 
-For a machine with NVIDIA GPUs. Steps, each printed as one ``gpu_check:`` line:
+Steps, each printed as ``gpu_check:`` lines, each ``PASS``, ``SKIP`` (with the reason) or a
+failure:
 
-1. NVML: the driver loads, ``NvmlHealthSource`` lists the GPUs, polls every check (ECC, pending
-   repairs, recovery action, thermal) and starts and stops its Xid event thread within bounds;
-   a GPU whose verdict is failed fails the check.
-2. Communication: two worker processes, one per GPU, form an NCCL group and run ``all_reduce``
-   and a ``batch_isend_irecv`` ring; when ``hspmd_elastic.reshard`` has its executor they also
-   reshard a tensor from row shards to column shards with a fused BSR schedule and check every
-   element. With a single GPU one process runs (NCCL refuses two ranks on one GPU).
+1. ``nvml``: the driver loads, ``NvmlHealthSource`` lists the GPUs (index, name, memory, UUID,
+   PCI bus id, and the planner profile each name maps to), polls every check (ECC, pending
+   repairs, recovery action, thermal) into one verdict per GPU, and starts and stops its Xid
+   event thread (the driver's event registration) within bounds; a failed GPU fails the check.
+2. ``comm``: worker processes, one per GPU, form an NCCL group and run ``all_reduce``; with two
+   GPUs or more, two of them also run a ``batch_isend_irecv`` ring and a fused BSR reshard from
+   row shards to column shards on CUDA buffers, every element checked (one GPU: skipped).
+3. ``unit``: the ``gpu``-marked tests (``tests/test_gpu.py``: the specialized model and the BSR
+   on CUDA, an NCCL group formed, aborted and formed again in one process), when ``tests/``
+   and pytest are there.
+4. ``switches``: an elastic job (etcd, agent, one worker on ``cuda:0``) that switches in memory
+   twice (a scripted slowdown, then its recovery, make the leader replan): same pid, every step,
+   GPU memory after each switch no larger than after the first (``gpu_check_job.py``).
+5. ``kill``: with two GPUs, a worker SIGKILLed while its peer waits in an NCCL collective: the
+   peer aborts the communicator and switches in memory well inside its timeout.
+6. ``mfu``: training throughput and MFU of a bf16 step: skipped, the step has no bf16 compute
+   yet.
 
-Promises: the whole check ends within ``--budget`` seconds (workers are killed at the deadline);
-on a machine without a usable GPU it exits 1 after one line naming why; a step that cannot run
-here (a CPU-only torch build) is reported as ``SKIP`` with the reason, and ``--strict`` makes
-that a failure. ``--comm-only --backend gloo`` runs step 2 on CPUs (how the step is tested).
+Without CUDA (or without a driver) the GPU steps report ``SKIP ...: skipped: no CUDA`` and the
+check exits 0, so it can be rehearsed anywhere; ``--strict`` makes any skip a failure.
+``--device cpu`` runs the elastic steps 4 and 5 on CPU workers over gloo (how they are
+rehearsed and tested), ``--only STEP,...`` runs some steps, ``--comm-only --backend gloo`` runs
+step 2 on CPUs. Promises: the whole check ends within ``--budget`` seconds (processes are killed
+at the deadline); a failure is one ``gpu_check: FAIL: ...`` line on stderr and exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -27,15 +41,19 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from launcher.health.gpu_check_job import CheckFailed, switches_in_process, worker_kill_switch
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-DEFAULT_BUDGET_S = 150.0
+DEFAULT_BUDGET_S = 300.0
+STEPS = ("nvml", "comm", "unit", "switches", "kill", "mfu")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class CheckFailed(Exception):
-    """One line saying which step failed and why."""
+class Skipped(Exception):
+    """A step that cannot run here; the message says why."""
 
 
 def say(text: str) -> None:
@@ -50,9 +68,11 @@ def check_nvml(budget_s: float, nvml: Any = None) -> int:
 
     if nvml is None:
         import pynvml as nvml
+    from hspmd_elastic.planner import spec_for_device
+
     why = probe_nvml(nvml)
     if why is not None:
-        raise CheckFailed(f"no usable NVIDIA GPU: {why}")
+        raise Skipped(f"no usable NVIDIA GPU: {why}")
     source = NvmlHealthSource(nvml, event_timeout_ms=200)
     source.start()
     try:
@@ -60,8 +80,9 @@ def check_nvml(budget_s: float, nvml: Any = None) -> int:
         if not devices:
             raise CheckFailed(f"NVML loaded but lists no GPU ({source.unavailable or 'count 0'})")
         for dev in devices:
+            profile = spec_for_device(dev.type, dev.memory_bytes or None).name
             say(f"GPU {dev.index}: {dev.name} ({dev.type}), {dev.memory_bytes / 2**30:.1f} GiB, "
-                f"{dev.uuid}")
+                f"{dev.uuid}, PCI {dev.pci_bus_id or 'unknown'}, planner profile {profile}")
         verdicts = source.poll(time.monotonic())
         for index, verdict in sorted(verdicts.items()):
             say(f"GPU {index}: {verdict.describe()}")
@@ -246,13 +267,61 @@ def _wait(work, timeout_s: float, what: str) -> None:
     work.wait()
 
 
+# ------------------------------------------------------------------------------------ unit step
+def check_unit(budget_s: float) -> str:
+    """The ``gpu``-marked tests, in a subprocess bounded by ``budget_s``."""
+    tests = os.path.join(ROOT, "tests", "test_gpu.py")
+    if not os.path.exists(tests):
+        raise Skipped(f"{tests} is not here")
+    if importlib.util.find_spec("pytest") is None:
+        raise Skipped("pytest is not installed")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", tests]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s,
+                              env=dict(os.environ, PYTHONPATH=_pythonpath()))
+    except subprocess.TimeoutExpired:
+        raise CheckFailed(f"the gpu tests did not finish within {budget_s:.0f}s") from None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    summary = lines[-1] if lines else proc.stderr.strip()[-300:]
+    if proc.returncode != 0:
+        failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+        raise CheckFailed(f"gpu tests: {summary}" + (f" ({failed[0]})" if failed else ""))
+    return summary.strip("= ")
+
+
+def _pythonpath() -> str:
+    return os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+
+
 # ------------------------------------------------------------------------------------ main
+def _run_step(name: str, fn: Callable[[], Optional[str]], strict: bool,
+              outcome: dict[str, str]) -> None:
+    try:
+        text = fn()
+    except Skipped as exc:
+        if strict:
+            raise CheckFailed(f"{name} cannot run here: {exc}") from None
+        outcome[name] = "skipped"
+        say(f"SKIP {name}: {exc}")
+        return
+    except CheckFailed as exc:
+        raise CheckFailed(f"{name}: {exc}") from None
+    outcome[name] = "passed"
+    say(f"PASS {name}" + (f": {text}" if text else ""))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                         help="seconds the whole check may take (default %(default)s)")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
-    parser.add_argument("--comm-only", action="store_true", help="skip the NVML step")
+    parser.add_argument("--comm-only", action="store_true", help="only the communication step")
+    parser.add_argument("--only", default=",".join(STEPS),
+                        help="comma-separated steps to run (default: all): " + ", ".join(STEPS))
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="where the elastic steps' workers compute: auto (CUDA, else the "
+                             "steps are skipped), cuda, or cpu to rehearse them on CPUs")
+    parser.add_argument("--keep", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--strict", action="store_true", help="a skipped step fails the check")
     parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -265,30 +334,93 @@ def main(argv: Optional[list[str]] = None) -> int:
         except Exception as exc:  # noqa: BLE001 - one line for the parent, not a traceback
             print(f"{type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
             return EXIT_FAILED
+    only = ["comm"] if args.comm_only else [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = sorted(set(only) - set(STEPS))
+    if unknown:
+        parser.error(f"--only {args.only!r}: unknown step(s) {unknown}; steps: {', '.join(STEPS)}")
     deadline = time.monotonic() + args.budget
-    try:
-        gpus = 0 if args.comm_only else check_nvml(args.budget)
-        world = 2
-        if args.backend == "nccl":
-            why = cuda_unavailable_reason()
-            if why is not None:
-                if args.strict:
-                    raise CheckFailed(f"NCCL step cannot run: {why}")
-                say(f"SKIP nccl: {why}")
-                say("PASS (NVML); NCCL skipped")
-                return EXIT_OK
-            import torch
+    outcome: dict[str, str] = {}
 
-            gpus = torch.cuda.device_count()
-            world = 2 if gpus >= 2 else 1
-            if world == 1:
-                say("one GPU: NCCL runs 1 process (2 processes need 2 GPUs)")
-        check_comm(args.backend, world, max(deadline - time.monotonic(), 10.0))
+    def left(share: float = 1.0) -> float:
+        return max(10.0, (deadline - time.monotonic()) * share)
+
+    cuda: dict[str, Any] = {}
+
+    def cuda_why() -> Optional[str]:  # asked once, when a step needs it (imports torch)
+        if "why" not in cuda:
+            cuda["why"] = cuda_unavailable_reason()
+            cuda["gpus"] = 0 if cuda["why"] else _gpu_count()
+        return cuda["why"]
+
+    def gpus() -> int:
+        cuda_why()
+        return cuda["gpus"]
+
+    try:
+        steps: dict[str, Callable[[], Optional[str]]] = {
+            "nvml": lambda: f"{check_nvml(left(0.1))} GPU(s) healthy",
+            "comm": lambda: _comm(args.backend, cuda_why, gpus, left(0.2)),
+            "unit": lambda: _needs_cuda(cuda_why()) or check_unit(left(0.25)),
+            "switches": lambda: switches_in_process(_job_device(args.device, cuda_why),
+                                                    left(0.5), keep=args.keep),
+            "kill": lambda: worker_kill_switch(_job_device(args.device, cuda_why, gpus, 2),
+                                               left(0.9), comm_timeout_s=60.0, keep=args.keep),
+            "mfu": _mfu,
+        }
+        for name in STEPS:
+            if name in only:
+                _run_step(name, steps[name], args.strict, outcome)
     except CheckFailed as exc:
         print(f"gpu_check: FAIL: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
-    say("PASS")
+    passed = sum(v == "passed" for v in outcome.values())
+    skipped = [k for k, v in outcome.items() if v == "skipped"]
+    if skipped:
+        say(f"PASS ({passed} passed, {len(skipped)} skipped: {', '.join(skipped)})")
+    else:
+        say("PASS")
     return EXIT_OK
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _needs_cuda(why: Optional[str]) -> None:
+    if why is not None:
+        raise Skipped(f"skipped: no CUDA ({why})")
+
+
+def _comm(backend: str, cuda_why: Callable[[], Optional[str]], gpus: Callable[[], int],
+          budget_s: float) -> str:
+    if backend == "gloo":
+        check_comm("gloo", 2, budget_s)
+        return "gloo, 2 processes"
+    _needs_cuda(cuda_why())
+    world = 2 if gpus() >= 2 else 1
+    check_comm("nccl", world, budget_s)
+    if world == 1:
+        say("SKIP 2-rank NCCL ring and fused BSR: skipped: one GPU")
+    return f"nccl, {world} process(es)"
+
+
+def _job_device(setting: str, cuda_why: Callable[[], Optional[str]],
+                gpus: Callable[[], int] = lambda: 1, need: int = 1) -> str:
+    """The elastic steps' ``--hspmd-device``: cpu to rehearse, else cuda (or a skip)."""
+    if setting == "cpu":
+        return "cpu"
+    _needs_cuda(cuda_why())
+    count = gpus()
+    if count < need:
+        raise Skipped("skipped: one GPU" if count == 1 else f"skipped: {count} GPU(s), needs {need}")
+    return "cuda"
+
+
+def _mfu() -> str:
+    raise Skipped("skipped: the training step has no bf16 compute yet (ModelConfig.dtype is "
+                  "float32 or float64), so its throughput and MFU are not measured")
 
 
 if __name__ == "__main__":
