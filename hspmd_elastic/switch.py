@@ -264,7 +264,7 @@ class GraphSwitch:
                 timings.source = "checkpoint"
                 log.info("plan v%d rank %d: nobody holds state; resuming from the checkpoint "
                          "of step %d", record.version, rank, ckpt)
-                return load_shards(self.checkpoint_dir, ckpt, self.config, plan, rank), ckpt
+                return self._read_checkpoint(ckpt, plan, rank, timings), ckpt
             timings.source = "init"
             return None, 0
         sources = []
@@ -279,7 +279,8 @@ class GraphSwitch:
             if draining:  # the plan's ranks fall back; this rank has nothing to send
                 log.warning("plan v%d drained rank %d: %s", record.version, rank, exc)
                 return None, decision.resume_step
-            return self._fallback(record, plan, rank, holdings, exc, timings)
+            return self._fallback(record, plan, rank, holdings, exc, timings,
+                                  decision.resume_step)
         local = held.tensors_at(decision.resume_step) if rank in decision.owners else {}
         timings.rolled_back = rank in decision.rollback
         received, stats = execute_fused(schedule, rank, local, device=self.former.device,
@@ -303,7 +304,18 @@ class GraphSwitch:
                               f"from etcd ({key})")
         return schema.decode(key, kv.value)
 
-    def _fallback(self, record, plan, rank, holdings, exc: ReshardError, timings):
+    def _read_checkpoint(self, step: int, plan, rank: int, timings) -> dict:
+        """This rank's own slices from checkpoint ``step`` (only those are read); the bytes
+        read go to ``timings.extra["checkpoint_bytes_read"]``."""
+        stats: dict = {}
+        state = load_shards(self.checkpoint_dir, step, self.config, plan, rank, stats)
+        timings.extra["checkpoint_bytes_read"] = stats.get("bytes_read", 0)
+        return state
+
+    def _fallback(self, record, plan, rank, holdings, exc: ReshardError, timings,
+                  held_step: int):
+        """Some slice has no live owner: the whole job goes back to the newest checkpoint
+        every rank sees, every slice from that step (no survivor's newer state is mixed in)."""
         ckpt = agree.checkpoint_step(holdings) if self.checkpoint_dir else agree.NO_STEP
         if ckpt < 0:
             why = ("no checkpoint directory is configured" if not self.checkpoint_dir
@@ -312,10 +324,16 @@ class GraphSwitch:
             raise UnrecoverableStateError(
                 f"plan v{record.version}: {exc}; {why}, so the job cannot continue") from exc
         timings.source = "checkpoint"
-        log.warning("plan v%d rank %d: %s; falling back to the checkpoint of step %d",
-                    record.version, rank, exc, ckpt)
-        self._event("fallback", rank, record, {"error": str(exc), "checkpoint_step": ckpt})
-        return load_shards(self.checkpoint_dir, ckpt, self.config, plan, rank), ckpt
+        redone = max(held_step - ckpt, 0)
+        why = str(exc).splitlines()[0]
+        log.warning("plan v%d rank %d: back to the checkpoint of step %d, %d step(s) redone: %s",
+                    record.version, rank, ckpt, redone, why)
+        state = self._read_checkpoint(ckpt, plan, rank, timings)
+        log.info("plan v%d rank %d: read %d B of checkpoint step %d (its own slices)",
+                 record.version, rank, timings.extra["checkpoint_bytes_read"], ckpt)
+        self._event("fallback", rank, record, {"error": str(exc), "checkpoint_step": ckpt,
+                                               "steps_redone": redone})
+        return state, ckpt
 
     # ------------------------------------------------------------------------ reporting
     def _report(self, record, rank, timings: SwitchTimings, drained: bool = False) -> None:

@@ -147,6 +147,59 @@ def test_drained_stage_sends_its_state_then_leaves(elastic_job):
     assert_matches_reference([kept], pl)
 
 
+def test_double_failure_goes_back_to_the_checkpoint_each_rank_reading_its_own_share(
+        elastic_job, tmp_path):
+    """TP2 pipeline + a one-device replica; the replica and one TP half die: that half's slices
+    have no live owner. The whole job goes back to the checkpoint of step 2 (one step redone)
+    under another layout (PP2 over the survivor and a joiner); each rank reads about its own
+    stage's share of the checkpoint, and the result equals the fault-free run."""
+    ckpt = str(tmp_path / "ckpt")
+    pl = payload(checkpoint_dir=ckpt, checkpoint_every=2, pause_at=3)
+    job = elastic_job(pl)
+    devices = ["n0:0", "n0:1", "n1:0"]
+    procs = {d: job.spawn(d) for d in devices}
+    job.publish(hetero_plan(), devices, reason="start")
+    job.wait_step(devices, 3)
+    wait_until(lambda: latest_complete(ckpt) >= 2, 30, "the checkpoint of step 2")
+    job.kill("n0:1")
+    job.kill("n1:0")
+    job.spawn("n2:0")
+    job.publish(pp2_plan(), ["n0:0", "n2:0"], reason="double failure")
+    job.release()
+    results = job.join(["n0:0", "n2:0"], timeout=60)
+    shares = {}
+    for d, r in results.items():
+        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
+        last = r["switches"][-1]
+        assert last["source"] == "checkpoint" and last["resume_step"] == 2, last
+        shares[d] = last["checkpoint_bytes_read"]
+    assert results["n0:0"]["pid"] == procs["n0:0"].pid
+    fallback = [e for e in read_events(job.client, JOB) if e.type == "fallback"]
+    assert fallback and fallback[0].detail["checkpoint_step"] == 2
+    assert fallback[0].detail["steps_redone"] == 1 and "no live owner" in \
+        fallback[0].detail["error"]
+    # What each rank holds under PP2, and nothing more, is what it read.
+    import math
+
+    import torch
+
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.graph.state import state_specs
+
+    specs = state_specs(ModelConfig(**pl["config"]), pp2_plan())
+    own = {}
+    for rank, d in enumerate(["n0:0", "n2:0"]):
+        own[d] = 0
+        for spec in specs.values():
+            ranges = spec.annotation.local_slices(rank, spec.shape)
+            if ranges is not None:
+                size = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
+                own[d] += math.prod(hi - lo for lo, hi in ranges) * size
+    assert shares == own, (shares, own)
+    assert all(b < sum(own.values()) for b in shares.values())  # never the whole model
+    assert_matches_reference(results.values(), pl)
+
+
 def test_lost_stage_without_checkpoint_fails_with_root_cause(elastic_job):
     job = elastic_job(payload())
     _lose_a_stage(job)
