@@ -1,7 +1,9 @@
 """The elastic worker's pieces on a GPU, each also run on the CPU so the test itself is exercised
 everywhere: the specialized model trains like the dense reference with its state (and the undo
-copy) on the device, the fused BSR places its output there, and a plan's process group on NCCL
-is formed, aborted when a collective is abandoned, and formed again in the same process.
+copy) on the device, the fused BSR places its output there, a plan's process group on NCCL
+is formed, aborted when a collective is abandoned, and formed again in the same process, and the
+pipeline's point-to-point pattern goes through the CUDA path of ``Comm`` (sends posted with the
+next receive) without deadlock.
 
 The ``cuda`` cases carry the ``gpu`` marker and skip, with the reason, where torch cannot use
 CUDA (``scripts/gpu_check`` runs them on a GPU machine: ``pytest -m gpu tests/test_gpu.py``)."""
@@ -111,3 +113,35 @@ def test_a_plan_group_is_formed_aborted_and_formed_again_in_process(device):
         former.reaper._inflight.clear()  # nothing ran: let retired groups go
         former.leave()
         server = None
+
+
+def _two_stages(rank: int, world: int):
+    """Two pipeline stages, 1F1B over two micro-batches: stage 0 sends activations a0, a1 and
+    receives gradient g0; stage 1 receives a0, sends g0, receives a1. On CUDA the sends are held
+    and posted with the next receive in one batch (the Comm's CUDA path, driven here over gloo,
+    where each rank would otherwise block NCCL's stream on a send its peer receives later)."""
+    from hspmd_elastic.graph.comm import Comm, deadline_waiter
+
+    comm = Comm({}, rank, deadline_waiter(30.0), device=torch.device("cuda"))
+    n = 1 << 16  # larger than NCCL's buffers would be on a GPU
+    if rank == 0:
+        comm.send(torch.full((n,), 1.0), 1, tag=0)
+        comm.send(torch.full((n,), 2.0), 1, tag=2)
+        held = len(comm._held_sends)
+        got = [comm.recv(torch.empty(n), 1, tag=1)[0].item()]
+    else:
+        got = [comm.recv(torch.empty(n), 0, tag=0)[0].item()]
+        comm.send(torch.full((n,), -1.0), 0, tag=1)
+        held = len(comm._held_sends)
+        got.append(comm.recv(torch.empty(n), 0, tag=2)[0].item())
+    comm.flush_sends()
+    return held, got, len(comm._held_sends)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_sends_are_posted_with_the_next_receive_on_cuda():
+    from _world import run_world
+
+    results = run_world(_two_stages, 2, timeout_s=60.0)
+    assert results == [(2, [-1.0], 0), (1, [1.0, 2.0], 0)]

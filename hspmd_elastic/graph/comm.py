@@ -112,6 +112,7 @@ class Comm:
     waiter: Waiter
     device: torch.device = torch.device("cpu")
     _pending: list = field(default_factory=list)
+    _held_sends: list = field(default_factory=list)  # CUDA: posted with the next receive
 
     @classmethod
     def create(cls, plan: Plan, config: ModelConfig, rank: int, *, timeout_s: float = 60.0,
@@ -179,18 +180,41 @@ class Comm:
         return [by_device[d] for d in devices]
 
     # ---- point to point ------------------------------------------------------------------
+    # On CUDA, NCCL runs a pair's sends and receives in posting order on one stream, and a send
+    # larger than NCCL's buffers waits for its receive: a stage that sends an activation, then
+    # receives a gradient, while its neighbour sends that gradient, then receives the activation,
+    # would deadlock. So there a send is held and posted with the next receive in one
+    # ``batch_isend_irecv`` (one NCCL group: its operations progress together), or by
+    # ``flush_sends``. On gloo a send is posted at once, as before.
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         """Start sending; the send completes by ``flush_sends``."""
         tensor = tensor.contiguous()
+        if self.device.type == "cuda":
+            self._held_sends.append((tensor, dst, tag))
+            return
         work = self.post(lambda: dist.isend(tensor, dst, tag=tag), f"send to rank {dst} tag {tag}")
         self._pending.append((work, tensor, dst, tag))
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         what = f"recv from rank {src} tag {tag}"
+        if self._held_sends:
+            self._post_held(dist.P2POp(dist.irecv, tensor, src, tag=tag), what)
+            return tensor
         self.wait(self.post(lambda: dist.irecv(tensor, src, tag=tag), what), what)
         return tensor
 
     def flush_sends(self) -> None:
+        if self._held_sends:
+            self._post_held(None, "sends")
         pending, self._pending = self._pending, []
         for work, _tensor, dst, tag in pending:
             self.wait(work, f"send to rank {dst} tag {tag}")
+
+    def _post_held(self, recv: Optional[dist.P2POp], what: str) -> None:
+        """Post the held sends (and ``recv``) as one batch and wait for all of it."""
+        held, self._held_sends = self._held_sends, []
+        ops = [dist.P2POp(dist.isend, t, dst, tag=tag) for t, dst, tag in held]
+        ops += [recv] if recv is not None else []
+        what = f"{what} with {len(held)} send(s) to rank(s) {sorted({d for _t, d, _g in held})}"
+        for work in self.post(lambda: dist.batch_isend_irecv(ops), what):
+            self.wait(work, what)
