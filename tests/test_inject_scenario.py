@@ -32,7 +32,11 @@ ONE_OF_EACH = [
     {"fault": "xid", "target": {"node": "a", "device": 0}, "xid": 79},
     {"fault": "ecc", "target": {"node": "a", "device": 1}, "count": 4},
     {"fault": "thermal", "target": {"node": "a", "device": 1}, "slowdown": 0.5},
+    {"fault": "lost", "target": {"node": "a", "device": 0}},
+    {"fault": "suspect", "target": {"node": "b", "device": 1}},
+    {"fault": "recover", "target": {"node": "a", "device": 0}},
     {"fault": "etcd-restart", "target": {"member": "m0"}, "down_s": 1, "how": "stop"},
+    {"fault": "etcd-stall", "duration_s": 4},
     {"fault": "join", "target": {"node": "c"}, "args": ["--nproc-per-node", "1", "t.py"],
      "env": {"X": "1"}, "detect_timeout_s": 5, "comment": "a third node"},
     {"fault": "partition", "target": {"node": "b"}, "links": "data", "duration_s": 3},
@@ -42,7 +46,11 @@ ONE_OF_EACH = [
 def test_every_fault_kind_parses():
     sc = parse_scenario(scenario(*ONE_OF_EACH, defaults={"recover_timeout_s": 7}))
     assert [f.fault for f in sc.faults] == list(FAULT_NAMES)
-    kill, stop, hang, _, freeze, xid, ecc, thermal, etcd, join, cut = sc.faults
+    kill, stop, hang, _, freeze, xid, ecc, thermal, lost, suspect, recover, etcd, stall, join, \
+        cut = sc.faults
+    assert lost.params == suspect.params == recover.params == {}
+    assert suspect.target == {"node": "b", "device": 1}
+    assert stall.target == {} and stall.params == {"duration_s": 4.0}
     assert cut.params == {"links": "data", "duration_s": 3.0} and cut.target == {"node": "b"}
     assert (kill.at_step, kill.at_s, kill.target) == (3, None, {"node": "a", "local_rank": 1})
     assert (stop.at_s, stop.params) == (1.5, {"resume_after_s": 2.0})
@@ -78,6 +86,9 @@ def test_every_fault_kind_parses():
     ({"fault": "kill-worker", "at": {"epoch": 2}}, "unknown field(s) in at epoch"),
     ({"fault": "kill-worker", "at": {"step": "3"}}, "at.step must be an integer >= 0"),
     ({"fault": "etcd-restart", "how": "reboot"}, "how must be kill or stop, got 'reboot'"),
+    ({"fault": "etcd-stall", "target": {"member": "m0"}},
+     "unknown target field(s) for etcd-stall member; valid: none"),
+    ({"fault": "suspect", "target": {"node": "a"}}, "suspect needs target.device"),
     ({"fault": "join", "target": {"node": "c"}}, "join needs args"),
     ({"fault": "join", "target": {"node": "c"}, "args": ["x"], "env": {"A": 1}},
      "env must map names to strings"),

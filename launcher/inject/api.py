@@ -22,9 +22,10 @@ SCENARIO_KIND = "fault_scenario"
 
 WORKER_FAULTS = ("kill-worker", "stop-worker", "hang")
 AGENT_FAULTS = ("kill-agent", "freeze-agent")
-DEVICE_FAULTS = ("xid", "ecc", "thermal")
+DEVICE_FAULTS = ("xid", "ecc", "thermal", "lost", "suspect", "recover")
 NETWORK_FAULTS = ("partition",)
-FAULT_NAMES = (*WORKER_FAULTS, *AGENT_FAULTS, *DEVICE_FAULTS, "etcd-restart", "join",
+ETCD_FAULTS = ("etcd-restart", "etcd-stall")  # the job should ride them through
+FAULT_NAMES = (*WORKER_FAULTS, *AGENT_FAULTS, *DEVICE_FAULTS, *ETCD_FAULTS, "join",
                *NETWORK_FAULTS)
 
 # What a report row's ``outcome`` may say.

@@ -8,16 +8,21 @@ observations, so they are unit-tested without a job:
 
 * ``match_detection``: the first reaction of the job after the injection that names the fault's
   target: a ``failure``/``stall`` event for a worker fault (by pid when the event lists pids),
-  a ``leave`` event about the node, or a ``failure`` of its peers, for an agent fault; a
-  failed/degraded verdict under ``devices/<node>/<device>`` (or a ``failure``/``degrade``
-  event) for a device fault; a ``join`` event for a join; a ``partition`` of a node is matched
-  like an agent fault; an etcd restart, a partition of an etcd member and an informational
-  Xid expect no reaction;
+  a ``leave`` event about the node, or a ``failure`` of its peers, for an agent fault; the
+  device's verdict under ``devices/<node>/<device>`` (``failed``; ``degraded`` for thermal,
+  ``suspect`` for suspect, ``healthy`` for recover) or the leader's event about the device
+  (``failure``/``degrade``, ``drain``, ``recover``) for a device fault; a ``join`` event for a
+  join; a ``partition`` of a node is matched like an agent fault, or by an ``unreachable``
+  event (its data link cut); an etcd restart or stall, a partition of an etcd member and an
+  informational Xid expect no reaction (``reactions``: the journal must show none);
 * ``match_recovery``: the ``switch-done`` event of the plan that handled the fault (elastic jobs:
   the first ``replan`` whose ``reason`` names the target, ``replan_changes``), else the first
   progress in a newer round or plan than the one the fault hit (restart-mode jobs); for faults
   the job should ride through: the first progress past the step the fault hit, once the fault
   ended;
+* ``expects_rejoin`` / ``match_rejoin``: a node planned away by a fault that ended (a thawed
+  agent, a healed partition) comes back: the ``switch-done`` of the first plan that takes it
+  back (a ``join`` change);
 * ``steps_lost`` / ``lineage_gaps``: steps recomputed after a fault, steps never trained.
 
 Nothing here ever invents a detection: no matching record means "not detected".
@@ -25,14 +30,11 @@ Nothing here ever invents a detection: no matching record means "not detected".
 
 from __future__ import annotations
 
-import glob
-import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Sequence
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent
@@ -43,14 +45,29 @@ from launcher.health.rules import classify_xid
 from launcher.inject.api import (
     AGENT_FAULTS,
     DEVICE_FAULTS,
+    ETCD_FAULTS,
     NETWORK_FAULTS,
     WORKER_FAULTS,
     ProgressPoint,
 )
+from launcher.inject import progress as _progress
+from launcher.inject.progress import EtcdProgress, ProgressSource
+
+# The progress sources, importable from here too (the observer's callers use them together).
+FileProgress, default_progress = _progress.FileProgress, _progress.default_progress
 
 # Faults that take a node away as a whole, as far as detection goes: its agent (killed, frozen)
-# or its links (a partition: its lease expires, or its peers' collectives fail).
+# or its links (a partition: its lease expires, its peers' collectives fail, or the peers
+# report it unreachable over the data network).
 NODE_FAULTS = (*AGENT_FAULTS, *NETWORK_FAULTS)
+# A device fault's verdict (``devices/<node>/<index>``), its journal events and the kind of the
+# replan change that handles it; any other device fault fails the device.
+DEVICE_VERDICT = {"thermal": "degraded", "suspect": "suspect", "recover": "healthy"}
+DEVICE_EVENTS = {"thermal": ("failure", "degrade"), "suspect": ("drain",),
+                 "recover": ("recover",)}
+DEVICE_CHANGES = {"thermal": ("degrade",), "suspect": ("drain",), "recover": ("recover",)}
+# Journal events that say a job reacted: a fault it should ride through must cause none.
+REACTIONS = ("replan", "restart", "leave", "failure", "stall", "unreachable")
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +128,7 @@ class Injected:
 def expects_reaction(fault: str, xid: Optional[int] = None,
                      target: Optional[dict[str, Any]] = None) -> bool:
     """False for faults a job should ride through without reacting."""
-    if fault == "etcd-restart":
+    if fault in ETCD_FAULTS:
         return False
     if fault in NETWORK_FAULTS and target is not None and "node" not in target:
         return False  # an etcd member cut off: the clients fail over
@@ -142,16 +159,19 @@ def _worker_event(ev: schema.EventRecord, inj: Injected) -> bool:
 
 
 def _agent_event(ev: schema.EventRecord, node: str) -> bool:
-    """A ``leave`` about the node, or a ``failure`` anywhere: when an agent dies its workers
-    die with it, and the surviving ranks' collectives fail (a restart-mode job notices the loss
-    that way before the node's lease expires)."""
+    """A ``leave`` or ``unreachable`` about the node, or a ``failure`` anywhere: when an agent
+    dies its workers die with it, and the surviving ranks' collectives fail (a restart-mode job
+    notices the loss that way before the node's lease expires)."""
     if ev.type == "leave":
         return ev.node == node or f"node {node} left" in str(ev.detail.get("reason", ""))
+    if ev.type == "unreachable":  # the peers cannot reach it over the data network
+        return ev.node == node
     return ev.type == "failure"
 
 
 def _device_event(ev: schema.EventRecord, inj: Injected) -> bool:
-    if ev.type not in ("failure", "degrade") or ev.node != inj.target.get("node"):
+    if ev.type not in DEVICE_EVENTS.get(inj.fault, ("failure", "degrade")) \
+            or ev.node != inj.target.get("node"):
         return False
     want = str(inj.target.get("device"))
     devices = ev.detail.get("devices")  # the leader's change events: ["<node>:<index>", ...]
@@ -191,7 +211,7 @@ def match_detection(inj: Injected, base: Baseline, events: Sequence[schema.Event
     later = [e for e in events if e.seq > base.last_seq]
     fault = inj.fault
     if fault in DEVICE_FAULTS:
-        want = "degraded" if fault == "thermal" else "failed"
+        want = DEVICE_VERDICT.get(fault, "failed")
         for v in verdicts:
             if (v.seen >= base.devices_seen and v.node == inj.target["node"]
                     and v.index == inj.target["device"] and v.state == want):
@@ -240,11 +260,13 @@ def _names_fault(inj: Injected, kind: str, targets: tuple[str, ...]) -> bool:
             d == node or (slot is not None and d == device_id(node, slot)) or
             (slot is None and _split_target(d)[0] == node) for d in targets)
     if inj.fault in NODE_FAULTS:
-        return kind in ("leave", "failure", "stall") and any(
+        return kind in ("leave", "failure", "stall", "unreachable") and any(
             d == node or _split_target(d)[0] == node for d in targets)
     if inj.fault in DEVICE_FAULTS:
-        want = ("degrade",) if inj.fault == "thermal" else ("failure",)
-        return kind in want and device_id(node, t.get("device")) in targets
+        if inj.fault == "recover" and kind == "join" and node in targets:
+            return True  # the node had no usable device left: it comes back as a join
+        return kind in DEVICE_CHANGES.get(inj.fault, ("failure",)) and \
+            device_id(node, t.get("device")) in targets
     if inj.fault == "join":
         return kind == "join" and node in targets
     return False
@@ -299,6 +321,48 @@ def match_recovery(inj: Injected, base: Baseline, detection: Optional[Detection]
     return progress_after(inj, base, points)
 
 
+def expects_rejoin(inj: Injected, events: Sequence[schema.EventRecord],
+                   after_seq: int) -> Optional[int]:
+    """The version of the plan that took the node away, when the fault ended (a thaw, a heal)
+    and the node should come back (elastic jobs: a frozen agent or a cut node re-registers);
+    None when nothing is to come back (a killed agent, a job that never dropped the node)."""
+    if inj.fault not in NODE_FAULTS or inj.ended_at is None or "node" not in inj.target:
+        return None
+    return handling_plan(inj, events, after_seq)
+
+
+def match_rejoin(inj: Injected, events: Sequence[schema.EventRecord],
+                 away_version: int) -> Optional[Recovery]:
+    """The ``switch-done`` of the first plan after ``away_version`` that takes the node back (a
+    ``join <node>`` or ``recover <node>:<index>`` change), or of a later plan; None until then."""
+    node = inj.target["node"]
+    version = None
+    for ev in events:
+        if ev.type == "replan" and isinstance(ev.detail.get("version"), int) \
+                and ev.detail["version"] > away_version and any(
+                    (kind == "join" and node in targets) or
+                    (kind == "recover" and any(_split_target(d)[0] == node for d in targets))
+                    for kind, targets in replan_changes(ev.detail.get("reason", ""))):
+            version = ev.detail["version"]
+            break
+    if version is None:
+        return None
+    for ev in events:
+        got = _switch_version(ev) if ev.type == "switch-done" else None
+        if got is not None and got >= version:
+            return Recovery(ev.at, f"switch-done event #{ev.seq}", got)
+    return None
+
+
+def reactions(events: Sequence[schema.EventRecord], after_seq: int,
+              until_seq: Optional[int] = None) -> list[schema.EventRecord]:
+    """The events in ``(after_seq, until_seq]`` that say the job reacted (``REACTIONS``): a
+    fault the job should ride through (an etcd restart or stall, an etcd member cut off)
+    must leave none."""
+    return [e for e in events if e.type in REACTIONS and e.seq > after_seq
+            and (until_seq is None or e.seq <= until_seq)]
+
+
 def progress_after(inj: Injected, base: Baseline,
                    points: Sequence[ProgressPoint]) -> Optional[Recovery]:
     """The first progress past the step the fault hit, once the fault ended: the job rode
@@ -349,87 +413,6 @@ def lineage_gaps(points: Sequence[ProgressPoint]) -> Lineage:
     batches = {p.batch for p in points if p.batch is not None}
     samples = skipped * batches.pop() if len(batches) == 1 else (0 if skipped == 0 else None)
     return Lineage(skipped, samples, prev_max)
-
-
-# ------------------------------------------------------------------------------ progress sources
-class ProgressSource(Protocol):
-    def poll(self) -> list[ProgressPoint]:
-        """Every progress point known so far (new ones appended), never raises."""
-
-
-def _point(body: dict, default_t: float) -> Optional[ProgressPoint]:
-    try:
-        rank = int(body.get("rank", body.get("global_rank", 0)))
-        rnd = int(body.get("round", body.get("plan_version", 0)))
-        step = int(body["step"])
-        t = float(body.get("t", body.get("last_progress_at", default_t)))
-        batch = body.get("batch")
-        return ProgressPoint(rank, rnd, step, t, int(batch) if batch is not None else None)
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-class FileProgress:
-    """Progress from files matching a glob: JSON lines (one object per completed step) or one
-    JSON object rewritten in place (``HSPMD_PROGRESS_FILE``). Fields: ``step`` (steps
-    completed), ``round``/``plan_version``, ``rank``/``global_rank``, ``t``/``last_progress_at``,
-    optional ``batch``. Each poll reads only what was appended since the last one (a file
-    replaced by a rename is read again from its start)."""
-
-    def __init__(self, pattern: str):
-        self.pattern = pattern
-        self._points: dict[tuple[int, int, int], ProgressPoint] = {}
-        self._read: dict[str, tuple[int, int]] = {}  # path -> (inode, offset of the next line)
-
-    def poll(self) -> list[ProgressPoint]:
-        now = time.time()
-        for path in sorted(glob.glob(self.pattern)):
-            for line in self._new_lines(path):
-                try:
-                    body = json.loads(line)
-                except ValueError:
-                    continue
-                p = _point(body, now) if isinstance(body, dict) else None
-                if p is not None and p.step > 0:
-                    self._points.setdefault((p.rank, p.round, p.step), p)
-        return sorted(self._points.values(), key=lambda p: p.t)
-
-    def _new_lines(self, path: str) -> list[str]:
-        try:
-            with open(path, "rb") as fh:
-                inode = os.fstat(fh.fileno()).st_ino
-                seen_inode, offset = self._read.get(path, (inode, 0))
-                if seen_inode != inode:
-                    offset = 0
-                fh.seek(offset)
-                data = fh.read()
-        except OSError:
-            return []
-        complete = data.rfind(b"\n") + 1  # a line still being written waits for next time
-        if complete == 0 and data.strip().startswith(b"{") and data.strip().endswith(b"}"):
-            complete = len(data)  # one object without a newline (rewritten by rename)
-        self._read[path] = (inode, offset + complete)
-        return data[:complete].decode("utf-8", "replace").splitlines()
-
-
-class EtcdProgress:
-    """Progress from the job's ``workers/`` records (``step``, ``plan_version``), as the agent
-    publishes its workers' heartbeats."""
-
-    def __init__(self) -> None:
-        self._points: dict[tuple[int, int, int], ProgressPoint] = {}
-        self._lock = threading.Lock()
-
-    def on_worker(self, ev: WatchEvent) -> None:
-        rec = ev.record
-        if ev.type is EventType.PUT and isinstance(rec, schema.WorkerRecord) and rec.step > 0:
-            p = ProgressPoint(rec.global_rank, rec.plan_version, rec.step, rec.last_progress_at)
-            with self._lock:
-                self._points.setdefault((p.rank, p.round, p.step), p)
-
-    def poll(self) -> list[ProgressPoint]:
-        with self._lock:
-            return sorted(self._points.values(), key=lambda p: p.t)
 
 
 # ------------------------------------------------------------------------------------ observer
@@ -531,11 +514,3 @@ class JobObserver:
             return None
         return state if state in TERMINAL_RDZV else None
 
-
-def default_progress(pattern: Optional[str]) -> Optional[ProgressSource]:
-    """``--progress`` value -> source (None: the workers' etcd records)."""
-    if not pattern:
-        return None
-    if os.path.isdir(pattern):
-        pattern = os.path.join(pattern, "*")
-    return FileProgress(pattern)

@@ -18,7 +18,12 @@
   a member the harness owns (``EtcdMember``), else (``etcd_by_pid``, as the CLI sets it) the
   process proven to serve the job's endpoint on this host (``etcd_restart.py``);
   ``detail["by"]`` says which;
-* ``join`` starts another ``hspmd-launch`` agent with the job's rendezvous id;
+* ``lost``, ``suspect`` and ``recover`` append the scripted source's kinds of the same names
+  (a GPU fallen off the bus; warning signs, which elastic mode answers with a drain; healthy
+  again, as after a reset);
+* ``etcd-stall`` stops every etcd member at once for ``duration_s`` (``etcd_stall.py``);
+* ``join`` starts another ``hspmd-launch`` agent with the job's rendezvous id (inside the
+  node's network namespace when the topology names the node);
 * ``partition`` brings a node's links (all, control or data; or an etcd member's) down for
   ``duration_s`` and up again, through the topology file (``launcher.inject.topology``).
 
@@ -245,7 +250,9 @@ class DeviceFault(FaultAction):
         if kind == "ecc":
             return [Fault(device=t["device"], kind="ecc", reason=f"uncorrectable ECC error "
                           f"{i + 1}/{p['count']} (injected burst)") for i in range(p["count"])]
-        return [Fault(device=t["device"], kind="thermal", slowdown=p["slowdown"])]
+        if kind == "thermal":
+            return [Fault(device=t["device"], kind="thermal", slowdown=p["slowdown"])]
+        return [Fault(device=t["device"], kind=kind)]  # lost, suspect, recover
 
     def inject(self, ctx: InjectContext) -> Injection:
         node = self.spec.target["node"]
@@ -332,6 +339,16 @@ class EtcdRestart(FaultAction):
                          {"endpoint": endpoint, **detail})
 
 
+class EtcdStall(FaultAction):
+    """Every etcd member stopped for ``duration_s``, then resumed (``etcd_stall.py``)."""
+
+    def inject(self, ctx: InjectContext) -> Injection:
+        from launcher.inject.etcd_stall import stall
+
+        detail = stall(ctx, self.spec.params["duration_s"])
+        return Injection(Injected(self.spec.fault, {}, ended_at=time.time()), detail)
+
+
 class Join(FaultAction):
     def inject(self, ctx: InjectContext) -> Injection:
         node = self.spec.target["node"]
@@ -343,7 +360,9 @@ class Join(FaultAction):
                  "--rdzv-endpoint": ctx.endpoints, "--hspmd-node-id": node}
         front = [x for flag, value in fixed.items() if not _has_flag(args, flag)
                  for x in (flag, value)]
-        argv = [*ctx.launcher_argv, *front, *args]
+        host = ctx.topology.nodes.get(node) if ctx.topology is not None else None
+        netns = ["ip", "netns", "exec", host.netns] if host is not None else []
+        argv = [*netns, *ctx.launcher_argv, *front, *args]  # in the node's namespace, if named
         ctx.log_dir = ctx.log_dir or tempfile.mkdtemp(prefix="hspmd-inject-")
         os.makedirs(ctx.log_dir, exist_ok=True)
         out = open(os.path.join(ctx.log_dir, f"join-{node}.log"), "ab")
@@ -420,7 +439,8 @@ FAULT_CLASSES: dict[str, type[FaultAction]] = {
     "kill-worker": KillWorker, "stop-worker": StopWorker, "hang": StopWorker,
     "kill-agent": KillAgent, "freeze-agent": FreezeAgent, "xid": DeviceFault,
     "ecc": DeviceFault, "thermal": DeviceFault, "etcd-restart": EtcdRestart, "join": Join,
-    "partition": Partition,
+    "partition": Partition, "lost": DeviceFault, "suspect": DeviceFault, "recover": DeviceFault,
+    "etcd-stall": EtcdStall,
 }
 
 

@@ -5,7 +5,12 @@ step), take a baseline of the job, inject, then wait (bounded by the entry's
 ``detect_timeout_s``, counted again from an escalation) for the job's reaction and (bounded by
 ``recover_timeout_s``) for training to go on; follow-ups (resume, thaw, escalation) fire on
 time meanwhile; the next fault starts once the previous one is settled and its follow-ups that
-end it have fired. With
+end it have fired. A node that a fault took away and that should come back once the fault
+ended (a thawed agent, a healed partition, in an elastic job) is waited for too
+(``recover_timeout_s``): the fault is ``recovered`` only once a plan took the node back and was
+switched to. A fault the job should ride through (an etcd restart or stall, an etcd member cut
+off) is ``survived`` only when training went on after it and the journal shows no reaction to it
+(no replan, restart, leave, failure, stall or unreachable event before the next fault). With
 ``wait_end_s`` the run then waits (bounded) for the job to end, so that the totals (samples lost,
 last step) cover the whole run.
 
@@ -41,9 +46,12 @@ from launcher.inject.detect import (
     JobObserver,
     Recovery,
     expects_reaction,
+    expects_rejoin,
     match_detection,
     match_recovery,
+    match_rejoin,
     progress_after,
+    reactions,
     switch_started,
 )
 from launcher.inject.faults import InjectContext, Injection, make_fault
@@ -97,16 +105,37 @@ class Harness:
             self._wait_end()
         finally:
             self.ctx.close()
+        self._rode_through(report.rows, bases)
         return finalize(report, self.observer.points(), bases)
 
+    def _rode_through(self, rows: list[FaultRow], bases: dict) -> None:
+        """A fault the job should ride through (``survived``) that the job reacted to anyway,
+        before the next fault (a replan, a restart, a node seen leaving), is not survived."""
+        events = self.observer.events()
+        injected = [r for r in rows if r.index in bases]
+        for row, nxt in zip(injected, injected[1:] + [None]):
+            if row.outcome != SURVIVED:
+                continue
+            until = bases[nxt.index][0].last_seq if nxt is not None else None
+            seen = reactions(events, bases[row.index][0].last_seq, until)
+            if seen:
+                row.outcome = NOT_RECOVERED
+                row.note = "; ".join([row.note] * bool(row.note) + [
+                    "the job reacted to a fault it should ride through: " + ", ".join(
+                        f"{e.type} event #{e.seq}" for e in seen[:3])])
+
     def _wait_end(self) -> None:
-        """With ``wait_end_s``: let the job finish, so the totals cover the whole run."""
+        """With ``wait_end_s``: let the job finish, so the totals cover the whole run, and the
+        agents this harness started end by themselves (``close`` stops what is left)."""
         deadline = time.monotonic() + self.wait_end_s
         while self.wait_end_s > 0 and not self._job_ended() and not self._stop.is_set():
             if time.monotonic() >= deadline:
                 log.warning("[%s] job still running %.0fs after the last fault; reporting "
                             "progress so far", self.ctx.job, self.wait_end_s)
                 return
+            self._stop.wait(self.poll_s * 4)
+        while self.wait_end_s > 0 and time.monotonic() < deadline and not self._stop.is_set() \
+                and any(p.poll() is None for p in self.ctx.spawned.values()):
             self._stop.wait(self.poll_s * 4)
 
     def _rel(self, wall: Optional[float]) -> Optional[float]:
@@ -137,6 +166,7 @@ class Harness:
         self._finish_timers(inj, base, det, row)
         if det is None and reaction and inj.injected.ended_at is not None:
             rec = self._went_on(spec, base, inj)
+        back = det is None or rec is None or self._rejoined(spec, base, inj, row)
         if det is not None:
             row.detected_at, row.detected_by = self._rel(det.at), det.by
             started = switch_started(self.observer.events(),
@@ -153,7 +183,7 @@ class Harness:
             if rec is not None:
                 row.note = "the job never noticed; it went on once the fault ended"
         else:
-            row.outcome = RECOVERED if rec else NOT_RECOVERED
+            row.outcome = RECOVERED if rec and back else NOT_RECOVERED
         if self._ended and row.outcome not in (RECOVERED, SURVIVED):
             row.note = (row.note + "; " if row.note else "") + f"job {self._ended}"
         return row, base, rec.round if rec else None
@@ -273,6 +303,29 @@ class Harness:
             if rec is not None or time.monotonic() >= deadline or self._job_ended() \
                     or self._stop.is_set():
                 return rec
+            self._stop.wait(self.poll_s)
+
+    def _rejoined(self, spec: FaultSpec, base: Baseline, inj: Injection, row: FaultRow) -> bool:
+        """After a fault that planned a node away and ended (thaw, heal): wait (bounded by
+        ``recover_timeout_s``) until a plan takes the node back and is switched to; False when
+        it did not come (the row says so)."""
+        away = expects_rejoin(inj.injected, self.observer.events(), base.last_seq)
+        if away is None:
+            return True
+        deadline = time.monotonic() + spec.recover_timeout_s
+        while True:
+            back = match_rejoin(inj.injected, self.observer.events(), away)
+            if back is not None:
+                row.detail.update(rejoined_at=self._rel(back.at), rejoined_by=back.by)
+                row.note = "; ".join([row.note] * bool(row.note) + [
+                    f"node {inj.injected.target['node']} back at {back.by} "
+                    f"(+{back.at - self._start_wall:.2f}s)"])
+                return True
+            if time.monotonic() >= deadline or self._job_ended() or self._stop.is_set():
+                row.note = "; ".join([row.note] * bool(row.note) + [
+                    f"node {inj.injected.target['node']} did not come back within "
+                    f"{spec.recover_timeout_s:g}s after the fault ended"])
+                return False
             self._stop.wait(self.poll_s)
 
     def _finish_timers(self, inj: Injection, base: Baseline, det: Optional[Detection],

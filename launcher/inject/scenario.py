@@ -24,7 +24,11 @@ freeze-agent   node                                    duration_s (default 10)
 xid            node, device                            xid (required)
 ecc            node, device                            count (default 1: the burst size)
 thermal        node, device                            slowdown in (0, 1] (required)
+lost           node, device                            - (the GPU fell off the bus)
+suspect        node, device                            - (warning signs: elastic mode drains it)
+recover        node, device                            - (healthy again, as after a GPU reset)
 etcd-restart   member (name or index, optional)        down_s (default 0.5), how: kill | stop
+etcd-stall     - (every etcd member)                   duration_s (default 10)
 join           node                                    args (hspmd-launch flags + script), env
 partition      node, or member (an etcd member)        links: all | control | data (default
                                                        all; a member has control only),
@@ -33,9 +37,13 @@ partition      node, or member (an etcd member)        links: all | control | da
 
 ``partition`` cuts links for ``duration_s`` and then heals them; it needs the job's network
 topology (``hspmd-launch inject --topology FILE``, ``launcher.inject.topology``). A partition of a
-node expects the job to react (a ``leave`` when the control link is cut past the lease TTL, a
-``failure`` or ``stall`` when the data link is); one of an etcd member, like ``etcd-restart``,
-expects the job to ride through it.
+node expects the job to react (a ``leave`` when the control link is cut past the lease TTL, an
+``unreachable`` change when only the data link is, or a ``failure``/``stall``) and, in an elastic
+job, to take the node back after the heal (a ``join``), as after ``freeze-agent``'s thaw; one of
+an etcd member, like ``etcd-restart``, expects the job to ride through it. ``etcd-stall``
+stops every etcd member at once (SIGSTOP) for ``duration_s`` and resumes them: longer than the
+lease TTL, every lease expires, and the job should ride through it too (the agents re-register;
+nothing is replanned).
 
 Every entry may also give ``detect_timeout_s``, ``recover_timeout_s`` and ``comment``.
 Promises: a scenario is validated as a whole; the first problem raises ``ScenarioError`` naming
@@ -66,6 +74,7 @@ DEFAULT_TRIGGER_TIMEOUT_S = 300.0
 DEFAULT_FREEZE_S = 10.0
 DEFAULT_ETCD_DOWN_S = 0.5
 DEFAULT_PARTITION_S = 10.0
+DEFAULT_ETCD_STALL_S = 10.0
 PARTITION_LINKS = ("all", "control", "data")
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # node ids, as in coord.schema
@@ -78,6 +87,7 @@ _TARGETS: dict[str, set[str]] = {
     **{f: {"node"} for f in AGENT_FAULTS},
     **{f: {"node", "device"} for f in DEVICE_FAULTS},
     "etcd-restart": {"member"},
+    "etcd-stall": set(),
     "join": {"node"},
     **{f: {"node", "member"} for f in NETWORK_FAULTS},
 }
@@ -95,7 +105,11 @@ _PARAMS: dict[str, set[str]] = {
     "xid": {"xid"},
     "ecc": {"count"},
     "thermal": {"slowdown"},
+    "lost": set(),
+    "suspect": set(),
+    "recover": set(),
     "etcd-restart": {"down_s", "how"},
+    "etcd-stall": {"duration_s"},
     "join": {"args", "env"},
     "partition": {"links", "duration_s"},
 }
@@ -203,6 +217,8 @@ def _params(fault: str, entry: dict, where: str) -> dict[str, Any]:
             p[name] = _number(entry[name], name, where, positive=True)
     if fault == "freeze-agent":
         p.setdefault("duration_s", DEFAULT_FREEZE_S)
+    if fault == "etcd-stall":
+        p.setdefault("duration_s", DEFAULT_ETCD_STALL_S)
     if fault == "partition":
         p.setdefault("duration_s", DEFAULT_PARTITION_S)
         links = entry.get("links", "all")
