@@ -16,7 +16,11 @@ appends after every completed step one JSON line ``{"step", "round", "rank", "t"
 ``DIR/<node>_<local_rank>.jsonl`` (``step`` = steps completed, ``round`` = the plan version that
 trained it, ``batch`` = the global batch), and ``--comm-timeout`` shortens the collectives'
 watchdog below the agent's hang limit, so the peers of a hung worker report that they wait for a
-plan (and are not taken for hung themselves).
+plan (and are not taken for hung themselves). ``--adam-eps`` sets AdamW's eps: with the
+default, the rounding differences between two reduction orders (a plan with another data
+parallel split than the reference) grow by orders of magnitude every few dozen steps, so only
+short runs equal the fault-free reference within 1e-9; with a large eps (1.0: close to momentum
+SGD) they stay at machine precision over thousands of steps (the chaos soak).
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ def _main() -> int:
     parser.add_argument("--gate", action="append", default=[], metavar="STEP:FILE",
                         help="once at STEP, wait (bounded by --gate-timeout) until FILE exists")
     parser.add_argument("--gate-timeout", type=float, default=120.0)
+    parser.add_argument("--adam-eps", type=float, default=None,
+                        help="AdamW's eps (default: AdamWConfig's); a large one such as 1.0 "
+                             "keeps rounding differences from growing over a long run")
     args = parser.parse_args()
     gates = {int(g.split(":", 1)[0]): g.split(":", 1)[1] for g in args.gate}
     if args.pause_at is not None and args.release:
@@ -64,6 +71,7 @@ def _main() -> int:
                         format="%(asctime)s %(process)d %(name)s %(message)s")
 
     from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.graph.optim import AdamWConfig
     from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
 
     with open(args.config, encoding="utf-8") as f:
@@ -117,6 +125,8 @@ def _main() -> int:
     try:
         result = run(config, sample=synthetic_sampler(config, args.data_seed),
                      global_batch=args.global_batch, steps=args.steps, seed=args.seed,
+                     optim=AdamWConfig() if args.adam_eps is None else
+                     AdamWConfig(eps=args.adam_eps),
                      timeouts=RuntimeTimeouts(plan_wait_s=t, comm_s=args.comm_timeout or t,
                                               regroup_s=t, finish_s=t),
                      on_step=on_step)
