@@ -17,9 +17,11 @@ detected and recovered (or, for faults a job rides through, survived), 1 otherwi
 ``--etcd-restart-timeout``; the target endpoint, how and how long come in ``HSPMD_ETCD_*``);
 without it, it restarts the etcd process proven to serve the job's endpoint on this host
 (``launcher.inject.etcd_restart``); the report's note says which way, or the one reason it
-could not. ``partition`` needs ``--topology FILE``: each node's (and etcd member's) network
-namespace and link devices (``launcher.inject.topology``); without it the fault is reported
-``not injected`` with that reason, and a bad file is one line and exit 2.
+could not; ``etcd-stall`` stops every member at once the same ways (the command once per
+member with ``HSPMD_ETCD_HOW=stop``). ``partition`` needs ``--topology FILE``: each node's (and
+etcd member's) network namespace and link devices (``launcher.inject.topology``); without it the
+fault is reported ``not injected`` with that reason, and a bad file is one line and exit 2; a
+``join`` of a node the file names starts its agent in that node's namespace.
 """
 
 from __future__ import annotations
@@ -71,15 +73,17 @@ def _check_job(job: str) -> str:
 @click.option("--log-dir", default=None, help="Where started agents (join) write their output.")
 @click.option("--etcd-restart-cmd", default=None,
               help="Shell command that restarts the job's etcd for etcd-restart faults "
-                   "(env: HSPMD_ETCD_ENDPOINT, HSPMD_ETCD_HOW, HSPMD_ETCD_DOWN_S, ...). "
-                   "Default: restart the etcd process serving the job's endpoint on this "
+                   "(env: HSPMD_ETCD_ENDPOINT, HSPMD_ETCD_HOW, HSPMD_ETCD_DOWN_S, ...); "
+                   "etcd-stall runs it for every member at once with HSPMD_ETCD_HOW=stop. "
+                   "Default: act on the etcd process serving the job's endpoint on this "
                    "host, once proven to be the job's.")
 @click.option("--etcd-restart-timeout", type=click.FloatRange(min=0.0, min_open=True),
               default=60.0, show_default=True,
               help="Seconds --etcd-restart-cmd may run before it is killed.")
 @click.option("--topology", "topology_path", default=None,
               help="Network topology file (JSON: each node's network namespace and link "
-                   "devices) for partition faults.")
+                   "devices) for partition faults; a join of a node it names starts the agent "
+                   "in that namespace.")
 @subcommand_options
 @click.option("--wait-end", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="Seconds to wait after the last fault for the job to end (totals cover the "
