@@ -11,7 +11,8 @@ veth (10.77.N.254) to read etcd, and never the data bridge.
 Promises:
 
 * only addresses on this topology's bridges (and loopback) are ever contacted; ``N`` is drawn at
-  random among the third octets no interface of this host uses, and every namespace and the one
+  random among the third octets no interface of this host uses and no other test process holds
+  (a claim file under ``/tmp/hspmd-netns-octets``), and every namespace and the one
   veth in this host's namespace carry a random suffix, so topologies of concurrent tests never
   meet;
 * ``spawn`` starts a process in a node's namespace as an ordinary child (``ip netns exec`` execs
@@ -61,6 +62,35 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and res.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {res.stderr.strip() or res.returncode}")
     return res
+
+
+_RESERVED = Path("/tmp/hspmd-netns-octets")  # octet -> a file naming the pid that holds it
+
+
+def _reserve_octet() -> int:
+    """A third octet no interface of this host uses and no live test process holds: claimed
+    by creating ``_RESERVED/<octet>`` exclusively (tests run in parallel processes); a claim
+    whose process is gone is taken over. Released by ``Topology.close``."""
+    _RESERVED.mkdir(exist_ok=True)
+    free = sorted(set(range(1, 250)) - _used_octets())
+    random.shuffle(free)
+    for octet in free:
+        path = _RESERVED / str(octet)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = int(path.read_text() or "0")
+            except (OSError, ValueError):
+                continue
+            if holder and psutil.pid_exists(holder):
+                continue
+            path.write_text(str(os.getpid()))  # a dead holder's claim
+            return octet
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return octet
+    raise NetnsRefused("no free third octet for a test topology")
 
 
 def _used_octets() -> set[int]:
@@ -139,8 +169,7 @@ class Topology:
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.suffix = uuid.uuid4().hex[:6]
-        free = sorted(set(range(1, 250)) - _used_octets())
-        self.octet = random.choice(free)
+        self.octet = _reserve_octet()
         self.bridge_ns = f"hsb-{self.suffix}"
         self.host_dev = f"hso{self.suffix}"
         self.namespaces: list[str] = []
@@ -287,6 +316,8 @@ class Topology:
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         ip("link", "del", self.host_dev, check=False)
         self.namespaces.clear()
+        with contextlib.suppress(OSError):
+            (_RESERVED / str(self.octet)).unlink()
 
 
 @contextlib.contextmanager
