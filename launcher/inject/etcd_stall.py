@@ -62,7 +62,8 @@ def _pids(ctx: Any) -> tuple[str, list[tuple[str, int]]]:
     if not ctx.etcd_by_pid:
         raise NotOwnedError("etcd-stall needs the job's etcd members: the harness owns none "
                             "and may not look for them (give --etcd-restart-cmd)")
-    found = [er.find_member(ep, ctx.job) for ep in ctx.client.endpoints]
+    security = getattr(ctx.client, "security", None)
+    found = [er.find_member(ep, ctx.job, security) for ep in ctx.client.endpoints]
     return "pid", [(f.endpoint, f.pid) for f in found]
 
 

@@ -329,7 +329,7 @@ class EtcdRestart(FaultAction):
             detail = er.run_restart_command(ctx.etcd_restart_cmd, ctx.etcd_restart_timeout_s,
                                             env)
         else:
-            found = er.find_member(endpoint, ctx.job)
+            found = er.find_member(endpoint, ctx.job, getattr(ctx.client, "security", None))
             log_dir = ctx.log_dir or tempfile.mkdtemp(prefix="hspmd-inject-")
             detail = er.restart_found(found, how, down, log_dir, ctx.stopped)
         er.wait_answering(ctx.client)
