@@ -1,7 +1,7 @@
 """``scripts/soak``: the chaos soak, long version.
 
     scripts/soak [--scenario examples/scenarios/chaos-soak.json] [--report PATH]
-                 [--step-time 0.2] [--work-dir DIR]
+                 [--step-time 0.2] [--hang-limit 90] [--work-dir DIR]
 
 Builds the multi-host topology of the tests (``tests/_netns.py``: each node in a network
 namespace of its own with a control and a data link, a 3-member etcd in namespaces), starts
@@ -58,11 +58,17 @@ def _args(argv: list[str]) -> argparse.Namespace:
                    help="report path without suffix: PATH.txt and PATH.json are written")
     p.add_argument("--step-time", type=float, default=0.2,
                    help="seconds of pacing per training step (default 0.2)")
+    p.add_argument("--hang-limit", type=float, default=90.0,
+                   help="the agents' hang limit, HSPMD_HANG_TIMEOUT_S (default 90 s: above the "
+                        "start of a fresh worker on a busy host, which survivors wait for)")
     p.add_argument("--work-dir", default=None,
                    help="where the job's logs go (default: a new temporary directory, kept)")
     args = p.parse_args(argv)
     if not args.step_time >= 0:
         p.error(f"--step-time must be >= 0, got {args.step_time}")
+    if not args.hang_limit > _chaos.Pace(steps=1).comm_s:
+        p.error(f"--hang-limit must be above the collective timeout "
+                f"({_chaos.Pace(steps=1).comm_s:g}s), got {args.hang_limit}")
     try:
         load_scenario(args.scenario)
     except ScenarioError as exc:
@@ -101,7 +107,7 @@ def main(argv: list[str]) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hspmd-soak-"))
     facts = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "scenario": str(scenario_path), "cpus": os.cpu_count(), "load_before": _load(),
-             "work_dir": str(work), "step_time": args.step_time}
+             "work_dir": str(work), "step_time": args.step_time, "hang_limit_s": args.hang_limit}
     marker = new_marker()
     stop = Interrupts()
     started = time.monotonic()
@@ -113,7 +119,8 @@ def main(argv: list[str]) -> int:
         with topologies(work) as make:
             topo = make(nodes=tuple(_chaos.NODES), etcd_members=3)
             job = _chaos.ChaosJob(topo, marker, _chaos.Pace(
-                steps=_chaos.steps_for(scenario_path), step_time=args.step_time))
+                steps=_chaos.steps_for(scenario_path), step_time=args.step_time,
+                hang_s=args.hang_limit))
             stop.job = job
             try:
                 job.start()

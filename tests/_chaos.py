@@ -13,12 +13,14 @@ hung one: an agent never restarts a slot whose worker failed) and the kill of it
 still take a device away; the ``join`` that follows starts a fresh agent in node-c's namespace
 (the harness reads the namespace from the topology file), which brings all three back.
 
-The verdict (``judge``): every fault handled (``recovered`` or ``survived`` in the report), no
-sample lost (the progress log's lineage: no plan resumed past a step its predecessor did not
-complete), every agent still running at the end exited 0, every worker that finished ran every
-step and switched only by BSR (no checkpoint), and the final parameters, assembled from every
-finished worker's shards, equal the fault-free reference within 1e-9. A problem is a line in
-``problems``; none means the soak passed.
+The verdict (``judge``): every fault handled (``recovered`` or ``survived`` in the report), at
+most one step trained again per fault (a rank one step ahead rolls back; more means the state
+came from elsewhere than the survivors' memory), no sample lost (the progress log's lineage:
+no plan resumed past a step its predecessor did not complete), every agent still running at the
+end exited 0, every worker that finished ran every step and switched only by BSR (no
+checkpoint), and the final parameters, assembled from every finished worker's shards, equal the
+fault-free reference within 1e-9. A problem is a line in ``problems``; none means the soak
+passed.
 """
 
 from __future__ import annotations
@@ -193,6 +195,10 @@ class ChaosJob:
             v.problems += [f"fault #{r.index} {r.fault}: {r.outcome}"
                            + (f" ({r.note})" if r.note else "")
                            for r in report.rows if r.outcome not in ("recovered", "survived")]
+        for r in report.rows:  # a rank one step ahead rolls back; more is work redone
+            if r.steps_lost is not None and r.steps_lost > 1:
+                v.problems.append(f"fault #{r.index} {r.fault}: {r.steps_lost} steps trained "
+                                  f"again (recovered by {r.recovered_by})")
         if report.samples_lost != 0 or report.steps_skipped != 0:
             v.problems.append(f"samples lost: {report.samples_lost}, steps skipped: "
                               f"{report.steps_skipped}")
