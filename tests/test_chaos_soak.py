@@ -106,6 +106,9 @@ def test_new_kinds_are_detected_and_recovered_from_the_jobs_own_records():
         assert handling_plan(recover, [_ev(7, "replan", version=6, reason=reason)], 2) == 6
     lost = Injected("lost", {"node": "node-b", "device": 0})
     assert match_detection(lost, base, [], verdicts) is None  # its failed verdict is older
+    killed = Injected("kill-agent", {"node": "node-c"})
+    gone = [_ev(3, "unreachable", "node-c", devices=["node-c:0"], plan_version=5)]
+    assert match_detection(killed, base, gone) is None  # a peer's report counts for a cut only
     cut = Injected("partition", {"node": "node-c"})
     away = [_ev(3, "unreachable", "node-c", devices=["node-c:0"], plan_version=5),
             _ev(4, "replan", version=5, reason="unreachable node-c:0: unreachable over the "
@@ -154,3 +157,15 @@ def test_etcd_stall_needs_the_jobs_etcd_members(tmp_path):
                        {"detect_timeout_s": 5.0, "recover_timeout_s": 5.0}, "t")
     with pytest.raises(NotOwnedError, match="etcd-stall needs the job's etcd members"):
         make_fault(spec).inject(InjectContext(None, "j"))
+
+
+def test_a_killed_agents_late_leave_is_no_reaction_to_a_later_fault():
+    from launcher.inject.harness import _about
+
+    gone = {"node-c"}
+    assert _about(_ev(5, "leave", "node-c"), gone)
+    assert _about(_ev(6, "replan", version=7, reason="leave node-c"), gone)
+    assert _about(_ev(6, "replan", version=7, reason="unreachable node-c:0,node-c:1: x"), gone)
+    assert not _about(_ev(6, "replan", version=7, reason="leave node-c; leave node-b"), gone)
+    assert not _about(_ev(7, "leave", "node-b"), gone)
+    assert not _about(_ev(8, "replan", version=8, reason="store a:1 -> b:2"), gone)

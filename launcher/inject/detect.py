@@ -13,7 +13,7 @@ observations, so they are unit-tested without a job:
   ``suspect`` for suspect, ``healthy`` for recover) or the leader's event about the device
   (``failure``/``degrade``, ``drain``, ``recover``) for a device fault; a ``join`` event for a
   join; a ``partition`` of a node is matched like an agent fault, or by an ``unreachable``
-  event (its data link cut); an etcd restart or stall, a partition of an etcd member and an
+  event about it (its data link cut); an etcd restart or stall, a partition of an etcd member and an
   informational Xid expect no reaction (``reactions``: the journal must show none);
 * ``match_recovery``: the ``switch-done`` event of the plan that handled the fault (elastic jobs:
   the first ``replan`` whose ``reason`` names the target, ``replan_changes``), else the first
@@ -158,14 +158,15 @@ def _worker_event(ev: schema.EventRecord, inj: Injected) -> bool:
     return node is None or ev.node == node
 
 
-def _agent_event(ev: schema.EventRecord, node: str) -> bool:
-    """A ``leave`` or ``unreachable`` about the node, or a ``failure`` anywhere: when an agent
-    dies its workers die with it, and the surviving ranks' collectives fail (a restart-mode job
-    notices the loss that way before the node's lease expires)."""
+def _agent_event(ev: schema.EventRecord, node: str, network: bool = False) -> bool:
+    """A ``leave`` about the node, or a ``failure`` anywhere: when an agent dies its workers
+    die with it, and the surviving ranks' collectives fail (a restart-mode job notices the loss
+    that way before the node's lease expires); for a partition (``network``) also an
+    ``unreachable`` about the node (its peers cannot reach it over the data network)."""
     if ev.type == "leave":
         return ev.node == node or f"node {node} left" in str(ev.detail.get("reason", ""))
-    if ev.type == "unreachable":  # the peers cannot reach it over the data network
-        return ev.node == node
+    if ev.type == "unreachable":
+        return network and ev.node == node
     return ev.type == "failure"
 
 
@@ -220,7 +221,7 @@ def match_detection(inj: Injected, base: Baseline, events: Sequence[schema.Event
         if fault in WORKER_FAULTS:
             hit = _worker_event(ev, inj)
         elif fault in NODE_FAULTS:
-            hit = _agent_event(ev, inj.target["node"])
+            hit = _agent_event(ev, inj.target["node"], fault in NETWORK_FAULTS)
         elif fault in DEVICE_FAULTS:
             hit = _device_event(ev, inj)
         elif fault == "join":

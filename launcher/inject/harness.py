@@ -52,6 +52,7 @@ from launcher.inject.detect import (
     match_rejoin,
     progress_after,
     reactions,
+    replan_changes,
     switch_started,
 )
 from launcher.inject.faults import InjectContext, Injection, make_fault
@@ -110,14 +111,22 @@ class Harness:
 
     def _rode_through(self, rows: list[FaultRow], bases: dict) -> None:
         """A fault the job should ride through (``survived``) that the job reacted to anyway,
-        before the next fault (a replan, a restart, a node seen leaving), is not survived."""
+        before the next fault (a replan, a restart, a node seen leaving), is not survived. The
+        late echoes of an agent killed earlier (its lease expiring: a ``leave`` and its
+        replan) are not reactions to it."""
         events = self.observer.events()
         injected = [r for r in rows if r.index in bases]
+        killed: set[str] = set()  # nodes whose agent a fault killed and no join brought back
         for row, nxt in zip(injected, injected[1:] + [None]):
+            if row.fault == "kill-agent":
+                killed.add(row.target.get("node"))
+            elif row.fault == "join":
+                killed.discard(row.target.get("node"))
             if row.outcome != SURVIVED:
                 continue
             until = bases[nxt.index][0].last_seq if nxt is not None else None
-            seen = reactions(events, bases[row.index][0].last_seq, until)
+            seen = [e for e in reactions(events, bases[row.index][0].last_seq, until)
+                    if not _about(e, killed)]
             if seen:
                 row.outcome = NOT_RECOVERED
                 row.note = "; ".join([row.note] * bool(row.note) + [
@@ -338,3 +347,13 @@ class Harness:
         while any(not t.done for t in pending) and time.monotonic() < deadline:
             self._fire_timers(inj, base, det is not None, row)
             self._stop.wait(self.poll_s)
+
+
+def _about(ev, nodes: set) -> bool:
+    """Whether journal event ``ev`` concerns only ``nodes`` (its node, or every change its
+    replan names)."""
+    if ev.type != "replan":
+        return ev.node in nodes
+    changes = replan_changes(ev.detail.get("reason", ""))
+    return bool(changes) and all(
+        targets and all(t.split(":")[0] in nodes for t in targets) for _, targets in changes)
