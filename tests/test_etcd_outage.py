@@ -156,13 +156,7 @@ def test_an_outage_past_the_limit_ends_the_agent_with_one_line(tmp_path, marker,
         os.kill(etcd.pid, signal.SIGCONT)
         if agent.proc.poll() is None:
             agent.proc.kill()
-    assert code == 1
-    lines = [ln for ln in agent.stderr().splitlines() if ln.startswith("hspmd-launch: error:")]
-    assert len(lines) == 1 and "etcd unreachable for more than 6s" in lines[0], lines
-    assert "--hspmd-etcd-outage-limit" in lines[0]
-    for pid in workers:  # the agent stopped its workers before it exited
-        assert not os.path.exists(f"/proc/{pid}") or \
-            open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
+    _check_ended_past_the_limit(agent, code, workers)
 
 
 @pytest.mark.multiproc
@@ -200,11 +194,19 @@ def test_elastic_mode_past_the_outage_limit_ends_with_one_line_and_no_worker_lef
             os.kill(etcd.pid, signal.SIGCONT)
             if agent.proc.poll() is None:
                 agent.proc.kill()
+    _check_ended_past_the_limit(agent, code, workers)
+
+
+def _check_ended_past_the_limit(agent, code: int, workers) -> None:
+    """Exit 1 with the one-line root cause naming the 6 s limit and its flag, after workers ran on
+    during the outage, and no worker left (the agent stopped them before it exited)."""
     assert code == 1
-    lines = [ln for ln in agent.stderr().splitlines() if ln.startswith("hspmd-launch: error:")]
+    err = agent.stderr()
+    lines = [ln for ln in err.splitlines() if ln.startswith("hspmd-launch: error:")]
     assert len(lines) == 1 and "etcd unreachable for more than 6s" in lines[0], lines
-    assert "etcd unreachable, workers keep running" in agent.stderr()
-    for pid in workers:  # the agent stopped its workers before it exited
+    assert "--hspmd-etcd-outage-limit" in lines[0]
+    assert "etcd unreachable, workers keep running" in err
+    for pid in workers:
         assert not os.path.exists(f"/proc/{pid}") or \
             open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
 

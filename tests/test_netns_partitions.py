@@ -78,6 +78,16 @@ def at_step(job: NetnsJob, devices: list[str], step: int, timeout: float = 90.0)
     return wait_until(reached, timeout, f"{devices} at step {step}", interval=0.1)
 
 
+def plan_where(job: NetnsJob, pred, newer_than: int):
+    """A poll for ``wait_until``: the current plan once it is newer than ``newer_than`` and
+    ``pred`` holds (the agents must still run)."""
+    def check():
+        job.check_agents()
+        plan, _ = read_plan(job.client, job.name)
+        return plan if plan.version > newer_than and pred(plan) else None
+    return check
+
+
 def results(job: NetnsJob) -> dict[str, dict]:
     import torch
 
@@ -132,14 +142,7 @@ def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the
     topo.cut(cut)  # control and data: etcd and the peer are both gone
     open(gates[2], "w").close()
 
-    def plan_where(pred, newer_than: int):
-        def check():
-            job.check_agents()
-            plan, _ = read_plan(job.client, job.name)
-            return plan if plan.version > newer_than and pred(plan) else None
-        return check
-
-    away = wait_until(plan_where(lambda p: f"{cut}:0" not in p.devices, first.version), 30,
+    away = wait_until(plan_where(job, lambda p: f"{cut}:0" not in p.devices, first.version), 30,
                       f"a plan without {cut}", interval=0.05)
     replan_s = away.created_at - cut_at
     print(f"leader's node cut off (TTL {TTL:g}s, debounce 1s): the new leader published after "
@@ -154,7 +157,7 @@ def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the
                               [PutOp(schema.plan_current_key(job.name), b"{}")])
     at_step(job, [f"{kept}:0"], 4)  # the survivor trains on in the same process, then waits
     topo.heal(cut)
-    back = wait_until(plan_where(lambda p: f"{cut}:0" in p.devices, away.version), 90,
+    back = wait_until(plan_where(job, lambda p: f"{cut}:0" in p.devices, away.version), 90,
                       f"a plan with {cut} again", interval=0.05)
     open(gates[4], "w").close()
     job.finish(90)
@@ -196,14 +199,7 @@ def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(n
         topo.cut("node-c", "data")  # etcd stays reachable: node-c keeps its lease
         open(gates[2], "w").close()
 
-        def plan_where(pred, newer_than: int):
-            def check():
-                job.check_agents()
-                plan, _ = read_plan(job.client, job.name)
-                return plan if plan.version > newer_than and pred(plan) else None
-            return check
-
-        away = wait_until(plan_where(lambda p: "node-c:0" not in p.devices, first.version),
+        away = wait_until(plan_where(job, lambda p: "node-c:0" not in p.devices, first.version),
                           60, "a plan without node-c", interval=0.05)
         replan_s = away.created_at - cut_at
         print(f"data link cut: replanned away after {replan_s:.2f}s "
@@ -220,7 +216,7 @@ def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(n
         assert changes == [("unreachable", "node-c")], changes
         at_step(job, ["node-a:0", "node-b:0"], 4)  # the survivors trained on, then wait
         topo.heal("node-c", "data")
-        back = wait_until(plan_where(lambda p: "node-c:0" in p.devices, away.version), 60,
+        back = wait_until(plan_where(job, lambda p: "node-c:0" in p.devices, away.version), 60,
                           "a plan with node-c again", interval=0.05)
         open(gates[4], "w").close()
         job.finish(90)
