@@ -20,7 +20,8 @@ rank of the default group must), but it receives nothing and builds no model: it
 by network, then its worker leaves (``SwitchResult.drained``).
 
 Nobody holds state (the first plan, or every worker restarted): the newest complete checkpoint
-is read if there is one, else weights come from the seed. A slice with no live owner raises
+is read if there is one, else weights come from the seed, but only while the job has not trained
+(``PlanRecord.step`` 0); after that it is ``UnrecoverableStateError``, never a silent restart. A slice with no live owner raises
 ``ReshardError`` on every rank alike (planning is pure); the switch then reads the newest
 checkpoint every rank sees, saying why, or raises ``UnrecoverableStateError`` naming the slices.
 It never trains on wrong weights. A newer plan or a failed communication during the switch
@@ -265,6 +266,12 @@ class GraphSwitch:
                 log.info("plan v%d rank %d: nobody holds state; resuming from the checkpoint "
                          "of step %d", record.version, rank, ckpt)
                 return self._read_checkpoint(ckpt, plan, rank, timings), ckpt
+            if record.step > 0:  # the job trained: starting from the seed would lose that
+                why = (f"nobody in plan v{record.version} holds the training state (the job "
+                       f"had reached step {record.step}) and no checkpoint every rank sees "
+                       "exists")
+                self._event("switch-failed", rank, record, {"error": why, "why": why})
+                raise UnrecoverableStateError(f"{why}, so the job cannot continue")
             timings.source = "init"
             return None, 0
         sources = []

@@ -71,7 +71,7 @@ class ElasticJob:
 
     # ------------------------------------------------------------------ leader side
     def publish(self, plan, devices: list[str], reason: str = "test",
-                drain: tuple[str, ...] = ()) -> int:
+                drain: tuple[str, ...] = (), step: int = 0) -> int:
         from hspmd_elastic.coord import publish_plan, read_plan, schema
 
         current, rev = read_plan(self.client, JOB)
@@ -79,7 +79,7 @@ class ElasticJob:
         record = schema.PlanRecord(version=version, reason=reason, devices=list(devices),
                                    strategy=plan.to_dict(),
                                    store_endpoint=f"127.0.0.1:{self.store.port}",
-                                   created_at=time.time(), drain=list(drain))
+                                   created_at=time.time(), drain=list(drain), step=step)
         publish_plan(self.election, record, rev, version - 1)
         self.publish_times[version] = record.created_at
         return version

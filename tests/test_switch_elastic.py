@@ -200,6 +200,24 @@ def test_double_failure_goes_back_to_the_checkpoint_each_rank_reading_its_own_sh
     assert_matches_reference(results.values(), pl)
 
 
+def test_every_holder_lost_and_no_checkpoint_never_restarts_from_the_seed(elastic_job):
+    """Both workers die at step 2; a fresh worker alone gets the next plan of a job that had
+    trained (the plan says step 2). Nobody holds state and no checkpoint exists: the job fails
+    with the root cause instead of silently training again from the initial weights."""
+    job = elastic_job(payload())
+    _lose_a_stage(job)
+    job.kill("n0:0")
+    job.kill("n1:0")
+    job.spawn("n2:0")
+    job.publish(simple_plan(num_layers=2, global_batch=4), ["n2:0"], reason="both lost",
+                step=2)
+    job.release()
+    r = job.join(["n2:0"], timeout=60)["n2:0"]
+    assert not r["ok"] and r["error"].startswith("UnrecoverableStateError"), r
+    assert "had reached step 2" in r["error"] and "no checkpoint" in r["error"]
+    assert [e.type for e in read_events(job.client, JOB)][-1] == "switch-failed"
+
+
 def test_lost_stage_without_checkpoint_fails_with_root_cause(elastic_job):
     job = elastic_job(payload())
     _lose_a_stage(job)

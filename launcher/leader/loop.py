@@ -414,7 +414,10 @@ class Leader:
             self._infeasible = decision.fingerprint()
             return self._back(Outcome.INFEASIBLE, str(exc))
         t1 = self._clock()
-        record = plan_record(decision, layout, self._wall())
+        # The furthest step known: a worker's record goes with it, so a plan made after every
+        # holder died still says how far the job had got (carried from the previous plan).
+        step = max(snap.step or 0, current.step if current else 0)
+        record = plan_record(decision, layout, self._wall(), step=step)
         self._transition(LeaderState.PUBLISHING, f"v{decision.version}: {decision.reason}")
         try:
             revision = publish_plan(self.election, record, rev, current.version if current else 0)

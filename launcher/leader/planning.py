@@ -191,11 +191,13 @@ def _current_in(current: Optional[schema.PlanRecord], ids: Mapping[str, int]) ->
         return None
 
 
-def plan_record(decision: PlanDecision, layout: PlannedLayout, created_at: float
-                ) -> schema.PlanRecord:
-    """The ``PlanRecord`` that publishes ``layout`` for ``decision``."""
+def plan_record(decision: PlanDecision, layout: PlannedLayout, created_at: float,
+                step: int = 0) -> schema.PlanRecord:
+    """The ``PlanRecord`` that publishes ``layout`` for ``decision``; ``step``: the furthest
+    step any worker reported (the snapshot's)."""
     return schema.PlanRecord(version=decision.version, reason=decision.reason,
                              devices=list(layout.devices), strategy=layout.plan.to_dict(),
                              store_endpoint=decision.store_endpoint, created_at=created_at,
                              inventory=decision.inventory,
-                             drain=[d for d in decision.drain if d not in layout.devices])
+                             drain=[d for d in decision.drain if d not in layout.devices],
+                             step=step)
