@@ -202,8 +202,8 @@ class PlanRecord(Record):
     leader: str = ""
     term: int = 0
     # The furthest step any worker had reported when the plan was made, or the previous plan's
-    # if larger (0: nobody trained
-    # yet): a switch where nobody holds state starts from the seed only when it is 0.
+    # if larger (0: nobody trained yet): a switch where nobody holds state starts from the seed
+    # only when it is 0.
     step: int = 0
 
 
