@@ -281,3 +281,25 @@ def test_a_node_runs_its_plan_and_reports_an_exit_and_a_hang(etcd_server, tmp_pa
         node.stop(grace_s=2.0, timeout=3.0)
         session.stop(timeout=3.0)
         client.close()
+
+
+def test_the_hang_rule_watches_training_workers_only():
+    from types import SimpleNamespace
+
+    from launcher.node.hangs import watched_slots
+
+    rec = {lr: schema.WorkerRecord(pid=10 + lr, global_rank=lr, local_rank=lr, plan_version=2,
+                                   step=5, last_progress_at=0.0, steps_per_s=1.0)
+           for lr in range(5)}
+    reports = {0: SimpleNamespace(state="training"), 1: SimpleNamespace(state="regrouping"),
+               2: SimpleNamespace(state="waiting_plan"), 3: SimpleNamespace(state="finishing")}
+    # slot 4 has not reported yet: its start-up grace applies
+    assert sorted(watched_slots(rec, reports)) == [0, 4]
+    mono, wall = FakeClock(100.0), FakeClock(0.0)
+    monitor = ProgressMonitor(HangDetector(min_timeout_s=1.0, startup_grace_s=1.0, clock=mono),
+                              mono, wall)
+    for _ in range(3):  # nobody's step advances for a long time
+        monitor.observe(watched_slots(rec, reports))
+        mono.now += 50.0
+        wall.now += 50.0
+    assert sorted(h.worker for h in monitor.new_hangs()) == [0, 4]

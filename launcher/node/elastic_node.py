@@ -55,7 +55,7 @@ from launcher.node.acks import ACK_KEEP, ACK_ORDER, ack_state
 from launcher.node.devices import node_record
 from launcher.node.elastic_workers import ElasticWorkers, new_local_ranks
 from launcher.node.exits import SlotVerdicts, WorkerExit, report_worker_exit
-from launcher.node.hangs import ProgressMonitor
+from launcher.node.hangs import ProgressMonitor, watched_slots
 from launcher.node.reach import ReachProbe
 from launcher.node.store import StoreServer
 from launcher.node.workers import Worker
@@ -166,7 +166,7 @@ class ElasticNode:
             for w in self.workers.apply_plan(self.plan):
                 self._put_worker(w, self.plan.version)
         self._relay_progress()
-        self.monitor.observe(self.records)
+        self.monitor.observe(watched_slots(self.records, self.reports))
         for hang in self.monitor.new_hangs():
             log.warning("[%s] node %s: %s", self.job, self.node, hang.reason())
             self.slots.fail(hang.worker, Verdict.failed(STALL_PREFIX + hang.reason(),

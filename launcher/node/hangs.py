@@ -3,7 +3,10 @@
 Promises: every progress record the agent relays is a heartbeat (moved from the record's wall
 time onto the monotonic clock); a report with a new time but the same step (the worker changed
 state: its collective timed out, it waits for a plan, it regroups) restarts the start-up grace;
-a new pid in a slot starts afresh; each hang is reported once (``new_hangs``).
+a new pid in a slot starts afresh; each hang is reported once (``new_hangs``); elastic mode
+watches only ``watched_slots``: a worker in a switch (waiting for a plan, regrouping with a
+joiner that still starts, resharding) or finishing is bounded by its own deadlines, not by the
+hang rule, so survivors waiting for a slow fresh worker are never taken for hung.
 """
 
 from __future__ import annotations
@@ -13,6 +16,17 @@ from typing import Callable, Mapping, Optional
 
 from hspmd_elastic.coord import schema
 from launcher.health.progress import Hang, HangDetector
+
+
+_WATCHED_STATES = frozenset({"training"})
+
+
+def watched_slots(records: Mapping[int, schema.WorkerRecord],
+                  reports: Mapping[int, object]) -> dict[int, schema.WorkerRecord]:
+    """Pure: the slots whose worker trains (or has not reported yet: the start-up grace covers
+    it); ``reports``: slot -> the worker's latest progress report (with ``state``)."""
+    return {lr: rec for lr, rec in records.items()
+            if lr not in reports or getattr(reports[lr], "state", None) in _WATCHED_STATES}
 
 
 class ProgressMonitor:
