@@ -96,6 +96,8 @@ def test_what_a_job_writes_decodes_and_is_documented(etcd_server):
             steps_per_s=0.0).to_json())
         session.put(schema.reach_key(job, "node-a"), schema.ReachRecord(
             node="node-a", unreachable=["node-b"], at=0.0).to_json())
+        session.put(schema.retry_key(job, "node-a"), schema.RetryRecord(
+            node="node-a", plan_version=1, slots=[0], waited_s=20.0, at=0.0).to_json())
         session.put(schema.switch_ack_key(job, 1, "node-a"), schema.SwitchAckRecord(
             node="node-a", plan_version=1, state="done", at=0.0).to_json())
         member = schema.RdzvParticipant(node="node-a", host="gpu-a", local_world_size=1,

@@ -76,7 +76,7 @@ class Job:
                 and (e.record.plan_version, e.record.node) == (version, node)]
 
     def start(self, node: str, nnodes: str = "2", batch: int = BATCH, nproc: int = 2,
-              log_samples: bool = False) -> Launcher:
+              log_samples: bool = False, extra: tuple[str, ...] = ()) -> Launcher:
         args = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "etcd",
                 "--rdzv-endpoint", self.etcd.endpoint_str, "--rdzv-id", self.name,
                 "--hspmd-node-id", node, "--hspmd-lease-ttl", "2", "--shutdown-timeout", "5",
@@ -88,6 +88,7 @@ class Job:
                 "--pause-at", str(PAUSE), "--release", str(self.release), "--timeout", "30"]
         if log_samples:
             args += ["--sample-log", str(self.samples)]
+        args += list(extra)
         self.agents[node] = Launcher(args, self.env, self.tmp, node)
         return self.agents[node]
 
@@ -255,6 +256,34 @@ def test_worker_sigkill_survivors_switch_in_memory(job):
     versions = {s: sorted({r["plan_version"] for r in rows if r["step"] == s}) for s in final}
     print(f"sample ids: {sum(map(len, final.values()))} over {len(final)} steps, each once; "
           f"plan versions per step: {versions}")
+
+
+def test_a_switch_that_fails_on_every_rank_is_published_again(job):
+    """node-a:1 gives up the last wait of step 2 (an injected timeout, as on a busy host); its
+    peer then times out in step 3 (3 s). Both wait for a plan, and no failure, leave or
+    unreachable peer explains it: the agent asks for a retry once they waited two lease TTLs,
+    the leader publishes the same devices again, and both switch into it in the same processes
+    (the rank a step ahead rolls back) and finish equal to the reference."""
+    job.release.touch()  # no pause: the fault is the injected one
+    a = job.start("node-a", nnodes="1", nproc=2,
+                  extra=("--abandon", "node-a:1:2", "--comm-timeout", "3"))
+    devices = ["node-a:0", "node-a:1"]
+    pids = wait_for(lambda: (lambda r: {d: r[d].pid for d in devices}
+                             if set(devices) <= set(r) else None)(job.workers()),
+                    60, "both workers' records")
+    finish(job, timeout=80)
+    results = check_recovered(job, pids)
+    events = job.events()
+    retry = [e for e in events if e.type == "retry"]
+    assert len(retry) == 1 and retry[0].node == "node-a", [e.type for e in events]
+    assert retry[0].detail["devices"] == devices and retry[0].detail["plan_version"] == 2
+    replans = [e for e in events if e.type == "replan"]
+    assert [r.detail["version"] for r in replans] == [1, 2], replans
+    assert replans[1].detail["reason"].startswith("retry node-a:0,node-a:1: the switch into v1")
+    assert not any(e.type in ("failure", "leave", "unreachable", "stall") for e in events)
+    assert results["node-a:0"]["switches"][-1]["resume_step"] == 2
+    assert "asking the leader to publish it again" in a.stderr()
+    assert a.stderr().count("started pid") == 1  # the workers, started once
 
 
 def test_node_loss_of_the_leader_job_continues_on_the_other_node(job):

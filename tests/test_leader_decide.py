@@ -426,3 +426,27 @@ def test_a_node_a_majority_cannot_reach_is_cut_off_until_the_reports_end():
     assert not any(v.cut_off for v in snap2.nodes.values())
     # A cut node hosts no store.
     assert snap.store_for("c")[0] == "a"
+
+
+def test_a_retry_request_for_the_current_plan_publishes_it_again_only_when_nothing_changed():
+    nodes = {"a": node("a"), "b": node("b")}
+    v1 = published(decide(build_snapshot(nodes, {}, "a"), None))
+
+    def retry(**versions):
+        return {n: schema.RetryRecord(node=n, plan_version=v, slots=[0], waited_s=5.0, at=0.0)
+                for n, v in versions.items()}
+
+    again = decide(build_snapshot(nodes, {}, "a", retry=retry(b=1)), v1)
+    assert again.version == 2 and [x.id for x in again.devices] == list(v1.devices)
+    assert [(c.kind, c.node, c.devices) for c in again.changes] == [
+        (ChangeKind.RETRY, "b", ("b:0", "b:1"))]
+    assert again.reason == "retry b:0,b:1: the switch into v1 failed with no change to explain it"
+    assert published(again).strategy == v1.strategy
+    # A request about an older plan, or from a node that is gone or not planned, is no retry.
+    assert decide(build_snapshot(nodes, {}, "a", retry=retry(b=0)), v1) is None
+    assert decide(build_snapshot({**nodes, "c": node("c", state="leaving")}, {}, "a",
+                                 retry=retry(c=1)), v1) is None
+    # Any real change wins: it publishes a new plan anyway, which the workers switch into.
+    failed = decide(build_snapshot(nodes, {("b", 1): verdict("failed", "Xid 79")}, "a",
+                                   retry=retry(a=1, b=1)), v1)
+    assert [c.kind for c in failed.changes] == [ChangeKind.FAILURE]

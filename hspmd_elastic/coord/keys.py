@@ -75,6 +75,14 @@ def reach_key(job: str, node: str) -> str:
     return f"{reach_prefix(job)}{_ident('node_id', node)}"
 
 
+def retry_prefix(job: str) -> str:
+    return f"{job_prefix(job)}retry/"
+
+
+def retry_key(job: str, node: str) -> str:
+    return f"{retry_prefix(job)}{_ident('node_id', node)}"
+
+
 def leader_key(job: str) -> str:
     return job_prefix(job) + "leader"
 

@@ -39,6 +39,8 @@ from hspmd_elastic.coord.keys import (  # noqa: F401 (re-exported: the schema's 
     worker_key,
     reach_prefix,
     reach_key,
+    retry_prefix,
+    retry_key,
     leader_key,
     election_prefix,
     election_key,
@@ -68,7 +70,7 @@ NODE_STATES = ("joining", "ready", "running", "switching", "draining", "leaving"
 EVENT_TYPES = (
     "failure", "join", "leave", "degrade", "recover", "stall", "replan",
     "switch-start", "switch-done", "switch-failed", "restart", "fallback", "drain", "drained",
-    "unreachable",
+    "unreachable", "retry",
 )
 SWITCH_STATES = ("joined", "ready", "done", "failed")
 RDZV_STATES = ("joining", "closed", "succeeded", "failed")
@@ -160,6 +162,20 @@ class ReachRecord(Record):
 
     node: str
     unreachable: list[str]
+    at: float
+
+
+@dataclass
+class RetryRecord(Record):
+    """A node whose workers wait after a switch into ``plan_version`` failed with no change in
+    the cluster to explain it (written while they wait; the leader publishes the plan again)."""
+
+    KIND: ClassVar[str] = "retry"
+
+    node: str
+    plan_version: int
+    slots: list[int]
+    waited_s: float
     at: float
 
 
@@ -301,7 +317,7 @@ class RdzvDoneRecord(Record):
 
 
 RECORD_TYPES: tuple[type[Record], ...] = (
-    NodeRecord, DeviceHealthRecord, WorkerRecord, ReachRecord, CandidateRecord, LeaderRecord,
+    NodeRecord, DeviceHealthRecord, WorkerRecord, ReachRecord, RetryRecord, CandidateRecord, LeaderRecord,
     PlanRecord, EventRecord, CounterRecord, FaultScriptRecord, SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord,
     RdzvMasterRecord, RdzvDoneRecord,
 )
@@ -349,6 +365,7 @@ REGISTRY: tuple[KeySpec, ...] = (
     KeySpec("workers/<node_id>/<local_rank>", WorkerRecord, "agent", "node agent",
             (("local_rank", "local_rank"),)),
     KeySpec("reach/<node_id>", ReachRecord, "agent", "node agent", (("node_id", "node"),)),
+    KeySpec("retry/<node_id>", RetryRecord, "agent", "node agent", (("node_id", "node"),)),
     KeySpec("election/<lease_hex>", CandidateRecord, "candidate", "every leader candidate"),
     KeySpec("leader", LeaderRecord, "leader", "leader"),
     KeySpec("plan/current", PlanRecord, "none", "leader (fenced)"),

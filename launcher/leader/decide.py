@@ -18,6 +18,9 @@ Promises:
   ``select_nodes`` keeps the current plan's nodes, then takes the lowest node ids; the other
   live nodes are hot spares (registered, leased, running no worker) until a planned node is
   gone, when the next decision takes one in its place (a join);
+* when nothing else changed but a node of the current plan asks for a retry (its workers wait
+  after their switch into that very plan failed: ``ClusterSnapshot.retry``), the decision is
+  the same plan again, one ``retry`` change per asking node (the leader bounds how often);
 * failures and stalls an agent already journaled (the verdict reasons ``EXIT_PREFIX`` /
   ``STALL_PREFIX``) are marked ``journaled``;
 * ``PlanDecision.fingerprint`` is equal for decisions that would give the same plan (the
@@ -46,6 +49,7 @@ class ChangeKind(str, enum.Enum):
     UNREACHABLE = "unreachable"
     DEGRADE = "degrade"
     RECOVER = "recover"
+    RETRY = "retry"  # nothing changed, but the switch into the current plan failed: again
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,8 @@ def decide(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
         changes = tuple(Change(ChangeKind.JOIN, n, tuple(by_node.get(n, ())))
                         for n in alive if n not in spares)
         return PlanDecision(1, "start", changes, ordered, store_node, store)
-    changes = _changes(snapshot, assumed_inventory(current), usable, spares)
+    changes = _changes(snapshot, assumed_inventory(current), usable, spares) \
+        or _retries(snapshot, current)
     store_lost = current.store_endpoint not in {
         v.store_endpoint for v in snapshot.nodes.values()
         if v.alive and v.store_endpoint and not v.cut_off}
@@ -166,6 +171,19 @@ def drain_of(snapshot: ClusterSnapshot, current: schema.PlanRecord,
                 and node is not None and node.alive and dev in snapshot.running):
             out.append(dev)
     return tuple(sorted(out, key=device_sort_key))
+
+
+def _retries(snapshot: ClusterSnapshot, current: schema.PlanRecord) -> tuple[Change, ...]:
+    """Pure: one ``retry`` change per node of ``current`` whose workers wait after their
+    switch into it failed (``ClusterSnapshot.retry``); used only when nothing else changed,
+    since any other change publishes a new plan anyway."""
+    planned: dict[str, list[str]] = {}
+    for dev in current.devices:
+        planned.setdefault(node_of(dev), []).append(dev)
+    return tuple(Change(ChangeKind.RETRY, n, tuple(planned[n]),
+                        f"the switch into v{current.version} failed with no change to explain it")
+                 for n in sorted(snapshot.retry)
+                 if snapshot.retry[n] == current.version and n in planned)
 
 
 def _ordered(usable: Mapping[str, DeviceView]) -> tuple[DeviceView, ...]:

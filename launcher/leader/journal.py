@@ -2,7 +2,7 @@
 
 Promises: one event per change of the decision (``leave``, ``join``, ``failure``, ``stall``,
 ``drain``, ``unreachable``,
-``degrade``, ``recover``; changes marked ``journaled``, i.e. failures and stalls a node agent
+``degrade``, ``recover``, ``retry``; changes marked ``journaled``, i.e. failures and stalls a node agent
 journaled already, are not repeated), then one ``replan`` event with the version, the reason,
 the planner, the store, the step and the timings of detection -> publication, all in as few
 transactions as etcd allows (``coord.journal.append_events``). The plan is out

@@ -19,6 +19,10 @@ the pure ``decide``. Promises:
   until the cluster changes again (the current plan stays);
 * the store of a new plan is the TCPStore a live agent advertises in its node record: the
   leader's own when it has one, else the lowest node id's (deterministic);
+* a decision made only of ``retry`` changes (workers wait after a switch that failed with no
+  change to explain it) is published at most ``MAX_SWITCH_RETRIES`` times for the same
+  furthest step; then the leader says so once and waits for the cluster to change (the
+  workers' plan wait ends the job with that root cause);
 * nodes beyond ``max_nodes`` are logged once each as spares; running out of usable devices is
   logged once per outage (the plan stays);
 * after a publication the journal gets the change events and one ``replan`` event
@@ -53,7 +57,7 @@ from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.lifecycle import StateMachine, Transition
 from hspmd_elastic.coord.plans import publish_plan, read_plan
 from hspmd_elastic.coord.watch import PrefixWatch
-from launcher.leader.decide import PlanDecision, decide, select_nodes
+from launcher.leader.decide import ChangeKind, PlanDecision, decide, select_nodes
 from launcher.leader.journal import journal_publication
 from launcher.leader.planning import (
     PlannerFn,
@@ -74,6 +78,7 @@ TICK_S = 0.05  # re-check period while debouncing (real seconds; the debounce cl
 IDLE_RECHECK_S = 1.0  # level-triggered re-check even without watch events
 WATCH_START_S = 5.0
 STOP_TIMEOUT_S = 5.0
+MAX_SWITCH_RETRIES = 3  # publications of the same plan again, per furthest step
 HISTORY_KEEP = 256  # transitions kept in the leader's history
 
 Clock = Callable[[], float]
@@ -135,6 +140,7 @@ class WatchedWorld:
         self.verdicts: dict[tuple[str, int], schema.DeviceHealthRecord] = {}
         self.workers: dict[tuple[str, int], schema.WorkerRecord] = {}
         self.reach: dict[str, schema.ReachRecord] = {}
+        self.retry: dict[str, schema.RetryRecord] = {}
         self.plan: Optional[schema.PlanRecord] = None
         self.plan_rev = 0
         self._generation = 0  # bumped by every change: the snapshot is rebuilt only after one
@@ -159,6 +165,8 @@ class WatchedWorld:
                 table, key = self.workers, (params["node_id"], int(params["local_rank"]))
             elif spec.record is schema.ReachRecord:
                 table, key = self.reach, params["node_id"]
+            elif spec.record is schema.RetryRecord:
+                table, key = self.retry, params["node_id"]
             else:
                 return
             if put:
@@ -180,7 +188,8 @@ class WatchedWorld:
             planned = frozenset(node_of(d) for d in self.plan.devices) if self.plan else \
                 frozenset()
             snap = build_snapshot(dict(self.nodes), dict(self.verdicts), self_node,
-                                  dict(self.workers), reach=dict(self.reach), planned=planned)
+                                  dict(self.workers), reach=dict(self.reach), planned=planned,
+                                  retry=dict(self.retry))
             self._cached = (self._generation, self_node, snap)
             return snap, self.plan
 
@@ -225,6 +234,7 @@ class Leader:
         self._fingerprint: Optional[tuple] = None
         self._infeasible: Optional[tuple] = None
         self._no_devices = False
+        self._retries = (-1, 0)  # (furthest step, retry-only publications at that step)
         self._spares: set[str] = set()  # nodes said to be spares (logged once each)
         self._world: Optional[WatchedWorld] = None
         self._watches: list[PrefixWatch] = []
@@ -359,7 +369,7 @@ class Leader:
         world = WatchedWorld()
         prefixes = [schema.nodes_prefix(self.job), schema.devices_prefix(self.job),
                     schema.workers_prefix(self.job), schema.reach_prefix(self.job),
-                    schema.plan_current_key(self.job)]
+                    schema.retry_prefix(self.job), schema.plan_current_key(self.job)]
         watches = []
         try:
             for prefix in prefixes:
@@ -405,6 +415,16 @@ class Leader:
         decision = decide(snap, current, self.min_nodes, self.max_nodes)
         if decision is None:
             return self._back(Outcome.NO_CHANGE, "nothing to do after a fresh read")
+        if decision.changes and all(c.kind is ChangeKind.RETRY for c in decision.changes):
+            step = snap.step or 0
+            done = self._retries[1] if self._retries[0] == step else 0
+            if done >= MAX_SWITCH_RETRIES:
+                log.error("[%s] leader %s: the switch into plan v%d failed again after %d "
+                          "retries at step %d with no change in the cluster; not retrying "
+                          "until it changes", self.job, self.node, current.version, done, step)
+                self._infeasible = decision.fingerprint()
+                return self._back(Outcome.INFEASIBLE, "switch retries exhausted")
+            self._retries = (step, done + 1)
         try:
             layout = make_layout(decision, current, self.planner_fn, self.profile,
                                  self.global_batch, self.planner_options)

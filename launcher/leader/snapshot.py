@@ -18,13 +18,15 @@ Promises:
   ``launcher.node.reach``); its devices are not usable, and it hosts no store. When that rule
   would cut half of the planned nodes or more, nobody is cut (two nodes that lose each other
   cannot tell which one is cut off);
+* ``ClusterSnapshot.retry`` holds, per live node, the plan version its workers wait after
+  (``retry/<node>``: their switch into it failed and nothing else explains it);
 * ``ClusterSnapshot.store_for`` is deterministic: the preferred node's advertised store when it
   has one, else the lowest live node id's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from hspmd_elastic.coord import schema
@@ -77,6 +79,7 @@ class ClusterSnapshot:
     self_node: str = ""
     step: Optional[int] = None  # the furthest step any worker reported
     running: frozenset = frozenset()  # devices whose worker's record is in etcd (it runs)
+    retry: Mapping[str, int] = field(default_factory=dict)  # node -> plan version to retry
 
     def usable(self) -> dict[str, DeviceView]:
         return {d.id: d for n in self.nodes.values() if n.alive and not n.cut_off
@@ -108,9 +111,10 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
                    workers: Optional[Mapping[tuple[str, int], schema.WorkerRecord]] = None,
                    default_slowdown: float = 0.5,
                    reach: Optional[Mapping[str, schema.ReachRecord]] = None,
-                   planned: frozenset = frozenset()) -> ClusterSnapshot:
+                   planned: frozenset = frozenset(),
+                   retry: Optional[Mapping[str, schema.RetryRecord]] = None) -> ClusterSnapshot:
     """Pure: node records + health verdicts (+ worker progress, + reachability reports and
-    the nodes of the current plan) -> ``ClusterSnapshot``."""
+    the nodes of the current plan, + retry requests) -> ``ClusterSnapshot``."""
     health = summarize_device_health(verdicts, default_slowdown=default_slowdown)
     alive = {n for n, rec in nodes.items() if rec.state not in GONE_NODE_STATES}
     cut = cut_off_nodes(reach or {}, planned & alive, alive)
@@ -135,7 +139,8 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
                                cut.get(name, ""))
     steps = [w.step for w in (workers or {}).values()]
     running = frozenset(device_id(n, lr) for n, lr in (workers or {}))
-    return ClusterSnapshot(views, self_node, max(steps) if steps else None, running)
+    retries = {n: r.plan_version for n, r in (retry or {}).items() if n in alive}
+    return ClusterSnapshot(views, self_node, max(steps) if steps else None, running, retries)
 
 
 def cut_off_nodes(reach: Mapping[str, schema.ReachRecord], voters: frozenset,

@@ -23,6 +23,10 @@ workers can switch. ``ElasticNode`` bundles the small pieces beside it into one 
   probes its plan's peers over the data network (``reach.py``) and writes the ones it cannot
   reach to ``reach/<node>`` under its lease until they answer again (the leader replans a node
   that a majority cannot reach away);
+* while a local worker waits after its switch into the current plan failed, with nothing in the
+  cluster to explain it (``retry.py``), the agent writes ``retry/<node>`` under its lease once
+  that lasted its ``retry_after_s``, and deletes it when no worker waits so any more (the
+  leader publishes the plan again);
 * the agent acks every plan that uses its node (``acks.py``) in ``switch/<version>/<node>``,
   under its lease, level-triggered: a state is remembered only once etcd took it;
 * every etcd call has the client's deadline; ``tick`` raises ``CoordinationError`` when etcd
@@ -57,6 +61,7 @@ from launcher.node.elastic_workers import ElasticWorkers, new_local_ranks
 from launcher.node.exits import SlotVerdicts, WorkerExit, report_worker_exit
 from launcher.node.hangs import ProgressMonitor, watched_slots
 from launcher.node.reach import ReachProbe
+from launcher.node.retry import StuckSwitches, retry_after_s
 from launcher.node.store import StoreServer
 from launcher.node.workers import Worker
 
@@ -78,6 +83,7 @@ class ElasticNode:
                  monitor: Optional[ProgressMonitor] = None, store_host: Optional[str] = None,
                  store_port: int = 0, reach: Optional[ReachProbe] = None,
                  plan_recheck_s: float = PLAN_RECHECK_S,
+                 retry_after: Optional[float] = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time):
         self.client, self.session, self.job, self.node, self.host = client, session, job, node, host
@@ -100,6 +106,9 @@ class ElasticNode:
         self.plan_nodes: frozenset = frozenset()  # the nodes of the current plan
         self._reach_written: frozenset = frozenset()  # what reach/<node> holds
         self._reach_peers_at = float("-inf")
+        self.stuck = StuckSwitches(retry_after if retry_after is not None
+                                   else retry_after_s(session.ttl), clock=clock)
+        self._retry_written: Optional[tuple[int, tuple[int, ...]]] = None  # retry/<node>
         self._peers: dict[str, str] = {}  # the plan's other nodes -> their store endpoints
         self._plan_lock = threading.Lock()
         self._watched: Optional[schema.PlanRecord] = None  # the newest plan the watch delivered
@@ -179,6 +188,7 @@ class ElasticNode:
             self._kill_hung(hang.worker, pid)
         self.publish_verdicts()
         self._probe_reach()
+        self._request_retry()
         self._ack()  # last: whatever happens to this write, the verdicts above are out
 
     def _on_plan(self, ev: WatchEvent) -> None:
@@ -230,6 +240,26 @@ class ElasticNode:
         else:
             self.session.delete(key)
         self._reach_written = now_unreachable
+
+    def _request_retry(self) -> None:
+        """Mirror the workers stuck after a failed switch into ``retry/<node>``."""
+        stuck = self.stuck.observe(self.plan_version, self.workers.running(), self.reports)
+        want = None if stuck is None else (self.plan_version, tuple(stuck[0]))
+        if want == self._retry_written:
+            return
+        key = schema.retry_key(self.job, self.node)
+        if want is not None:
+            slots, waited = stuck
+            log.warning("[%s] node %s: slot(s) %s wait after their switch into plan v%d failed "
+                        "(%.1fs) and no change explains it: asking the leader to publish it "
+                        "again", self.job, self.node, ",".join(map(str, slots)),
+                        self.plan_version, waited)
+            self.session.put(key, schema.encode(schema.RetryRecord(
+                node=self.node, plan_version=self.plan_version, slots=list(slots),
+                waited_s=round(waited, 3), at=self._wall())))
+        else:
+            self.session.delete(key)
+        self._retry_written = want
 
     def _kill_hung(self, local_rank: int, pid: Optional[int]) -> None:
         """A hung worker never exits by itself (frozen, stopped, deadlocked): SIGKILL it, so

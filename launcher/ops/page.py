@@ -110,7 +110,7 @@ const COLORS = {healthy:"#2e9d5b", degraded:"#e0a100", suspect:"#e06a00", failed
 const EVCOLORS = {failure:"#d6333a", "switch-failed":"#d6333a", fallback:"#d6333a",
   "switch-start":"#2f6fdf", "switch-done":"#2e9d5b", replan:"#2f6fdf", join:"#2e9d5b",
   recover:"#2e9d5b", leave:"#8e44ad", restart:"#b07d00", degrade:"#e0a100", stall:"#e0a100",
-  drain:"#e06a00", drained:"#e06a00", unreachable:"#8e44ad"};
+  drain:"#e06a00", drained:"#e06a00", unreachable:"#8e44ad", retry:"#b7950b"};
 function el(tag, attrs, ...kids) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {

@@ -34,7 +34,7 @@ NODE_STYLE = {"running": "green", "ready": "green", "joining": "cyan", "switchin
 EVENT_STYLE = {"failure": "bold red", "leave": "magenta", "degrade": "yellow", "stall": "yellow",
                "switch-start": "cyan", "switch-done": "green", "switch-failed": "bold red",
                "restart": "yellow", "fallback": "bold red", "join": "green", "recover": "green",
-               "replan": "cyan"}
+               "replan": "cyan", "retry": "yellow"}
 GLYPH = "\u25a0"  # a filled square per GPU
 RECENT_SHOWN = 12
 BAD_SHOWN = 20  # undecodable keys listed (the JSON document has them all)

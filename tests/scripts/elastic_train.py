@@ -21,6 +21,9 @@ default, the rounding differences between two reduction orders (a plan with anot
 parallel split than the reference) grow by orders of magnitude every few dozen steps, so only
 short runs equal the fault-free reference within 1e-9; with a large eps (1.0: close to momentum
 SGD) they stay at machine precision over thousands of steps (the chaos soak).
+``--abandon NODE:LOCAL_RANK:STEP`` makes that worker give up the last collective wait of step
+STEP once (an injected ``CommTimeoutError``, as on a busy host): it leaves the step while its
+peers complete it or wait for it, and nothing in the cluster changes.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def _main() -> int:
     parser.add_argument("--adam-eps", type=float, default=None,
                         help="AdamW's eps (default: AdamWConfig's); a large one such as 1.0 "
                              "keeps rounding differences from growing over a long run")
+    parser.add_argument("--abandon", default=None, metavar="NODE:LOCAL_RANK:STEP",
+                        help="that worker abandons the last wait of STEP once (injected)")
     args = parser.parse_args()
     gates = {int(g.split(":", 1)[0]): g.split(":", 1)[1] for g in args.gate}
     if args.pause_at is not None and args.release:
@@ -121,6 +126,12 @@ def _main() -> int:
                     raise TimeoutError(f"gate file {gate} did not appear in {limit:.0f}s")
                 time.sleep(0.02)
 
+    injector = None
+    if args.abandon:
+        node, lr, at = args.abandon.rsplit(":", 2)
+        if (node, lr) == (os.environ["HSPMD_NODE_ID"], os.environ["LOCAL_RANK"]):
+            injector = _abandon_last_wait_of(int(at))
+
     t = args.timeout
     try:
         result = run(config, sample=synthetic_sampler(config, args.data_seed),
@@ -129,13 +140,31 @@ def _main() -> int:
                      AdamWConfig(eps=args.adam_eps),
                      timeouts=RuntimeTimeouts(plan_wait_s=t, comm_s=args.comm_timeout or t,
                                               regroup_s=t, finish_s=t),
-                     on_step=on_step)
+                     on_step=on_step, fault_injector=injector)
     finally:
         for log_file in (sample_log, progress):
             if log_file is not None:
                 log_file.close()
     write_result(args.out, device, result)
     return 0
+
+
+def _abandon_last_wait_of(step: int):
+    """A fault injector: the last wait of ``step`` (it has as many as the step before) raises
+    ``CommTimeoutError``, once in this process."""
+    from hspmd_elastic.graph.comm import CommTimeoutError
+
+    waits: dict[int, int] = {}
+    fired = []
+
+    def inject(at: int, what: str) -> None:
+        waits[at] = waits.get(at, 0) + 1
+        if at == step and not fired and waits[at] == waits.get(at - 1, -1):
+            fired.append(what)
+            logging.warning("injected: abandoning %s in step %d", what, at)
+            raise CommTimeoutError(f"injected failure of {what} in step {at}")
+
+    return inject
 
 
 def write_result(out_dir: str, device: str, result) -> None:
