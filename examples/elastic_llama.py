@@ -10,6 +10,7 @@ trains on global samples ``[s*B, (s+1)*B)``, so the result does not depend on th
         --rdzv-endpoint etcd-host:2379 --rdzv-id job42 \
         --hspmd-elastic --hspmd-model model.json --hspmd-global-batch 8 \
         examples/elastic_llama.py --config model.json --steps 200 --global-batch 8 \
+        --data /shared/tokens/train.bin --data-dtype uint16 \
         --checkpoint-dir /shared/ckpt --checkpoint-every 50 --out /shared/final
 
 ``--config model.json`` is a ``ModelConfig`` JSON file (``ModelConfig.to_json()``), the same file
@@ -20,6 +21,13 @@ without it the model comes from ``--layers``/``--hidden``/``--heads``/``--seq-le
 With ``--checkpoint-dir`` the workers also write sharded checkpoints asynchronously; they are read
 only when a switch finds state that no surviving worker holds (e.g. the only copy of a pipeline
 stage died). ``--out DIR`` writes each worker's final parameter shards (``<device>.pt``).
+
+The tokens are synthetic (row ``i`` depends on ``--seed`` and ``i``) unless ``--data PATH`` names
+a flat token file or a directory of ``*.bin`` shards (docs/data.md): every worker gets the same
+arguments, so every worker reads the same path (a shared or identical copy on each node), and
+sample ``i`` is the same window of it under every plan. ``--data-dtype uint16|uint32`` gives the
+token dtype when no sidecar (``PATH.json``, ``PATH/dataset.json``) does; ``--seed`` also keys the
+order of the windows. A bad file is one line naming the bad value, exit code 2.
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 import torch
 
+from hspmd_elastic.data import DTYPES, DataError, token_sampler
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
@@ -48,6 +58,10 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", help="token file or directory of *.bin shards "
+                        "(default: synthetic tokens)")
+    parser.add_argument("--data-dtype", choices=sorted(DTYPES),
+                        help="token dtype of --data (default: its sidecar's)")
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--out", help="directory for each worker's final parameter shards")
@@ -61,7 +75,14 @@ def main() -> int:
         config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                              num_heads=args.heads, num_layers=args.layers,
                              ffn_size=4 * args.hidden, seq_len=args.seq_len, dtype="float32")
-    sample = synthetic_sampler(config, seed=args.seed)  # row i depends on (seed, i) only
+    if args.data:
+        try:  # checks the files, the dtype and that one sample fits; ids are checked as read
+            sample = token_sampler(config, args.data, args.data_dtype, seed=args.seed)
+        except DataError as exc:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        sample = synthetic_sampler(config, seed=args.seed)  # row i depends on (seed, i) only
 
     def on_step(info):
         if info.rank == 0 and info.step % 10 == 0:
@@ -71,10 +92,14 @@ def main() -> int:
         logging.info("switched to plan v%d, resuming at step %d: %s", timings.to_version,
                      timings.resume_step, timings.numeric())
 
-    result = run(config, sample=sample, global_batch=args.global_batch, steps=args.steps,
-                 optim=AdamWConfig(lr=args.lr), seed=args.seed,
-                 checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                 timeouts=RuntimeTimeouts(), on_step=on_step, on_switch=on_switch)
+    try:
+        result = run(config, sample=sample, global_batch=args.global_batch, steps=args.steps,
+                     optim=AdamWConfig(lr=args.lr), seed=args.seed,
+                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                     timeouts=RuntimeTimeouts(), on_step=on_step, on_switch=on_switch)
+    except DataError as exc:  # an out-of-vocabulary id in a sample this worker read
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     logging.info("worker %s: %s after %d steps (plan v%d, %d switches)",
                  os.environ.get("HSPMD_NODE_ID", "?") + ":" + os.environ.get("LOCAL_RANK", "?"),
                  result.state.value, result.steps_done, result.plan_version,
