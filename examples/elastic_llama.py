@@ -75,6 +75,10 @@ def main() -> int:
         config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                              num_heads=args.heads, num_layers=args.layers,
                              ffn_size=4 * args.hidden, seq_len=args.seq_len, dtype="float32")
+    if args.data_dtype and not args.data:
+        print(f"{parser.prog}: error: --data-dtype {args.data_dtype} needs --data PATH",
+              file=sys.stderr)
+        return 2
     if args.data:
         try:  # checks the files, the dtype and that one sample fits; ids are checked as read
             sample = token_sampler(config, args.data, args.data_dtype, seed=args.seed)

@@ -1,7 +1,8 @@
 """Token datasets on disk (hspmd_elastic/data.py): the documented window mapping, the same global
 batch rows under every plan, a shard directory equal to the one file it splits, reads that touch
 only the sample's window, the bad-file errors, the CLI, and examples/elastic_llama.py trained on a
-token file by two gloo workers under two plans, equal to the dense reference."""
+token file by two gloo workers under two plans, equal to the dense reference, or stopped in one
+line by an out-of-vocabulary id."""
 
 from __future__ import annotations
 
@@ -291,3 +292,20 @@ def test_the_example_trains_on_a_token_file_to_the_reference_under_any_plan(
     for name, ref in want.items():
         diff = (got[name] - ref).abs().max().item()
         assert diff <= 1e-9, f"{plan} {name}: max |elastic - reference| = {diff:g}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_an_out_of_vocab_id_stops_the_worker_with_one_line(elastic_job, tmp_path):
+    path = tmp_path / "wide.bin"
+    write_token_file(str(path), [np.full(200, MODEL.vocab_size + 8)], "uint16")
+    config_file = tmp_path / "model.json"
+    config_file.write_text(MODEL.to_json())
+    job = elastic_job({})
+    job.spawn("n0:0", script=_example(path, config_file, tmp_path / "final"))
+    job.publish(simple_plan(num_layers=2, global_batch=4), ["n0:0"], reason="start")
+    assert job.procs["n0:0"].wait(timeout=40) == 2, job.log("n0:0")
+    first = token_sampler(MODEL, str(path), seed=3).window(0) * L  # sample 0's first token
+    errors = [line for line in job.log("n0:0").splitlines() if "error: " in line]
+    assert errors == [f"elastic_llama.py: error: sample 0: token id 40 (token {first} of "
+                      f"'{path}') is not below vocab_size=32"], job.log("n0:0")
