@@ -18,7 +18,11 @@ through the BSR like any joiner (the fence is the plan version: see ``_left_out_
 
 The worker computes where ``hspmd_elastic.devices.select_device`` puts it (``HSPMD_DEVICE``:
 ``cuda:<LOCAL_RANK>`` when CUDA is available and allowed, else the CPU); its model, optimizer
-state, undo copy and BSR buffers live there, and its process groups use that device's backend.
+state, undo copy and BSR buffers live there (``run(undo="host")`` keeps the undo copy in host
+memory instead, ``undo="off"`` keeps none), and its process groups use that device's backend.
+A rank materialises only the rows of each global batch it reads (``rows_at`` over
+``SpecializedModel.batch_rows()``: its pipeline's rows on a first or last stage, none on a middle
+stage), so ``sample`` is called for those indices only.
 
 Progress goes to a ``ProgressReporter`` (default: ``HSPMD_PROGRESS_FILE`` if set, else nothing);
 the etcd worker key belongs to the node agent. Hooks for tests and tools: ``on_step(info)`` after
@@ -51,7 +55,8 @@ from hspmd_elastic.graph.comm import CommTimeoutError
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.reshard import ReshardCommError
-from hspmd_elastic.switch import GraphSwitch, Held, SwitchTimeouts, check_global_batch
+from hspmd_elastic.switch import (UNDO_MODES, GraphSwitch, Held, SwitchTimeouts,
+                                  check_global_batch)
 
 log = logging.getLogger("hspmd_elastic.runtime")
 
@@ -99,7 +104,17 @@ def synthetic_sampler(config: ModelConfig, seed: int = 0) -> Sampler:
 
 
 def global_batch_at(sample: Sampler, step: int, global_batch: int) -> torch.Tensor:
-    return torch.stack([sample(step * global_batch + i) for i in range(global_batch)])
+    """The whole global batch of ``step`` (references and tests; a rank reads ``rows_at``)."""
+    return rows_at(sample, step, global_batch, (0, global_batch))
+
+
+def rows_at(sample: Sampler, step: int, global_batch: int, rows: tuple[int, int]) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of ``step``'s global batch: only ``sample(step * global_batch + i)``
+    for ``lo <= i < hi`` is called; no rows give an empty [0, 0] tensor."""
+    lo, hi = rows
+    if hi <= lo:
+        return torch.empty((0, 0), dtype=torch.int64)
+    return torch.stack([sample(step * global_batch + i) for i in range(lo, hi)])
 
 
 def gather_full(pieces: list[dict[str, tuple[tuple, torch.Tensor]]],
@@ -125,7 +140,8 @@ class _Context(logging.LoggerAdapter):
 
 class _Worker:
     def __init__(self, identity, config, sample, global_batch, steps, optim, seed, timeouts,
-                 reporter, on_step, on_switch, checkpoint_dir, checkpoint_every, fault_injector):
+                 reporter, on_step, on_switch, checkpoint_dir, checkpoint_every, fault_injector,
+                 undo="device"):
         try:
             device = select_device(identity.device_setting, identity.local_rank)
         except DeviceSettingError as exc:
@@ -155,7 +171,7 @@ class _Worker:
         self.switcher = GraphSwitch(
             identity, self.client, self.plans, self.former, self.watchdog, config, optim, seed,
             SwitchTimeouts(regroup_s=timeouts.regroup_s, comm_s=timeouts.comm_s),
-            checkpoints=writer, checkpoint_dir=checkpoint_dir)
+            checkpoints=writer, checkpoint_dir=checkpoint_dir, undo=undo)
         self._rate = (time.monotonic(), 0)
 
     # ------------------------------------------------------------------------ main loop
@@ -279,7 +295,8 @@ class _Worker:
         held = self.held
         try:
             while self.step < self.steps:
-                batch = global_batch_at(self.sample, self.step, self.global_batch)
+                batch = rows_at(self.sample, self.step, self.global_batch,
+                                held.model.batch_rows())
                 self.watchdog.check(f"step {self.step}")
                 loss = held.train_step(batch)
                 self.result.losses[self.step] = loss
@@ -359,17 +376,22 @@ def run(config: ModelConfig, *, sample: Sampler, global_batch: int, steps: int,
         on_step: Optional[Callable[[StepInfo], None]] = None,
         on_switch: Optional[Callable[[SwitchTimings], None]] = None,
         identity: Optional[WorkerIdentity] = None,
-        fault_injector: Optional[Callable[[int, str], None]] = None) -> RunResult:
+        fault_injector: Optional[Callable[[int, str], None]] = None,
+        undo: str = "device") -> RunResult:
     """Train ``steps`` steps of ``global_batch`` rows elastically (see the module docstring).
 
+    ``undo`` is where the one-step undo copy lives (``switch.Held``): ``"device"`` (with the
+    model), ``"host"`` (host memory, for an accelerator short of memory) or ``"off"``.
     ``fault_injector(step, what)`` is a seam for fault tests: it is called before every
     communication wait; raising ``CommTimeoutError`` there makes that wait fail."""
     if steps < 0 or global_batch < 1:
         raise ConfigurationError(f"steps={steps} must be >= 0 and global_batch={global_batch} "
                                  ">= 1")
+    if undo not in UNDO_MODES:
+        raise ConfigurationError(f"undo={undo!r}; valid: {', '.join(map(repr, UNDO_MODES))}")
     if checkpoint_every and not checkpoint_dir:
         raise ConfigurationError("checkpoint_every is set but checkpoint_dir is not")
     worker = _Worker(identity or WorkerIdentity.from_env(), config, sample, global_batch, steps,
                      optim, seed, timeouts, reporter or reporter_from_env(), on_step, on_switch,
-                     checkpoint_dir, checkpoint_every, fault_injector)
+                     checkpoint_dir, checkpoint_every, fault_injector, undo)
     return worker.run()

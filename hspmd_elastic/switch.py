@@ -67,15 +67,27 @@ from hspmd_elastic.reshard.executor import execute_fused
 log = logging.getLogger(__name__)
 
 
+UNDO_MODES = ("device", "host", "off")
+
+
 @dataclass
 class Held:
-    """What a rank holds between switches: its plan, its model and a one-step undo copy, both on
-    the model's device (``model.device``: the undo buffers are copies of its state tensors).
+    """What a rank holds between switches: its plan, its model and a one-step undo copy.
+
+    ``undo_mode`` says where the undo copy lives (``UNDO_MODES``): ``"device"`` (the default) on
+    the model's device (``model.device``), ``"host"`` in host memory (pinned when the model is on
+    CUDA; copied asynchronously, waited for only when the copy is read), ``"off"``: none. The
+    copy costs one more set of the state tensors: parameters and both AdamW moments, 3 x the
+    dtype's bytes per parameter (12 B in float32) on the device or on the host. Without it, a
+    rank one step ahead in a switch cannot present the resume step: it is no owner, and a slice
+    nobody else holds falls back to a checkpoint or fails naming the missing undo copy (see
+    ``GraphSwitch._fallback``), never a different state.
 
     ``train_step`` keeps the undo copy cheaply: the state is copied once the step's
     communication succeeded (a failed step copies nothing), into the same buffers every step
     (no allocation; live state plus one copy in memory). The copy itself, parameters and both
-    AdamW moments, stays: about one optimizer update's worth of memory traffic per step.
+    AdamW moments, stays: about one optimizer update's worth of memory traffic per step
+    (``"host"``: that much over the host link instead).
     ``snapshot`` + ``commit`` is the allocating form of the same (a fresh copy per step).
     """
 
@@ -84,15 +96,32 @@ class Held:
     devices: list[str]
     model: SpecializedModel
     undo: Optional[tuple[int, dict[str, torch.Tensor]]] = None
+    undo_mode: str = "device"
+    _undo_ready: Optional[object] = None  # CUDA event: the host copy has landed
+
+    def __post_init__(self) -> None:
+        if self.undo_mode not in UNDO_MODES:
+            raise ConfigurationError(f"undo={self.undo_mode!r}; valid: "
+                                     f"{', '.join(repr(m) for m in UNDO_MODES)}")
 
     @property
     def step(self) -> int:
         return int(self.model.optimizer.step_count)
 
+    @property
+    def _on_host(self) -> bool:
+        return self.undo_mode == "host" and self.model.device.type != "cpu"
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._on_host:
+            return t.detach().clone()
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.model.device.type == "cuda")
+        return out.copy_(t.detach())
+
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """A copy of the state at the current step; it becomes ``undo`` once the step that
         follows completes (``commit``), so a failed step keeps the previous undo copy."""
-        return (self.step, {n: t.detach().clone()
+        return (self.step, {n: self._copy(t)
                             for n, (t, _ann) in self.model.state_tensors().items()})
 
     def commit(self, snapshot: tuple[int, dict[str, torch.Tensor]]) -> None:
@@ -100,7 +129,8 @@ class Held:
 
     def train_step(self, batch: torch.Tensor) -> float:
         """One training step; the undo copy becomes the state before it once it commits."""
-        return self.model.step(batch, before_update=self._keep_undo)
+        keep = None if self.undo_mode == "off" else self._keep_undo
+        return self.model.step(batch, before_update=keep)
 
     @torch.no_grad()
     def _keep_undo(self) -> None:
@@ -110,17 +140,26 @@ class Held:
                 buffers[n].shape != t.shape for n, (t, _ann) in live.items()):
             self.undo = self.snapshot()
             return
+        host = self._on_host
         for name, (tensor, _ann) in live.items():
-            buffers[name].copy_(tensor)
+            buffers[name].copy_(tensor, non_blocking=host)
+        if host and self.model.device.type == "cuda":
+            # the update that follows is ordered after the copy on the stream; a reader of the
+            # host buffers waits for this event (``tensors_at``)
+            self._undo_ready = torch.cuda.Event()
+            self._undo_ready.record()
         self.undo = (step, buffers)
 
     def tensors_at(self, step: int) -> dict[str, torch.Tensor]:
         if self.step == step:
             return {n: t for n, (t, _ann) in self.model.state_tensors().items()}
         if self.undo is not None and self.undo[0] == step:
+            if self._undo_ready is not None:
+                self._undo_ready.synchronize()
             return self.undo[1]
-        raise SwitchError(f"rank holds steps {self.step} and "
-                          f"{self.undo[0] if self.undo else None}, not {step}")
+        kept = (f"{self.undo[0] if self.undo else None}" if self.undo_mode != "off"
+                else "none (the undo copy is off)")
+        raise SwitchError(f"rank holds step {self.step} and undo step {kept}, not {step}")
 
 
 @dataclass(frozen=True)
@@ -155,7 +194,11 @@ class GraphSwitch:
                  optim: AdamWConfig, seed: int, timeouts: SwitchTimeouts,
                  checkpoints: Optional[CheckpointWriter] = None,
                  checkpoint_dir: Optional[str] = None,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time, undo: str = "device"):
+        if undo not in UNDO_MODES:
+            raise ConfigurationError(f"undo={undo!r}; valid: "
+                                     f"{', '.join(repr(m) for m in UNDO_MODES)}")
+        self.undo = undo
         self.identity, self.client, self.plans = identity, client, plans
         self.former, self.watchdog = former, watchdog
         self.config, self.optim, self.seed, self.timeouts = config, optim, seed, timeouts
@@ -226,8 +269,8 @@ class GraphSwitch:
         timings.resume_step = resume
         timings.total_s = time.monotonic() - start
         self._report(record, rank, timings)
-        return SwitchResult(Held(record.version, plan, list(record.devices), model), rank,
-                            resume, timings)
+        return SwitchResult(Held(record.version, plan, list(record.devices), model,
+                                 undo_mode=self.undo), rank, resume, timings)
 
     def _superseded(self, version: int) -> Callable[[], bool]:
         """True once a plan newer than ``version`` is known (a lock-only check)."""
@@ -324,21 +367,23 @@ class GraphSwitch:
         """Some slice has no live owner: the whole job goes back to the newest checkpoint
         every rank sees, every slice from that step (no survivor's newer state is mixed in)."""
         ckpt = agree.checkpoint_step(holdings) if self.checkpoint_dir else agree.NO_STEP
+        undo = _missing_undo(holdings, held_step)
+        lost = f"{undo}: {exc}" if undo else str(exc)
         if ckpt < 0:
             why = ("no checkpoint directory is configured" if not self.checkpoint_dir
                    else f"no complete checkpoint in {self.checkpoint_dir}")
-            self._event("switch-failed", rank, record, {"error": str(exc), "why": why})
+            self._event("switch-failed", rank, record, {"error": lost, "why": why})
             raise UnrecoverableStateError(
-                f"plan v{record.version}: {exc}; {why}, so the job cannot continue") from exc
+                f"plan v{record.version}: {lost}; {why}, so the job cannot continue") from exc
         timings.source = "checkpoint"
         redone = max(held_step - ckpt, 0)
-        why = str(exc).splitlines()[0]
+        why = lost.splitlines()[0]
         log.warning("plan v%d rank %d: back to the checkpoint of step %d, %d step(s) redone: %s",
                     record.version, rank, ckpt, redone, why)
         state = self._read_checkpoint(ckpt, plan, rank, timings)
         log.info("plan v%d rank %d: read %d B of checkpoint step %d (its own slices)",
                  record.version, rank, timings.extra["checkpoint_bytes_read"], ckpt)
-        self._event("fallback", rank, record, {"error": str(exc), "checkpoint_step": ckpt,
+        self._event("fallback", rank, record, {"error": lost, "checkpoint_step": ckpt,
                                                "steps_redone": redone})
         return state, ckpt
 
@@ -376,6 +421,17 @@ class GraphSwitch:
         except CoordinationError as exc:
             log.warning("plan v%d: could not append the %s event: %s", record.version, type_,
                         exc)
+
+
+def _missing_undo(holdings: list[agree.Holding], resume: int) -> str:
+    """Why holders one step ahead could not present ``resume`` (they keep no undo copy), or
+    ''."""
+    ahead = [r for r, h in enumerate(holdings)
+             if h.version > 0 and h.step == resume + 1 and h.undo_step == agree.NO_STEP]
+    if not ahead:
+        return ""
+    return (f"rank(s) {ahead} are at step {resume + 1} and keep no undo copy of step {resume} "
+            "(undo='off')")
 
 
 def check_global_batch(plan: Plan, global_batch: int) -> None:

@@ -158,11 +158,15 @@ class Comm:
             raise CommTimeoutError(f"{what} failed: {str(exc).splitlines()[0][:200]}") from exc
 
     # ---- collectives (synchronous from the caller's view, waited through the waiter) -------
-    def all_reduce(self, tensor: torch.Tensor, devices: Sequence[int]) -> torch.Tensor:
-        """Sum ``tensor`` in place over ``devices`` (a no-op on one device)."""
+    def all_reduce(self, tensor: torch.Tensor, devices: Sequence[int],
+                   op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` in place over ``devices`` with ``op`` ("sum" or "max"; a no-op on
+        one device)."""
         if len(devices) > 1:
-            what = f"all_reduce over {tuple(sorted(devices))}"
-            work = self.post(lambda: dist.all_reduce(tensor, group=self.group(devices),
+            what = f"all_reduce{'' if op == 'sum' else f'({op})'} over {tuple(sorted(devices))}"
+            reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            work = self.post(lambda: dist.all_reduce(tensor, op=reduce_op,
+                                                     group=self.group(devices),
                                                      async_op=True), what)
             self.wait(work, what)
         return tensor

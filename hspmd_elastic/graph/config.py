@@ -33,7 +33,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    # dtype: parameters (the master weights), their gradients and the AdamW moments, hence every
+    # state tensor a switch moves. compute_dtype: the matrix products of forward and backward
+    # (torch.autocast); None computes in dtype. "bfloat16" is mixed precision: see model.py.
     dtype: str = "float64"
+    compute_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_heads", "num_layers", "ffn_size", "seq_len"):
@@ -46,13 +50,31 @@ class ModelConfig:
             raise ModelConfigError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.dtype not in ("float32", "float64"):
             raise ModelConfigError(f"dtype={self.dtype!r}; valid: 'float32', 'float64'")
+        valid = (self.dtype, "bfloat16") if self.dtype == "float32" else (self.dtype,)
+        if self.compute_dtype is not None and self.compute_dtype not in valid:
+            raise ModelConfigError(
+                f"compute_dtype={self.compute_dtype!r} with dtype={self.dtype!r}; valid: "
+                f"{', '.join(repr(v) for v in valid)} or None (bfloat16 needs float32 "
+                "master weights)")
+
+    @property
+    def math_dtype(self) -> str:
+        """The dtype the matrix products run in (``compute_dtype``, else ``dtype``)."""
+        return self.compute_dtype or self.dtype
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.math_dtype != self.dtype
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
     def to_json(self) -> str:
-        return json.dumps({"schema": 1, **asdict(self)}, sort_keys=True)
+        data = asdict(self)
+        if data["compute_dtype"] is None:  # configs without it read and write as before
+            del data["compute_dtype"]
+        return json.dumps({"schema": 1, **data}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "ModelConfig":

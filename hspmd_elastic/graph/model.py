@@ -6,11 +6,22 @@ norm with the LM head when it is the last stage. Parameter names are the global 
 ``config.param_specs`` (``layers.3.attn.wq.weight``) whatever the slice, so the plan, the
 initialiser and resharding all speak of the same tensors. Parameters are allocated empty; values
 come from ``init.py`` or from received shards.
+
+Attention is ``F.scaled_dot_product_attention`` (causal), which picks a fused kernel where the
+device and dtype have one. The last stage returns its TP rank's vocabulary shard of the logits;
+``token_loss_sum`` turns them into losses with ``vocab_parallel_cross_entropy``, so full-vocabulary
+logits never exist under TP.
+
+Precision (``ModelConfig.dtype`` / ``compute_dtype``): parameters, gradients and optimizer state
+are in ``dtype`` (the master weights). With ``compute_dtype="bfloat16"`` the stage runs under
+``torch.autocast`` (``compute_context``): matrix products and attention take bfloat16 copies of
+their inputs and weights, while the residual stream, norms, the embedding lookup and the loss
+stay in float32, so activations between stages and every gradient are float32.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +29,21 @@ from torch import nn
 
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear,
-                                        TPGroup, VocabParallelEmbedding, enter_tp)
+                                        TPGroup, VocabParallelEmbedding, enter_tp,
+                                        vocab_parallel_cross_entropy)
 
 
 def torch_dtype(config: ModelConfig) -> torch.dtype:
+    """The dtype of parameters, gradients, optimizer state and inter-stage activations."""
     return getattr(torch, config.dtype)
+
+
+def compute_context(config: ModelConfig, device: torch.device | str):
+    """Where a forward pass runs: autocast to ``compute_dtype`` for mixed precision, else
+    nothing (backward passes run outside it, in the dtypes their forward chose)."""
+    if not config.mixed_precision:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=getattr(torch, config.math_dtype))
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype):
@@ -34,7 +55,9 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]."""
+    """x: [batch, heads, seq, head_dim]; the tables are cast to x's dtype (bfloat16 under
+    autocast)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -61,10 +84,8 @@ class Attention(nn.Module):
         q = apply_rope(heads(self.wq(x)), cos, sin)
         k = apply_rope(heads(self.wk(x)), cos, sin)
         v = heads(self.wv(x))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
-        out = (probs @ v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.wo(out)
 
 
@@ -99,7 +120,8 @@ class StageModule(nn.Module):
     """Layers ``[start, stop)`` on one TP group, plus the embedding / head at the model's ends.
 
     Forward takes token ids on the first stage, hidden states [batch, seq, hidden] otherwise, and
-    returns logits [batch, seq, vocab] (duplicated in the TP group) on the last stage.
+    returns this TP rank's logits [batch, seq, vocab / tp] (vocabulary columns from
+    ``vocab_start``) on the last stage.
     """
 
     def __init__(self, config: ModelConfig, layers: tuple[int, int], tp: TPGroup, *,
@@ -113,7 +135,8 @@ class StageModule(nn.Module):
         if last:
             self.norm = RMSNorm(config.hidden_size, config.norm_eps, dtype=dt)
             self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, tp,
-                                                gather_output=True, dtype=dt)
+                                                dtype=dt)
+            self.vocab_start = tp.index * (config.vocab_size // tp.size)
         cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta, dt)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -129,7 +152,13 @@ class StageModule(nn.Module):
         return x
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross-entropies; the caller divides by the global token count."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           reduction="sum")
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup,
+                   vocab_start: int = 0) -> torch.Tensor:
+    """Sum of token cross-entropies of the last stage's logits (this TP rank's vocabulary columns
+    from ``vocab_start``); the same value on every TP rank. The caller divides by the global
+    token count. Low-precision logits are reduced in float32."""
+    if tp.size == 1:
+        logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               reduction="sum")
+    return vocab_parallel_cross_entropy(logits, targets, tp, vocab_start).sum()

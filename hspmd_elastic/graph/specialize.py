@@ -2,7 +2,8 @@
 
 ``SpecializedModel.build(config, plan, rank, seed=...)`` initialises the rank's shards from the
 seed; ``build(..., state=tensors)`` binds given shards instead (after a reshard), without
-initialising. ``step(global_batch)`` runs one training step: this pipeline's slice of the batch
+initialising. ``step(batch)`` runs one training step on the global batch or on just the rows
+``batch_rows()`` names (a middle stage needs none): this pipeline's slice of the batch
 through the 1F1B schedule, gradient synchronisation across pipelines, AdamW on local shards, and
 returns the global mean loss (the same value on every rank). A step that fails in communication
 changes no state, so the runtime can rerun it after a switch; ``step(batch, before_update=f)``
@@ -34,11 +35,21 @@ from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.graph.gradsync import sync_gradients, sync_ops
 from hspmd_elastic.graph.init import full_param, shard
 from hspmd_elastic.graph.layers import TPGroup
-from hspmd_elastic.graph.model import StageModule, token_loss_sum, torch_dtype
+from hspmd_elastic.graph.model import StageModule, compute_context, token_loss_sum, torch_dtype
 from hspmd_elastic.graph.optim import AdamWConfig, ShardedAdamW
 from hspmd_elastic.graph.pipeline import StageLinks, one_f_one_b, run_schedule
 from hspmd_elastic.graph.state import EXP_AVG, EXP_AVG_SQ, STEP, state_specs
 from hspmd_elastic.plan import Plan
+
+
+def rank_rows(plan: Plan, rank: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of the global batch ``rank`` reads under ``plan``: its pipeline's
+    rows on a first or last stage (tokens in, targets out), none (``lo == hi``) on a middle
+    stage, which only receives activations."""
+    where = plan.locate(rank)
+    lo, hi = plan.batch_rows(where.pipeline)
+    ends = where.stage in (0, len(plan.pipelines[where.pipeline].stages) - 1)
+    return (lo, hi) if ends else (lo, lo)
 
 
 class StateError(GraphError):
@@ -101,27 +112,35 @@ class SpecializedModel:
                           self.tp.index))
 
     # ---- training ------------------------------------------------------------------------
+    def batch_rows(self) -> tuple[int, int]:
+        """The rows of the global batch this rank reads (``rank_rows``)."""
+        return rank_rows(self.plan, self.rank)
+
     def step(self, batch: torch.Tensor,
              before_update: Optional[Callable[[], None]] = None) -> float:
-        """One optimizer step on the global batch [global_batch, seq+1]; the global mean loss.
+        """One optimizer step; the global mean loss. ``batch`` is the global batch
+        [global_batch, seq+1] or only this rank's rows ``batch_rows()`` (what a rank needs to
+        materialise).
 
         ``before_update()`` runs after the step's last communication, before the update."""
-        self._check_batch(batch)
+        batch, first_row = self._local_batch(batch)
         batch = batch.to(self.device, non_blocking=True)
         self.optimizer.zero_grad()
         pi = self.placement.pipeline
         mb = self.pipeline.microbatch_size
         tokens = self.config.seq_len * self.plan.global_batch
+        head = self.module if self.module.last else None
 
         def rows(m):
             lo, hi = self.plan.microbatch_rows(pi, m)
-            return batch[lo:hi]
+            return batch[lo - first_row:hi - first_row]
 
         def forward(m, x):
-            return self.module(rows(m)[:, :-1] if x is None else x)
+            with compute_context(self.config, self.device):
+                return self.module(rows(m)[:, :-1] if x is None else x)
 
         def loss_of(m, logits):
-            return token_loss_sum(logits, rows(m)[:, 1:]) / tokens
+            return token_loss_sum(logits, rows(m)[:, 1:], self.tp, head.vocab_start) / tokens
 
         dtype = torch_dtype(self.config)
         loss = run_schedule(self._schedule, self._links, self.comm, forward=forward,
@@ -146,11 +165,17 @@ class SpecializedModel:
         mine = loss if last and self.placement.tp_rank == 0 else torch.zeros_like(loss)
         return float(self.comm.all_reduce(mine.reshape(1).clone(), self.plan.devices)[0])
 
-    def _check_batch(self, batch: torch.Tensor) -> None:
-        want = (self.plan.global_batch, self.config.seq_len + 1)
-        if tuple(batch.shape) != want:
-            raise GraphError(f"batch shape {tuple(batch.shape)}; expected {want} "
-                             "(global_batch, seq_len + 1)")
+    def _local_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``batch`` and the global index of its first row."""
+        lo, hi = self.batch_rows()
+        width = self.config.seq_len + 1
+        if tuple(batch.shape) == (self.plan.global_batch, width):
+            return batch, 0
+        if tuple(batch.shape) == (hi - lo, width) or (hi == lo and batch.numel() == 0):
+            return batch, lo
+        raise GraphError(f"batch shape {tuple(batch.shape)}; expected "
+                         f"{(self.plan.global_batch, width)} (global_batch, seq_len + 1) or "
+                         f"{(hi - lo, width)} (this rank's rows [{lo}, {hi}))")
 
     # ---- state for resharding ------------------------------------------------------------
     def state_tensors(self) -> dict[str, tuple[torch.Tensor, object]]:
