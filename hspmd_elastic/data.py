@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import operator
 import os
 import sys
 from dataclasses import dataclass
@@ -157,6 +158,8 @@ class TokenShards:
         if not 0 <= start <= stop <= self.num_tokens:
             raise DataError(f"token range [{start}, {stop}) is outside [0, {self.num_tokens}) "
                             f"of {self.path!r}")
+        if start == stop:
+            return np.empty(0, dtype=self.dtype)
         pieces = []
         k = bisect.bisect_right(self._starts, start) - 1
         while start < stop:
@@ -239,6 +242,7 @@ class TokenSampler:
         self.order = WindowOrder(self.num_windows, seed) if shuffle else None
 
     def window(self, index: int) -> int:
+        index = operator.index(index)  # numpy integers too; exact Python integer arithmetic
         if index < 0:
             raise DataError(f"sample index {index} must be >= 0")
         position, epoch = index % self.num_windows, index // self.num_windows
@@ -358,7 +362,7 @@ def _check(args) -> int:
             raise DataError(f"token id {int(part[first - lo])} (token {at} of {shard.path!r}) "
                             f"is not below vocab_size={vocab}")
         top = max(top, int(part.max()) if part.size else -1)
-    windows = (shards.num_tokens - 1) // args.seq_len if args.seq_len else None
+    windows = max(0, (shards.num_tokens - 1) // args.seq_len) if args.seq_len else None
     print(f"{args.path}: {len(shards.shards)} shard(s), {shards.num_tokens} {shards.dtype_name} "
           f"tokens, largest id {top}" + (f", vocab_size {vocab}" if vocab is not None else "")
           + (f", {windows} samples of seq_len {args.seq_len}" if windows is not None else ""))

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from _elastic import CONFIG, ROOT, assemble
+from hspmd_elastic.data import (DataError, WindowOrder, memmap_opener, token_sampler,
+                                write_token_file, write_token_shards)
 from hspmd_elastic.data import main as data_cli
-from hspmd_elastic.data import (DataError, TokenSampler, TokenShards, WindowOrder, memmap_opener,
-                                token_sampler, write_token_file, write_token_shards)
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.graph.reference import reference_train
@@ -145,24 +145,27 @@ def test_a_shard_directory_reads_as_the_file_it_splits(tmp_path, token_file):
 def test_one_sample_reads_only_its_window_of_its_shard(tmp_path, token_file):
     _, tokens = token_file
     write_token_shards(str(tmp_path / "s"), tokens, 3, "uint16")  # 334, 334, 333 tokens
-    reads = []
+    opens, reads = [], []
 
     class Recording:
         def __init__(self, path, dtype, count):
             self.name, self.array = os.path.basename(path), memmap_opener(path, dtype, count)
+            opens.append(self.name)
 
         def __getitem__(self, key):
             reads.append((self.name, key.start, key.stop))
             return self.array[key]
 
     sample = token_sampler(MODEL, str(tmp_path / "s"), shuffle=False, opener=Recording)
-    assert reads == []  # opening the dataset reads no tokens
+    assert opens == reads == []  # opening the dataset maps and reads nothing
     window = 50  # tokens 400..408: inside shard 1
     assert torch.equal(sample(window), torch.from_numpy(tokens[400:409]))
     assert reads == [("shard-00001.bin", 66, 75)]  # exactly its 9 tokens, one slice
+    assert opens == ["shard-00001.bin"]
     reads.clear()
     assert torch.equal(sample(41), torch.from_numpy(tokens[328:337]))  # spans shards 0 and 1
     assert reads == [("shard-00000.bin", 328, 334), ("shard-00001.bin", 0, 3)]
+    assert opens == ["shard-00001.bin", "shard-00000.bin"]  # each mapped once, when first read
     # The other shards are never opened: with them gone, samples of shard 1 still read.
     fresh = token_sampler(MODEL, str(tmp_path / "s"), shuffle=False)
     os.remove(tmp_path / "s" / "shard-00000.bin")
@@ -213,12 +216,16 @@ def _bad(tmp_path, case):
         write_token_file(d + "/s.bin", [np.arange(20)], "uint32")
         return lambda: token_sampler(MODEL, d + "/s.bin", "uint16"), "sidecar '" + d + \
             "/s.bin.json' says 'uint32'"
+    if case == "bad sidecar":
+        with open(raw + ".json", "w") as f:
+            f.write('{"dtype": "uint16", "token": 101}')
+        return lambda: token_sampler(MODEL, raw), "has unknown key 'token'; valid: dtype, tokens"
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize("case", ["missing path", "empty directory", "wrong dtype", "truncated",
                                   "odd byte", "too short", "out of vocab", "no dtype",
-                                  "unknown dtype", "dtype disagrees with sidecar"])
+                                  "unknown dtype", "dtype disagrees with sidecar", "bad sidecar"])
 def test_a_bad_file_is_one_line_naming_the_bad_value(tmp_path, case):
     call, text = _bad(tmp_path, case)
     with pytest.raises(DataError) as err:
