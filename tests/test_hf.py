@@ -52,11 +52,8 @@ HETERO = Plan((Pipeline((Stage((0, 1), (0, 2)),), 1, 2),
 def tiny_llama(**overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    kw = dict(HF_KW, **overrides)
-    try:  # transformers >= 5 takes RoPE settings as rope_parameters
-        config = LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": THETA})
-    except TypeError:
-        config = LlamaConfig(**kw, rope_theta=THETA)
+    config = LlamaConfig(**HF_KW, **overrides,
+                         rope_parameters={"rope_type": "default", "rope_theta": THETA})
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float64).eval()
     with torch.no_grad():  # norm scales start at one: make them tell the layers apart
@@ -292,13 +289,19 @@ def test_tp2_and_pp2_load_train_and_export_like_transformers(saved, tmp_path):
     assert bool(columns.all())  # TP2's ranks gave every vocabulary column between them
     assert all(abs(r["losses"][0] - mean_ce(want, steps[0]).item()) <= TOL for r in results)
     trained = train_peer(saved.peer, steps, AdamWConfig())
+    theirs = dict(trained.named_parameters())
+    from hspmd_elastic.runtime import gather_full
+
+    tp2 = gather_full([results[0]["pieces"], results[1]["pieces"]],
+                      {n: s.shape for n, s in param_specs(saved.config).items()})
+    for name, hf in hf_names(saved.config).items():
+        assert max_diff(tp2[name], theirs[hf].detach()) <= TOL, name
     # Export from the plan's pieces: one replica of every slice is there (pipeline 1's ranks).
     out = str(tmp_path / "export")
     export_hf(out, saved.config, [results[2]["pieces"], results[3]["pieces"]],
               max_shard_size=4000)
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
     back = LlamaForCausalLM.from_pretrained(out).eval()
-    theirs = dict(trained.named_parameters())
     for name, value in back.named_parameters():
         assert max_diff(value.detach(), theirs[name].detach()) <= TOL, name
     batch = batches(1, seed=17)[0]
