@@ -4,7 +4,8 @@ over a real 2-rank TP group too), a rank samples only the rows it reads and stil
 the dense reference, the undo copy's modes, and bf16 compute with float32 master weights (it
 trains, its state stays float32, and a fused BSR moves that state between plans).
 
-The ``cuda`` case of the host undo copy carries the ``gpu`` marker and skips without CUDA."""
+The ``cuda`` cases (the host undo copy, bf16 training) carry the ``gpu`` marker and skip without
+CUDA (on a GPU machine: ``pytest -m gpu tests/test_graph_step_gpu_fit.py``)."""
 
 from __future__ import annotations
 
@@ -242,12 +243,13 @@ def test_compute_dtype_options_are_checked_in_one_line():
         ModelConfig(dtype="float32", compute_dtype="float16")
 
 
-def test_bf16_compute_trains_with_float32_master_weights_and_optimizer_state():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_compute_trains_with_float32_master_weights_and_optimizer_state(device):
     plan = simple_plan(num_layers=4, global_batch=GLOBAL_BATCH, num_microbatches=2)
     batch = global_batch_at(synthetic_sampler(BF16, 1), 0, GLOBAL_BATCH)
-    model = SpecializedModel.build(BF16, plan, 0, seed=SEED)
+    model = SpecializedModel.build(BF16, plan, 0, seed=SEED, device=device)
     exact = SpecializedModel.build(ModelConfig(**{**BF16.__dict__, "compute_dtype": None}), plan,
-                                   0, seed=SEED)
+                                   0, seed=SEED, device=device)
     losses = [model.step(batch) for _ in range(8)]
     first_exact = exact.step(batch)
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0] - 0.5, losses

@@ -3,12 +3,14 @@
 Modules:
   config.py      ModelConfig and the parameter table (names, full shapes, split dims): pure, no torch
   comm.py        the process groups a plan needs and every wait on them, with deadlines
-  layers.py      tensor-parallel layers (vocab-parallel embedding, column/row-parallel linear)
+  layers.py      tensor-parallel layers (vocab-parallel embedding, column/row-parallel linear,
+                 vocab-parallel cross-entropy)
   model.py       the one Llama-style decoder definition, built for a layer range and a TP group
+                 (SDPA attention; bf16 compute under autocast when ModelConfig.compute_dtype says)
   init.py        deterministic, plan-independent parameter initialisation from a seed
   pipeline.py    the 1F1B schedule (pure) and its execution with point-to-point activations
   gradsync.py    gradient synchronisation across pipelines of different layouts (split all-reduce)
-  optim.py       AdamW on local shards, state annotated like its parameters
+  optim.py       AdamW on local shards (torch._foreach_* ops), state annotated like its parameters
   state.py       names, full shapes, dtypes and annotations of a plan's training state (pure)
   specialize.py  SpecializedModel: build / load / step / state_tensors for one rank
   reference.py   the dense single-device semantics every specialization must reproduce
