@@ -59,7 +59,7 @@ ADAM_EPS = 1.0
 SCENARIOS = Path(__file__).resolve().parent.parent / "examples" / "scenarios"
 
 
-TAIL_STEPS = 60  # trained past the scenario's last trigger step
+TAIL_STEPS = 100  # trained past the scenario's last trigger step
 
 
 def steps_for(path: Path) -> int:

@@ -41,7 +41,8 @@ from typing import Any, Callable, Optional
 
 import psutil
 
-from hspmd_elastic.coord.api import CompareTarget, Compare, CoordinationError, PutOp, RecordError
+from hspmd_elastic.coord.api import (CompareTarget, Compare, CoordinationError, LeaseLostError,
+                                      PutOp, RecordError)
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord import journal, schema
@@ -222,7 +223,18 @@ class EtcdRendezvous:
         rec = schema.RdzvJoinRecord(node=self.node, host=self.host,
                                     local_world_size=self.local_world_size,
                                     node_rank=self.settings.node_rank, at=time.time())
-        self._call("join round", self.session.put, key, schema.encode(rec))
+        try:
+            self._call("join round", self.session.put, key, schema.encode(rec))
+        except RendezvousConnectionError as exc:
+            lost = exc.__cause__
+            if not (isinstance(lost, LeaseLostError) and lost.lease_id is None):
+                raise
+            # The lease is being re-granted (after an etcd outage or a partition): the session
+            # keeps the key and writes it under the new lease; the round's own deadline bounds
+            # the wait for it.
+            log.info("[%s] node %s joins round %d once its new lease is granted", self.job,
+                     self.node, rnd)
+            return
         log.info("[%s] node %s joined round %d", self.job, self.node, rnd)
 
     def forget_rounds_before(self, rnd: int) -> None:
