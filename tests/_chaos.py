@@ -81,7 +81,7 @@ class Pace:
     step_time: float = 0.1
     ttl: float = 2.0
     comm_s: float = 8.0
-    hang_s: float = 40.0
+    hang_s: float = 20.0
     timeout_s: float = 120.0
 
 
