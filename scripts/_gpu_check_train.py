@@ -1,7 +1,9 @@
 """The hspmd-aware worker of ``scripts/gpu_check``'s elastic jobs (``launcher/health/gpu_check_job.py``).
 
 Trains the project's decoder with ``hspmd_elastic.runtime.run`` on ``--config`` (the JSON the
-agent plans for). After every step it writes ``<out>/<node>_<local_rank>.progress.json``
+agent plans for; ``"compute_dtype": "bfloat16"`` there trains in bf16 with float32 master
+weights), with the undo copy where ``--undo`` says (``device``, ``host`` or ``off``). After
+every step it writes ``<out>/<node>_<local_rank>.progress.json``
 (pid, device, step, plan version, and ``holding`` while it waits at a hold); ``--hold STEP:FILE``
 (repeatable; ``{local_rank}`` in FILE is replaced) makes it wait, bounded by ``--timeout``, once
 its state reaches STEP, until FILE exists, so the check acts on a known state (a file that never
@@ -42,6 +44,8 @@ def _main() -> int:
     parser.add_argument("--hold", action="append", default=[], metavar="STEP:FILE")
     parser.add_argument("--timeout", type=float, default=60.0, help="each wait of the runtime")
     parser.add_argument("--comm-timeout", type=float, default=None)
+    parser.add_argument("--undo", choices=("device", "host", "off"), default="device",
+                        help="where the one-step undo copy lives (runtime.run's undo)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(message)s")
@@ -92,6 +96,7 @@ def _main() -> int:
     t = args.timeout
     result = run(config, sample=synthetic_sampler(config, 1), global_batch=args.global_batch,
                  steps=args.steps, seed=0, on_step=on_step, on_switch=on_switch,
+                 undo=args.undo,
                  timeouts=RuntimeTimeouts(plan_wait_s=t, comm_s=args.comm_timeout or t,
                                           regroup_s=t, finish_s=t))
     _write(os.path.join(args.out, f"{name}.json"), {

@@ -3,6 +3,12 @@
 Written independently of the parallel layers, as plain functions of a dict of full parameters, and
 trained with ``torch.optim.AdamW``: it is the oracle for the multi-process tests and a reading
 aid for the model. Loss: mean token cross-entropy over the whole global batch.
+
+It stays explicit where the model takes fast paths, so it checks them rather than sharing them:
+attention is softmax(QK^T / sqrt(d)) V with a causal mask (the model: ``F.scaled_dot_product_
+attention``), the loss is ``F.cross_entropy`` on full-vocabulary logits (the model: the
+vocabulary-parallel cross-entropy under TP), and the optimizer is ``torch.optim.AdamW`` with its
+per-tensor loop (the model: ``ShardedAdamW``'s foreach form).
 """
 
 from __future__ import annotations
