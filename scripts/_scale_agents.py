@@ -11,12 +11,13 @@
 elastic node agent puts in etcd, without workers: its own ``LeasedSession`` (real lease, real
 keep-alive every TTL/3), its node record (``launcher.node.devices.node_record``, 8 ``H100``
 devices, a loopback store endpoint that nothing dials), its device verdicts through the real
-``VerdictPublisher`` (re-published after a lease re-grant), a ``PrefixWatch`` on ``plan/current``
-of its own, and a switch ack (``launcher.node.acks.ack_state``: ``joined``, no worker ever
-reports) under its lease for each plan that uses it, old acks deleted as a real agent does.
-Every agent receives every plan on its own stream; the JSON of one revision is decoded once per
+``VerdictPublisher`` (re-published after a lease re-grant), a ``PrefixWatch`` on ``plan/head``
+of its own (the plan's head, as a real agent follows it: ``coord.plans``), and a switch ack
+(``launcher.node.acks.ack_state``: ``joined``, no worker ever reports) under its lease for each plan that uses it, old acks deleted as a real agent does.
+Every agent receives every head on its own stream; the JSON of one revision is decoded once per
 process (a real agent decodes on its own host; 1,000 decodes on a 2-core machine would measure
-the machine, not etcd).
+the machine, not etcd). Not simulated: a real agent's read of the head every 5 s besides its
+watch (``read_plan_head``: one small read and one compare).
 
 ``--lease process`` gives the agents of the process one shared lease (one keep-alive thread
 instead of one per agent) and ``--nice`` lowers the process's priority: for machines too small
@@ -53,6 +54,7 @@ from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent  # 
 from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
 from hspmd_elastic.coord.contract import node_of  # noqa: E402
 from hspmd_elastic.coord.lease import LeasedSession  # noqa: E402
+from hspmd_elastic.coord.plans import expand_runs  # noqa: E402
 from hspmd_elastic.coord.watch import PrefixWatch  # noqa: E402
 from launcher.health.api import Verdict  # noqa: E402
 from launcher.health.verdicts import VerdictPublisher  # noqa: E402
@@ -82,10 +84,10 @@ def agent_name(i: int) -> str:
 
 
 class PlanCache:
-    """One decode per ``plan/current`` revision per process, and who the plan uses."""
+    """One decode per ``plan/head`` revision per process, and who the plan uses."""
 
     def __init__(self, job: str):
-        self._key = schema.plan_current_key(job)
+        self._key = schema.plan_head_key(job)
         self._lock = threading.Lock()
         self._rev = -1
         self._plan = None
@@ -96,7 +98,7 @@ class PlanCache:
             if ev.revision != self._rev:
                 plan = schema.decode(self._key, ev.value)
                 nodes: dict[str, list[int]] = {}
-                for dev in plan.devices:
+                for dev in expand_runs(plan.devices):  # what node_ranks reads, once for all
                     node, _, index = dev.rpartition(":")
                     nodes.setdefault(node, []).append(int(index))
                 self._rev, self._plan, self._nodes = ev.revision, plan, nodes
@@ -131,7 +133,7 @@ class SimAgent:
                           f"127.0.0.1:{STORE_PORT_BASE + self.index % 40000}")
         self.session.put(schema.node_key(self.job, self.node), schema.encode(rec))
         self.publish_verdicts()
-        self.watch = PrefixWatch(self.client, schema.plan_current_key(self.job), self._on_plan,
+        self.watch = PrefixWatch(self.client, schema.plan_head_key(self.job), self._on_plan,
                                  initial=True, name=f"{self.node} plan")
         self.watch.start(START_S)
 

@@ -9,7 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from hspmd_elastic.coord import Election, EtcdClient, LeasedSession, append_event, schema
+from hspmd_elastic.coord import (Election, EtcdClient, LeasedSession, append_event,
+                                 publish_plan, schema)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "etcd-schema.md"
 NESTED = schema.NESTED_TYPES
@@ -115,9 +116,8 @@ def test_what_a_job_writes_decodes_and_is_documented(etcd_server):
             faults=[{"at": 1.0, "device": 0, "kind": "xid", "xid": 79}]).to_json())
         assert election.campaign(5.0)
         plan = schema.PlanRecord(version=1, reason="start", devices=["node-a:0"], strategy={},
-                                 store_endpoint="gpu-a:29500", created_at=0.0).to_json()
-        election.fenced_put(schema.plan_current_key(job), plan)
-        election.fenced_put(schema.plan_history_key(job, 1), plan)
+                                 store_endpoint="gpu-a:29500", created_at=0.0)
+        publish_plan(election, plan, 0)  # plan/current, plan/head and plan/history/1
         append_event(client, job, "join", node="node-a")
         prefix = schema.job_prefix(job)
         if shutil.which("etcdctl"):

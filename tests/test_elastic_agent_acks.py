@@ -3,10 +3,12 @@ decision (``ack_state``), the progress reports it reads (the worker's lifecycle 
 ``WorkerRecord``), and one node driven through several plans against a real etcd with real
 worker processes: joined -> ready -> done, nothing for a plan without the node, failed when a
 worker exits non-zero mid-switch (an etcd error there loses neither the verdict nor the ack),
-each state written once, old versions pruned."""
+each state written once, old versions pruned; the agent acts on ``plan/head`` and reads the full
+``plan/current`` only when no head of it exists."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -15,7 +17,8 @@ from typing import Optional
 import pytest
 
 from hspmd_elastic.coord import EtcdClient, LeasedSession, schema
-from hspmd_elastic.coord.api import CoordinationError, EtcdUnavailableError
+from hspmd_elastic.coord.api import CoordinationError, EtcdUnavailableError, PutOp
+from hspmd_elastic.coord.plans import plan_head
 from _wait import wait_for
 from hspmd_elastic.coord.contract import (
     TRAINED_STATES,
@@ -324,3 +327,22 @@ def test_progress_records_are_written_at_most_once_a_second_in_one_transaction(e
     finally:
         h.close()
 
+
+
+def test_the_agent_acts_on_the_head_and_reads_the_full_plan_only_without_one(harness):
+    """A head written with its plan is what the agent acts on (here it disagrees with the full
+    record on purpose: the agent follows the head); a plan published to ``plan/current`` alone
+    (a leader that predates heads: the head left is stale) is read from the full record."""
+    h = harness
+    full = schema.PlanRecord(version=1, reason="t", devices=["m:0", "n:0", "n:1"], strategy={},
+                             store_endpoint="", created_at=0.0)
+    head = dataclasses.replace(plan_head(full), devices=["m:0", "n:1"])
+    h.client.txn([], [PutOp(schema.plan_current_key(JOB), schema.encode(full)),
+                      PutOp(schema.plan_head_key(JOB), schema.encode(head))])
+    assert h.tick() == "joined"
+    assert h.node.slot_plan == [1] and sorted(h.workers.running()) == [1]
+    assert h.node.records[1].global_rank == 1
+    h.publish(2, ["n:1", "n:0"])  # plan/current alone
+    assert h.tick() == "joined"
+    assert h.node.plan_version == 2 and h.node.slot_plan == [0, 1]
+    assert h.node.records[0].global_rank == 1 and sorted(h.workers.running()) == [0, 1]

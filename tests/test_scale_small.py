@@ -1,10 +1,11 @@
 """Fifty simulated node agents on one real etcd, planned over by one real leader.
 
 The small version of ``scripts/bench_scale`` (``scripts/_scale_fleet.py``): two processes of 25
-agents (8 devices each, real leases with a 3 s TTL, node and device records, one plan watch per
-agent, switch acks) and a leader process running the real planner. Checked: every agent sees
-every plan, no lease is lost in steady state, and the agents of a SIGKILLed process are planned
-away (and the survivors ack the new plan). No timing is asserted: timing lives in the benchmark.
+agents (8 devices each, real leases with a 3 s TTL, node and device records, one watch per agent
+on the plan's head ``plan/head``, switch acks) and a leader process running the real planner.
+Checked: every agent sees every plan, no lease is lost in steady state, and the agents of a
+SIGKILLed process are planned away (and the survivors ack the new plan, whose head matches the
+full record). No timing is asserted: timing lives in the benchmark.
 Every wait is a poll with a deadline; the fleet kills and reaps every process it started.
 """
 
@@ -22,6 +23,7 @@ from _scale_fleet import JOB, Fleet  # noqa: E402
 from launch_harness import MARKER  # noqa: E402
 
 from hspmd_elastic.coord import schema  # noqa: E402
+from hspmd_elastic.coord.plans import plan_digest  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
 
@@ -72,7 +74,11 @@ def test_fifty_agents_see_every_plan_and_lose_a_killed_process(tmp_path, marker)
         assert fleet.losses() == 0
 
         key = schema.plan_current_key(JOB)
-        plan = schema.decode(key, fleet.client.get(key).value)
+        raw = fleet.client.get(key).value
+        plan = schema.decode(key, raw)
+        head_kv = fleet.client.get(schema.plan_head_key(JOB))  # what the agents followed
+        head = schema.decode(head_kv.key, head_kv.value)
+        assert (head.version, head.digest) == (final, plan_digest(raw))
         used = {d.rpartition(":")[0] for d in plan.devices}
         assert plan.version == final and used and used <= set(survivors)
         acks = fleet.client.get_prefix(schema.switch_prefix(JOB, final))

@@ -100,6 +100,11 @@ def plan_current_key(job: str) -> str:
     return job_prefix(job) + "plan/current"
 
 
+def plan_head_key(job: str) -> str:
+    """The current plan's head: what a node agent needs of it, written with ``plan/current``."""
+    return job_prefix(job) + "plan/head"
+
+
 def plan_history_prefix(job: str) -> str:
     return job_prefix(job) + "plan/history/"
 

@@ -1,21 +1,35 @@
-"""Reading and publishing the job's plan (``plan/current`` + ``plan/history/<version>``).
+"""Reading and publishing the job's plan (``plan/current`` + ``plan/head`` +
+``plan/history/<version>``).
 
-Promises: ``publish_plan`` writes both keys in one transaction fenced on the leader's election
-key and on the ``plan/current`` revision the leader decided from, so a deposed leader gets
-``FencedWriteRejected`` and a leader racing a newer plan gets ``ConflictError``; the version must
-be exactly one more than the current one; the record is stamped with the leader's node and
+Promises: ``publish_plan`` writes the three keys in one transaction fenced on the leader's
+election key and on the ``plan/current`` revision the leader decided from, so a deposed leader
+gets ``FencedWriteRejected`` and a leader racing a newer plan gets ``ConflictError``; the version
+must be exactly one more than the current one; the record is stamped with the leader's node and
 term (its fence), so etcd's revisions show which leadership wrote each plan.
+
+``plan/head`` (``PlanHeadRecord``, built by the pure ``plan_head``) is what a node agent needs of
+a plan: its version, store, step, the digest of the full record, and its devices and drains in
+rank order as runs per node (``"node-7:0-7"``): a few bytes per node where the full record lists
+every device in its strategy and inventory too (367 KiB at 8,000 devices). Node agents follow
+the head; workers, which need the strategy, read ``plan/current``. ``read_plan_head`` falls back
+to the full record when the head is missing or older than ``plan/current`` (a plan published by
+a leader that predates the head).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import hashlib
+import re
+from typing import Iterable, Optional, Union
 
 from hspmd_elastic.coord import schema
-from hspmd_elastic.coord.api import Compare, CompareTarget, ConflictError, PutOp
+from hspmd_elastic.coord.api import Compare, CompareTarget, ConflictError, GetOp, PutOp
 from hspmd_elastic.coord.client import EtcdClient
+from hspmd_elastic.coord.contract import device_id, parse_device_id
 from hspmd_elastic.coord.election import Election
+
+AnyPlan = Union[schema.PlanRecord, schema.PlanHeadRecord]
 
 
 def read_plan(client: EtcdClient, job: str) -> tuple[Optional[schema.PlanRecord], int]:
@@ -29,8 +43,8 @@ def read_plan(client: EtcdClient, job: str) -> tuple[Optional[schema.PlanRecord]
 
 def publish_plan(election: Election, plan: schema.PlanRecord, read_revision: int,
                  current_version: int = 0) -> int:
-    """Publish ``plan`` as the leader; ``read_revision`` is what ``read_plan`` returned (0: no
-    plan yet). Returns the revision of the write."""
+    """Publish ``plan`` (and its head) as the leader; ``read_revision`` is what ``read_plan``
+    returned (0: no plan yet). Returns the revision of the write."""
     if plan.version != current_version + 1:
         raise ValueError(
             f"plan version {plan.version} must be current version {current_version} + 1"
@@ -38,10 +52,12 @@ def publish_plan(election: Election, plan: schema.PlanRecord, read_revision: int
     job = election.job
     plan = dataclasses.replace(plan, leader=election.node, term=election.term)
     payload = schema.encode(plan)
+    head = schema.encode(plan_head(plan, payload))
     current = schema.plan_current_key(job)
     res = election.fenced_txn(
         [Compare(current, CompareTarget.MOD, "==", read_revision)],
-        [PutOp(current, payload), PutOp(schema.plan_history_key(job, plan.version), payload)],
+        [PutOp(current, payload), PutOp(schema.plan_head_key(job), head),
+         PutOp(schema.plan_history_key(job, plan.version), payload)],
     )
     if not res.succeeded:
         raise ConflictError(
@@ -49,3 +65,96 @@ def publish_plan(election: Election, plan: schema.PlanRecord, read_revision: int
             f"revision {read_revision}"
         )
     return res.revision
+
+
+# ----------------------------------------------------------------------------- the head (pure)
+def plan_digest(payload: bytes) -> str:
+    """``sha256:<hex>`` of a plan record's bytes as stored in ``plan/current``."""
+    return "sha256:" + hashlib.sha256(payload).hexdigest()
+
+
+def device_runs(devices: Iterable[str]) -> list[str]:
+    """Device ids in order -> runs ``"<node>:<first>-<last>"`` (``"<node>:<index>"`` for one):
+    consecutive devices of one node with consecutive indexes. ``expand_runs`` inverts it."""
+    runs: list[list] = []  # [node, first, last]
+    for dev in devices:
+        node, index = parse_device_id(dev)
+        if runs and runs[-1][0] == node and runs[-1][2] + 1 == index:
+            runs[-1][2] = index
+        else:
+            runs.append([node, index, index])
+    return [f"{n}:{a}" if a == b else f"{n}:{a}-{b}" for n, a, b in runs]
+
+
+_RUN_RE = re.compile(r"^(?P<node>.+):(?P<first>\d+)(?:-(?P<last>\d+))?$")
+
+
+def _parse_run(run: str) -> tuple[str, int, int]:
+    m = _RUN_RE.match(str(run))
+    first = int(m["first"]) if m else 0
+    last = int(m["last"]) if m and m["last"] is not None else first
+    if m is None or last < first:
+        raise ValueError(f"device run {run!r} is not <node_id>:<first>[-<last>]")
+    return m["node"], first, last
+
+
+def expand_runs(runs: Iterable[str]) -> list[str]:
+    """Runs (``device_runs``) -> the device ids in order; ValueError naming a bad run."""
+    out = []
+    for run in runs:
+        node, first, last = _parse_run(run)
+        out.extend(device_id(node, i) for i in range(first, last + 1))
+    return out
+
+
+def plan_head(plan: schema.PlanRecord, payload: Optional[bytes] = None) -> schema.PlanHeadRecord:
+    """The head of ``plan``; ``payload``: its bytes in ``plan/current`` (default: encoded)."""
+    payload = schema.encode(plan) if payload is None else payload
+    return schema.PlanHeadRecord(
+        version=plan.version, created_at=plan.created_at, store_endpoint=plan.store_endpoint,
+        step=plan.step, digest=plan_digest(payload), devices=device_runs(plan.devices),
+        drain=device_runs(plan.drain))
+
+
+def node_ranks(plan: AnyPlan, node: str) -> dict[int, int]:
+    """Pure: slot -> rank of ``node``'s devices in ``plan`` (a full record or its head)."""
+    out, rank = {}, 0
+    if isinstance(plan, schema.PlanHeadRecord):
+        for run in plan.devices:
+            name, first, last = _parse_run(run)
+            if name == node:
+                out.update({i: rank + i - first for i in range(first, last + 1)})
+            rank += last - first + 1
+        return out
+    for rank, dev in enumerate(plan.devices):
+        name, index = parse_device_id(dev)
+        if name == node:
+            out[index] = rank
+    return out
+
+
+def plan_nodes(plan: AnyPlan) -> frozenset:
+    """Pure: the nodes ``plan`` (a full record or its head) gives devices."""
+    if isinstance(plan, schema.PlanHeadRecord):
+        return frozenset(_parse_run(run)[0] for run in plan.devices)
+    return frozenset(parse_device_id(d)[0] for d in plan.devices)
+
+
+# ----------------------------------------------------------------------------- reading the head
+def read_plan_head(client: EtcdClient, job: str) -> Optional[schema.PlanHeadRecord]:
+    """The current plan's head (None before the first plan): ``plan/head`` when it was written
+    with ``plan/current`` (same mod revision: one small read and one compare), otherwise built
+    from ``plan/current`` (one full read: a plan published by a leader without heads)."""
+    head_key, current = schema.plan_head_key(job), schema.plan_current_key(job)
+    kv = client.get(head_key)
+    if kv is not None:
+        res = client.txn([Compare(current, CompareTarget.MOD, "==", kv.mod_revision)],
+                         failure=[GetOp(current)])
+        if res.succeeded:
+            return schema.decode(head_key, kv.value)
+        full = res.gets[0] if res.gets else None
+    else:
+        full = client.get(current)
+    if full is None:
+        return None
+    return plan_head(schema.decode(current, full.value), full.value)

@@ -45,6 +45,7 @@ from hspmd_elastic.coord.keys import (  # noqa: F401 (re-exported: the schema's 
     election_prefix,
     election_key,
     plan_current_key,
+    plan_head_key,
     plan_history_prefix,
     plan_history_key,
     events_prefix,
@@ -78,8 +79,8 @@ RDZV_STATES = ("joining", "closed", "succeeded", "failed")
 # Largest value of a record, in bytes of JSON: ``encode`` refuses and ``decode`` rejects more.
 # Plans, the rendezvous state and fault scripts grow with the cluster; the others do not.
 MAX_VALUE_BYTES = 64 * 1024
-MAX_VALUE_BYTES_BY_KIND = {"plan": 1 << 20, "rdzv_state": 1 << 20, "fault_script": 1 << 20,
-                           "event": 256 * 1024}
+MAX_VALUE_BYTES_BY_KIND = {"plan": 1 << 20, "plan_head": 1 << 20, "rdzv_state": 1 << 20,
+                           "fault_script": 1 << 20, "event": 256 * 1024}
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -224,6 +225,25 @@ class PlanRecord(Record):
 
 
 @dataclass
+class PlanHeadRecord(Record):
+    """What a node agent needs of the current plan, written in the same transaction as
+    ``plan/current`` (``coord.plans``): a few bytes per node instead of the whole strategy."""
+
+    KIND: ClassVar[str] = "plan_head"
+
+    version: int
+    created_at: float
+    store_endpoint: str
+    step: int
+    # sha256 of the plan record's bytes as stored in plan/current ("sha256:<hex>")
+    digest: str
+    # The plan's devices in rank order as runs "<node>:<first>-<last>" (or "<node>:<index>"):
+    # consecutive ranks on one node with consecutive device indexes.
+    devices: list[str]
+    drain: list[str] = field(default_factory=list)  # the plan's drain list, as runs too
+
+
+@dataclass
 class EventRecord(Record):
     KIND: ClassVar[str] = "event"
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"type": EVENT_TYPES}
@@ -317,9 +337,9 @@ class RdzvDoneRecord(Record):
 
 
 RECORD_TYPES: tuple[type[Record], ...] = (
-    NodeRecord, DeviceHealthRecord, WorkerRecord, ReachRecord, RetryRecord, CandidateRecord, LeaderRecord,
-    PlanRecord, EventRecord, CounterRecord, FaultScriptRecord, SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord,
-    RdzvMasterRecord, RdzvDoneRecord,
+    NodeRecord, DeviceHealthRecord, WorkerRecord, ReachRecord, RetryRecord, CandidateRecord,
+    LeaderRecord, PlanRecord, PlanHeadRecord, EventRecord, CounterRecord, FaultScriptRecord,
+    SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord, RdzvMasterRecord, RdzvDoneRecord,
 )
 NESTED_TYPES: tuple[type, ...] = (DeviceInfo, RdzvParticipant)
 
@@ -369,6 +389,7 @@ REGISTRY: tuple[KeySpec, ...] = (
     KeySpec("election/<lease_hex>", CandidateRecord, "candidate", "every leader candidate"),
     KeySpec("leader", LeaderRecord, "leader", "leader"),
     KeySpec("plan/current", PlanRecord, "none", "leader (fenced)"),
+    KeySpec("plan/head", PlanHeadRecord, "none", "leader (fenced)"),
     KeySpec("plan/history/<version>", PlanRecord, "none", "leader (fenced)",
             (("version", "version"),)),
     KeySpec("events/<seq>", EventRecord, "none", "any agent or the leader", (("seq", "seq"),)),

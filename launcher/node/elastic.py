@@ -45,6 +45,7 @@ from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp, RecordError
 from hspmd_elastic.coord.contract import DONE_STATES, LEFT_STATES
 from hspmd_elastic.coord.lifecycle import StateMachine
+from hspmd_elastic.coord.plans import plan_nodes, read_plan_head
 from hspmd_elastic.coord.valid import decode_or_none, decode_valid
 from launcher.api import (
     LaunchError,
@@ -323,10 +324,13 @@ class ElasticMode:
         version, nodes_done = self.node.plan_version, False
         if version and self.node.done:
             self._mark_done(version)
-            plan = decode_or_none(self.client.get(schema.plan_current_key(self.job)), log,
-                                  f"[{self.job}] node {self.node_id}")  # bad: no verdict yet
-            if plan is not None and plan.version == version:
-                need = {d.rpartition(":")[0] for d in plan.devices}  # a bad id: never done
+            try:  # the plan's head: its nodes, not the full record
+                plan = read_plan_head(self.client, self.job)
+                need = plan_nodes(plan) if plan is not None and plan.version == version else None
+            except (RecordError, ValueError) as exc:  # bad: no verdict yet
+                log.warning("[%s] node %s: %s", self.job, self.node_id, exc)
+                need = None
+            if need is not None:
                 prefix = schema.rdzv_round_prefix(self.job, version) + "done/"
                 done = {rec.node for _, rec in self._records(prefix)}
                 nodes_done = need <= done

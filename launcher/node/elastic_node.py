@@ -4,8 +4,12 @@ workers can switch. ``ElasticNode`` bundles the small pieces beside it into one 
 
 * the node record ``nodes/<node>`` carries the device table (``devices.py``) and the endpoint
   of the store this agent hosts (``store.py``);
-* the agent follows ``plan/current`` through a watch (a read every ``PLAN_RECHECK_S`` as well, so
-  a missed event costs at most that long), not a read per tick;
+* the agent follows the plan's head ``plan/head`` (``coord.plans``: version, store, step and
+  the devices and drains as runs per node, a few bytes per node) through a watch, plus a read
+  every ``PLAN_RECHECK_S`` (``read_plan_head``: the head and one compare, so a missed event
+  costs at most that long), not a read per tick; it never reads the full ``plan/current``
+  (every device's strategy and inventory: its workers read that) unless the head is missing or
+  older than ``plan/current`` (a plan published by a leader without heads);
 * the agent owns ``workers/<node>/<local_rank>``: written when it starts a worker, updated from
   the worker's progress file (``coord.contract.read_progress``) when it changed, all changed
   slots in one transaction and at most once per ``PROGRESS_WRITE_S`` (at once when a worker
@@ -45,11 +49,11 @@ from typing import Callable, Optional
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.contract import (LEFT_STATES, WorkerProgress, WorkerState, device_id,
-                                          node_of, read_progress)
+                                          read_progress)
 from hspmd_elastic.coord.journal import append_event
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.api import EventType, WatchEvent
-from hspmd_elastic.coord.plans import read_plan
+from hspmd_elastic.coord.plans import plan_nodes, read_plan_head
 from hspmd_elastic.coord.watch import PrefixWatch
 from hspmd_elastic.coord.valid import decode_or_none
 from launcher.health.api import HealthSource, Verdict
@@ -91,7 +95,7 @@ class ElasticNode:
         self.monitor = monitor or ProgressMonitor(clock=clock, wall_clock=wall_clock)
         self.slots = SlotVerdicts()
         self.store = StoreServer(store_host or host, store_port)
-        self.plan: Optional[schema.PlanRecord] = None  # the newest plan applied
+        self.plan: Optional[schema.PlanHeadRecord] = None  # the newest plan applied (head)
         self.plan_version = 0
         self.slot_plan: list[int] = []  # this node's slots in the current plan
         self.succeeded: set[int] = set()  # slots whose worker exited 0
@@ -111,7 +115,7 @@ class ElasticNode:
         self._retry_written: Optional[tuple[int, tuple[int, ...]]] = None  # retry/<node>
         self._peers: dict[str, str] = {}  # the plan's other nodes -> their store endpoints
         self._plan_lock = threading.Lock()
-        self._watched: Optional[schema.PlanRecord] = None  # the newest plan the watch delivered
+        self._watched: Optional[schema.PlanHeadRecord] = None  # the newest head delivered
         self._plan_watch: Optional[PrefixWatch] = None
         self._plan_read_at = float("-inf")
         self._plan_recheck_s = plan_recheck_s
@@ -121,7 +125,7 @@ class ElasticNode:
 
     def start(self, state: str = "ready") -> "ElasticNode":
         self.store.start()
-        self._plan_watch = PrefixWatch(self.client, schema.plan_current_key(self.job),
+        self._plan_watch = PrefixWatch(self.client, schema.plan_head_key(self.job),
                                        self._on_plan, decode=True, initial=True,
                                        name=f"plan-{self.node}").start(self.client.timeout)
         self.put_node(state)
@@ -145,7 +149,7 @@ class ElasticNode:
                 self._put_worker(w, plan.version)
             self.plan = plan
             self.plan_version = plan.version
-            self.plan_nodes = frozenset(node_of(d) for d in plan.devices)
+            self.plan_nodes = plan_nodes(plan)
             self.slot_plan = new_local_ranks(plan, self.node, ())
             if self.workers.running() and self._state != "running":
                 self.put_node("running")
@@ -193,21 +197,22 @@ class ElasticNode:
 
     def _on_plan(self, ev: WatchEvent) -> None:
         rec = getattr(ev, "record", None)
-        if ev.type is EventType.PUT and isinstance(rec, schema.PlanRecord):
+        if ev.type is EventType.PUT and isinstance(rec, schema.PlanHeadRecord):
             with self._plan_lock:
                 if self._watched is None or rec.version > self._watched.version:
                     self._watched = rec
 
-    def _newest_plan(self) -> Optional[schema.PlanRecord]:
-        """What the watch delivered; a plain read when there is no watch or the last read is
-        ``PLAN_RECHECK_S`` old (level-triggered: a lost event cannot stall the node)."""
+    def _newest_plan(self) -> Optional[schema.PlanHeadRecord]:
+        """The newest head the watch delivered; a plain read (``read_plan_head``) when there
+        is no watch or the last read is ``PLAN_RECHECK_S`` old (level-triggered: a lost event
+        cannot stall the node, and a plan without a head is found too)."""
         now = self._clock()
         if self._plan_watch is None or now - self._plan_read_at >= self._plan_recheck_s:
-            plan, _ = read_plan(self.client, self.job)
+            head = read_plan_head(self.client, self.job)
             self._plan_read_at = now
-            if plan is not None:
-                self._on_plan(WatchEvent(EventType.PUT, schema.plan_current_key(self.job),
-                                         b"", 0, record=plan))
+            if head is not None:
+                self._on_plan(WatchEvent(EventType.PUT, schema.plan_head_key(self.job),
+                                         b"", 0, record=head))
         with self._plan_lock:
             return self._watched
 

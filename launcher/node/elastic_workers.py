@@ -1,7 +1,8 @@
 """Elastic mode's workers on one node: surviving workers are never restarted.
 
 ``ElasticWorkers.apply_plan`` starts workers only for this node's devices that a plan adds
-(``new_local_ranks``, pure), spawning through ``launcher.node.workers`` with the elastic worker
+(``new_local_ranks``, pure; a plan is its full record or its head, ``coord.plans.node_ranks``:
+the agent follows the head), spawning through ``launcher.node.workers`` with the elastic worker
 environment (``launcher.node.env``); a slot whose worker exited is not started again (a failed
 one is failed for the leader too), unless the worker left because the newest plan did not use
 its device (its last report is ``excluded``, ``contract.LEFT_STATES``): a later plan that uses
@@ -17,8 +18,8 @@ import signal
 import tempfile
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-from hspmd_elastic.coord import schema
-from hspmd_elastic.coord.contract import LEFT_STATES, device_id, parse_device_id, read_progress
+from hspmd_elastic.coord.contract import LEFT_STATES, read_progress
+from hspmd_elastic.coord.plans import AnyPlan, node_ranks
 from launcher.logs import WorkerLogPaths
 from launcher.node.env import elastic_worker_env, worker_argv
 from launcher.node.exits import WorkerExit
@@ -27,19 +28,15 @@ from launcher.node.workers import Worker, WorkerGroup
 log = logging.getLogger(__name__)
 
 
-def plan_rank(plan: schema.PlanRecord, node: str, local_rank: int) -> Optional[int]:
+def plan_rank(plan: AnyPlan, node: str, local_rank: int) -> Optional[int]:
     """The rank of slot ``local_rank`` of ``node`` in ``plan`` (None when not in it)."""
-    try:
-        return plan.devices.index(device_id(node, local_rank))
-    except ValueError:
-        return None
+    return node_ranks(plan, node).get(local_rank)
 
 
-def new_local_ranks(plan: schema.PlanRecord, node: str, running: Iterable[int]) -> list[int]:
+def new_local_ranks(plan: AnyPlan, node: str, running: Iterable[int]) -> list[int]:
     """Pure: this node's slots that ``plan`` uses and that run no worker yet."""
-    mine = sorted(i for n, i in map(parse_device_id, plan.devices) if n == node)
     have = set(running)
-    return [lr for lr in mine if lr not in have]
+    return [lr for lr in sorted(node_ranks(plan, node)) if lr not in have]
 
 
 class ElasticWorkers:
@@ -74,9 +71,12 @@ class ElasticWorkers:
         """local rank -> pid of the workers alive now."""
         return {lr: w.pid for lr, w in self._running.items()}
 
-    def apply_plan(self, plan: schema.PlanRecord) -> list[Worker]:
-        """Start workers for the slots ``plan`` adds on this node; survivors are left alone."""
-        new = new_local_ranks(plan, self.node, set(self._running) | self._ended)
+    def apply_plan(self, plan: AnyPlan) -> list[Worker]:
+        """Start workers for the slots ``plan`` (its full record or its head) adds on this
+        node; survivors are left alone."""
+        ranks = node_ranks(plan, self.node)
+        skip = set(self._running) | self._ended
+        new = [lr for lr in sorted(ranks) if lr not in skip]
         if not new:
             return []
         workers = []
@@ -89,7 +89,7 @@ class ElasticWorkers:
                                      plan.version, progress)
             logs = self._log_paths(plan.version, lr)
             env["TORCHELASTIC_ERROR_FILE"] = logs.error_file  # for torchrun's failure summary
-            workers.append(Worker(local_rank=lr, global_rank=plan_rank(plan, self.node, lr),
+            workers.append(Worker(local_rank=lr, global_rank=ranks[lr],
                                   argv=argv, env=env, logs=logs))
         group = WorkerGroup(role=self.role, workers=workers)
         group.start()
