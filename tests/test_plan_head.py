@@ -16,7 +16,7 @@ import pytest
 from hspmd_elastic.coord import Election, EtcdClient, LeasedSession, publish_plan, schema
 from hspmd_elastic.coord.plans import (device_runs, expand_runs, node_ranks, plan_head,
                                        plan_nodes, read_plan_head)
-from launcher.logs import WorkerLogPaths
+from test_elastic_agent_acks import _log_paths
 from launcher.node.devices import device_table
 from launcher.node.elastic_node import ElasticNode
 from launcher.node.elastic_workers import ElasticWorkers
@@ -88,15 +88,6 @@ def test_publish_writes_the_head_with_the_plan_and_readers_fall_back_without_one
         election.resign()
         session.stop()
         client.close()
-
-
-def _log_paths(tmp_path):
-    def paths(version: int, lr: int) -> WorkerLogPaths:
-        d = tmp_path / "logs" / f"v{version}" / str(lr)
-        d.mkdir(parents=True, exist_ok=True)
-        return WorkerLogPaths(str(d / "out"), str(d / "err"), str(d / "error.json"), False,
-                              False, True)
-    return paths
 
 
 def test_an_agent_follows_the_head_through_its_watch(etcd_server, tmp_path):
