@@ -60,6 +60,10 @@ from hspmd_elastic.switch import (UNDO_MODES, GraphSwitch, Held, SwitchTimeouts,
 
 log = logging.getLogger("hspmd_elastic.runtime")
 
+# At the end of a run: how long retired groups whose abandoned collectives have ended get to be
+# destroyed before the process may exit (``GroupReaper.close``); it takes well under a second.
+_REAPER_EXIT_S = 5.0
+
 Sampler = Callable[[int], torch.Tensor]
 
 
@@ -358,6 +362,7 @@ class _Worker:
             self.checkpoints.flush(30.0)
         self._retire_held()
         self.former.leave()
+        self.former.reaper.close(_REAPER_EXIT_S)
         self.plans.stop()
         self.client.close()
 

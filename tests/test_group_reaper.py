@@ -112,3 +112,47 @@ def test_nothing_is_held_without_a_collective_in_flight():
     done.set()
     assert reaper.pending() == 0
     assert reaper.retire(object()) is False and reaper.holding() == 0 and reaper.retired == 0
+
+
+class _Group:
+    """Stands in for a retired process group: only its lifetime is observed."""
+
+
+def test_close_drops_groups_whose_collectives_ended(monkeypatch):
+    import weakref
+
+    from hspmd_elastic.elastic import group
+
+    monkeypatch.setattr(group, "_SETTLE_S", 0.0)
+    reaper = GroupReaper()
+    done = threading.Event()
+    reaper.abandoned(done)
+    held = _Group()
+    alive = weakref.ref(held)
+    assert reaper.retire(held) is True
+    del held
+    assert alive() is not None
+    done.set()
+    assert reaper.close(10.0) is True
+    assert alive() is None and reaper.holding() == 0
+
+
+def test_after_close_a_held_group_is_never_destroyed(monkeypatch):
+    """A process that exits while a destructor runs on the reaper's thread aborts; so once
+    ``close`` has returned, groups still held stay held even when their collective ends."""
+    import weakref
+
+    from hspmd_elastic.elastic import group
+
+    monkeypatch.setattr(group, "_SETTLE_S", 0.0)
+    reaper = GroupReaper()
+    done = threading.Event()
+    reaper.abandoned(done)
+    held = _Group()
+    alive = weakref.ref(held)
+    assert reaper.retire(held) is True
+    del held
+    assert reaper.close(0.2) is False  # the collective is still in flight
+    done.set()
+    assert reaper.wait_idle(1.0) is False  # the holder parks instead of dropping
+    assert alive() is not None

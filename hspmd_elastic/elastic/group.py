@@ -13,7 +13,12 @@ group's destructor until gloo times that collective out, the whole communication
 whichever thread drops it. ``GroupReaper`` keeps such groups (the default group at ``leave`` and
 the previous plan's sub-groups, through ``retire``) on a daemon thread until every abandoned
 collective has ended, then drops them there; groups still held when the process exits are never
-destroyed, so neither training nor exit waits for them.
+destroyed, so neither training nor exit waits for them. A process that ends calls
+``GroupReaper.close`` first: it waits (bounded) for held groups whose collectives have ended to be
+dropped, and from then on no held group is dropped at all. A group destructor still running on
+the reaper's thread while the interpreter exits aborts the process ("terminate called without an
+active exception": C++ tears down under that thread), which turned a finished worker into a
+failed one.
 
 On CUDA (``hspmd_elastic.devices``: the backend is ``cpu:gloo,cuda:nccl``) a collective whose
 peer died never ends by itself: its kernel spins on the GPU until NCCL's own timeout.
@@ -131,6 +136,8 @@ class GroupReaper:
         self._lock = threading.Lock()
         self._inflight: list[threading.Event] = []
         self._holders: list[threading.Thread] = []
+        self._dropping = threading.Lock()  # held while a retired set is dropped
+        self._closed = False  # set by close(): held groups are never dropped from then on
         self.retired = 0  # how many retire() calls had to hold their groups
 
     def abandoned(self, done: threading.Event) -> None:
@@ -175,6 +182,23 @@ class GroupReaper:
             t.join(max(0.0, deadline - time.monotonic()))
         return self.holding() == 0
 
+    def close(self, timeout: float) -> bool:
+        """Before the process exits: wait at most ``timeout`` seconds for the held groups to be
+        dropped, then stop dropping any (True if none was left held). A group still held then
+        stays held by its parked daemon thread, so no destructor runs while the process exits."""
+        deadline = time.monotonic() + timeout
+        idle = self.wait_idle(timeout)
+        if self._dropping.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._closed = True
+            self._dropping.release()
+        else:  # a destructor ran past the deadline: nothing more can be done before exit
+            self._closed = True
+            log.warning("retired process groups are still being destroyed at exit")
+        if not idle:
+            log.warning("%d set(s) of process groups still wait for an abandoned collective at "
+                        "exit; they are left undestroyed", self.holding())
+        return idle
+
     def _hold(self, objs: list, inflight: list[threading.Event], what: str) -> None:
         for done in inflight:
             # gloo ends every collective at its group's timeout, so this returns; a warning
@@ -188,7 +212,12 @@ class GroupReaper:
         # while this thread holds the GIL, so give it time to get out first (torch offers no
         # event for it); nothing waits on this thread.
         time.sleep(_SETTLE_S)
-        objs.clear()  # every collective has ended: the destructors do not wait
+        with self._dropping:
+            if not self._closed:
+                objs.clear()  # every collective has ended: the destructors do not wait
+                return
+        while True:  # closed: park on this daemon thread, keeping ``objs``, until the exit
+            time.sleep(3600.0)
 
 
 class GroupFormer:
