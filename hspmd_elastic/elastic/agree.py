@@ -4,8 +4,10 @@ map to the new group's ranks, and the tensors the fused BSR moves. No torch, no 
 Step consistency. A step changes state only after all of its communication completed, and every
 step ends with a collective over all the plan's devices, so when a peer dies during step ``s`` some
 survivors may have finished ``s`` (they hold step ``s+1`` state) while others have not (step ``s``);
-nobody can be two steps apart. Each rank keeps a one-step undo copy: its state before its last
-completed step.
+nobody can be two steps apart. Each rank normally keeps a one-step undo copy: its state before
+its last completed step (``runtime.run(undo=...)``: with the model, in host memory, or none; a rank
+without one reports ``NO_STEP``, and a switch that would need it reads a checkpoint or fails
+naming the missing copy).
 The switch resumes at the smallest step any holder of the newest state has; a holder that is one
 step ahead rolls back to its undo copy. Holders that can present the resume step are the owners
 the BSR may read from; every other rank of the new plan (joiners, stale holders) starts empty.
