@@ -309,6 +309,7 @@ def main(payload_path: str) -> int:
                      checkpoint_every=payload.get("checkpoint_every", 0),
                      timeouts=RuntimeTimeouts(**payload.get("timeouts", {})), on_step=on_step,
                      fault_injector=fault_injector if fault is not None else None,
+                     undo=payload.get("undo", "device"),
                      reporter=_DyingReporter(reporter_from_env(), die_in) if die_in else None)
         out = {"ok": True, "pid": os.getpid(), "state": result.state.value,
                "steps_done": result.steps_done, "plan_version": result.plan_version,

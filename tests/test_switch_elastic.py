@@ -17,8 +17,11 @@ from hspmd_elastic.plan import Pipeline, Plan, Stage, simple_plan
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
 
-def test_sigkill_survivors_switch_in_process(elastic_job):
-    pl = payload()
+@pytest.mark.parametrize("undo", ["device", "off"])
+def test_sigkill_survivors_switch_in_process(elastic_job, undo):
+    """Every survivor paused at the same step: the switch needs no undo copy, so it works the
+    same with ``run(undo="off")``."""
+    pl = payload(undo=undo)
     job = elastic_job(pl)
     devices = ["n0:0", "n0:1", "n1:0"]
     procs = {d: job.spawn(d) for d in devices}
@@ -286,3 +289,28 @@ def test_plan_with_a_dead_device_is_superseded_during_regroup(elastic_job):
     assert done[-1].detail["plan_version"] == 3
     want = {"detect_s", "regroup_s", "bsr_s", "rebuild_s", "bsr_bytes_total"}
     assert want <= set(done[-1].timings)
+
+
+def test_without_undo_copies_the_rank_one_step_ahead_is_refilled_from_its_peer(elastic_job):
+    """As above with ``run(undo="off")``: n0:0 cannot roll back, so it is not an owner of step 3;
+    its DP peer n0:1 (at step 3) is, and n0:0 receives the whole state from it by BSR."""
+    pl = payload(pause_at=None, global_batch=6, undo="off")
+    job = elastic_job(pl)
+    devices = ["n0:0", "n0:1", "n1:0"]
+    for d in devices:
+        job.spawn(d, fail_last_wait_of_step=3 if d == "n0:1" else None)
+    job.publish(simple_plan(dp=3, num_layers=2, global_batch=6), devices, reason="start")
+    wait_until(lambda: (job.progress("n0:1") or {}).get("state") == "waiting_plan", 60,
+               "n0:1 to abandon step 3")
+    job.wait_step(["n0:0"], 4)
+    job.kill("n1:0")
+    survivors = ["n0:0", "n0:1"]
+    job.publish(simple_plan(dp=2, num_layers=2, global_batch=6), survivors, reason="failure")
+    results = job.join(survivors, timeout=60)
+    for d in survivors:
+        assert results[d]["ok"], f"{d}: {results[d].get('traceback')}\n{job.log(d)}"
+        assert results[d]["switches"][-1]["resume_step"] == 3
+        assert not results[d]["switches"][-1]["rolled_back"]
+    assert results["n0:0"]["switches"][-1]["bsr_bytes_received"] > 0
+    assert results["n0:1"]["switches"][-1]["bsr_bytes_received"] == 0
+    assert_matches_reference(results.values(), pl)
