@@ -4,6 +4,7 @@ step rehearsed on a CPU worker."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,9 +29,8 @@ def test_without_gpus_every_gpu_step_is_skipped_and_strict_fails_with_one_line()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("gpu_check: SKIP nvml: no usable NVIDIA GPU: no NVIDIA driver")
-    for step in ("comm", "unit", "kill"):
+    for step in ("comm", "unit", "kill", "mfu"):
         assert f"gpu_check: SKIP {step}: skipped: no CUDA (torch " in proc.stdout, step
-    assert "gpu_check: SKIP mfu: skipped: the training step has no bf16 compute" in proc.stdout
     assert lines[-1] == "gpu_check: PASS (0 passed, 5 skipped: nvml, comm, unit, kill, mfu)"
     strict = subprocess.run([SCRIPT, "--strict"], capture_output=True, text=True, timeout=60,
                             env=env)
@@ -79,3 +79,20 @@ def test_switch_step_rehearsed_on_a_cpu_worker(tmp_path):
     line = proc.stdout.splitlines()[0]
     assert line.startswith("gpu_check: PASS switches: 1 worker on cpu, pid "), line
     assert "v1->v2" in line and "v2->v3" in line and "6 steps done" in line, line
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_mfu_step_rehearsed_on_the_cpu(tmp_path):
+    """The MFU step runs ``scripts/bench_step --mfu`` (a tiny model on the CPU here): one PASS
+    line with its numbers, and the report files."""
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    report = tmp_path / "mfu.md"
+    proc = subprocess.run([SCRIPT, "--only", "mfu", "--device", "cpu", "--budget", "100",
+                           "--mfu-report", str(report)], capture_output=True, text=True,
+                          timeout=110, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = [x for x in proc.stdout.splitlines() if x.startswith("gpu_check: PASS mfu")]
+    assert line and " tokens/s, " in line[0] and "MFU " in line[0], proc.stdout
+    assert "| specialized" in report.read_text()
+    assert json.loads((tmp_path / "mfu.md.json").read_text())

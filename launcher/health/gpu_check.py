@@ -18,8 +18,11 @@ failure:
    GPU memory after each switch no larger than after the first (``gpu_check_job.py``).
 5. ``kill``: with two GPUs, a worker SIGKILLed while its peer waits in an NCCL collective: the
    peer aborts the communicator and switches in memory well inside its timeout.
-6. ``mfu``: training throughput and MFU of a bf16 step: skipped, the step has no bf16 compute
-   yet.
+6. ``mfu``: training throughput and MFU of a bf16 step (``scripts/bench_step --mfu``: a
+   0.75 B-parameter model on ``cuda:0``, bf16 compute with float32 master weights, against the
+   dense reference; ``--device cpu`` rehearses it with a tiny model, whose MFU means nothing),
+   within 40% of what is left of the budget, at most 160 s; ``--mfu-report FILE`` keeps its
+   Markdown table (and ``FILE.json``). A loss that is not finite fails it.
 
 Without CUDA (or without a driver) the GPU steps report ``SKIP ...: skipped: no CUDA`` and the
 check exits 0, so it can be rehearsed anywhere; ``--strict`` makes any skip a failure.
@@ -321,6 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="where the elastic steps' workers compute: auto (CUDA, else the "
                              "steps are skipped), cuda, or cpu to rehearse them on CPUs")
+    parser.add_argument("--mfu-report", default=None, metavar="FILE",
+                        help="the mfu step's Markdown table (and FILE.json with its numbers)")
     parser.add_argument("--keep", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--strict", action="store_true", help="a skipped step fails the check")
     parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
@@ -365,7 +370,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                     left(0.5), keep=args.keep),
             "kill": lambda: worker_kill_switch(_job_device(args.device, cuda_why, gpus, 2),
                                                left(0.9), comm_timeout_s=60.0, keep=args.keep),
-            "mfu": _mfu,
+            "mfu": lambda: _mfu(args.device, cuda_why, min(160.0, left(0.4)),
+                                args.mfu_report),
         }
         for name in STEPS:
             if name in only:
@@ -418,9 +424,41 @@ def _job_device(setting: str, cuda_why: Callable[[], Optional[str]],
     return "cuda"
 
 
-def _mfu() -> str:
-    raise Skipped("skipped: the training step has no bf16 compute yet (ModelConfig.dtype is "
-                  "float32 or float64), so its throughput and MFU are not measured")
+def _mfu(setting: str, cuda_why: Callable[[], Optional[str]], budget_s: float,
+         report: Optional[str]) -> str:
+    """``scripts/bench_step --mfu`` on cuda:0 (or, with ``--device cpu``, a tiny rehearsal)."""
+    bench = os.path.join(ROOT, "scripts", "bench_step")
+    if not os.path.isfile(bench):
+        raise Skipped(f"skipped: {bench} is not here (run the check from a checkout)")
+    if setting == "cpu":
+        size = ["--device", "cpu", "--size", "tiny", "--steps", "3", "--warmup", "1"]
+    else:
+        _needs_cuda(cuda_why())
+        size = ["--device", "cuda", "--size", "0.7b", "--steps", "5", "--warmup", "2"]
+    cmd = [sys.executable, bench, "--mfu", *size]
+    if report:
+        cmd += ["--out", report, "--json", report + ".json"]
+    say("mfu: " + " ".join(["scripts/bench_step", *cmd[2:]]))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        raise CheckFailed(f"scripts/bench_step --mfu ran past its {budget_s:.0f}s budget") from None
+    print(proc.stdout, end="", flush=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise CheckFailed(f"scripts/bench_step --mfu: {last}")
+    rows = {}
+    for line in proc.stdout.splitlines():  # | step | ms | tokens/s | TFLOP/s | MFU | GiB |
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0].split(" ")[0] in ("specialized", "dense"):
+            rows[cells[0].split(" ")[0]] = cells
+    if "specialized" not in rows:
+        raise CheckFailed("scripts/bench_step --mfu printed no result row")
+    _, ms, tokens, tflops, mfu, gib = rows["specialized"]
+    text = f"{tokens} tokens/s, {tflops} TFLOP/s, MFU {mfu}, step {ms} ms, peak {gib} GiB"
+    if "dense" in rows:
+        text += f" (dense reference: MFU {rows['dense'][4]})"
+    return text
 
 
 if __name__ == "__main__":
