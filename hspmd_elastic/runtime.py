@@ -95,6 +95,7 @@ class RunResult:
     switches: list[SwitchTimings] = field(default_factory=list)
     drained: Optional[SwitchTimings] = None  # the drain this worker served before it left
     final_state: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)
+    world_size: int = 0  # ranks of the final plan: each returns its own final_state
 
 
 def synthetic_sampler(config: ModelConfig, seed: int = 0) -> Sampler:
@@ -145,7 +146,7 @@ class _Context(logging.LoggerAdapter):
 class _Worker:
     def __init__(self, identity, config, sample, global_batch, steps, optim, seed, timeouts,
                  reporter, on_step, on_switch, checkpoint_dir, checkpoint_every, fault_injector,
-                 undo="device"):
+                 undo="device", init_from=None):
         try:
             device = select_device(identity.device_setting, identity.local_rank)
         except DeviceSettingError as exc:
@@ -175,7 +176,7 @@ class _Worker:
         self.switcher = GraphSwitch(
             identity, self.client, self.plans, self.former, self.watchdog, config, optim, seed,
             SwitchTimeouts(regroup_s=timeouts.regroup_s, comm_s=timeouts.comm_s),
-            checkpoints=writer, checkpoint_dir=checkpoint_dir, undo=undo)
+            checkpoints=writer, checkpoint_dir=checkpoint_dir, undo=undo, init_from=init_from)
         self._rate = (time.monotonic(), 0)
 
     # ------------------------------------------------------------------------ main loop
@@ -337,6 +338,7 @@ class _Worker:
         held = self.held
         self.result.steps_done, self.result.plan_version, self.result.rank = (
             self.step, self.version, self.rank)
+        self.result.world_size = world
         specs = held.model.state_tensors()
         self.result.final_state = {
             name: (tuple(specs[name][1].local_slices(self.rank, _full_shape(self.config, name))),
@@ -382,8 +384,19 @@ def run(config: ModelConfig, *, sample: Sampler, global_batch: int, steps: int,
         on_switch: Optional[Callable[[SwitchTimings], None]] = None,
         identity: Optional[WorkerIdentity] = None,
         fault_injector: Optional[Callable[[int, str], None]] = None,
-        undo: str = "device") -> RunResult:
+        undo: str = "device", init_from: Optional[str] = None) -> RunResult:
     """Train ``steps`` steps of ``global_batch`` rows elastically (see the module docstring).
+
+    ``init_from``: a Hugging Face checkpoint directory (``config.json`` with
+    ``model.safetensors`` or a sharded ``model.safetensors.index.json``) holding ``config``'s
+    weights (``hf.config_from_hf``). The job's first switch, the one that finds no state held
+    anywhere, builds each rank's state from it (``hf.initial_state_from_hf``: the rank reads only
+    the byte ranges of its own slices; AdamW moments start at zero, step 0) instead of the seed.
+    It is never read again: a later switch gets the state from the survivors (BSR) or from the
+    newest checkpoint in ``checkpoint_dir``, and a complete checkpoint already in
+    ``checkpoint_dir`` wins over it (a resumed fine-tune continues from there). A path that is
+    not such a checkpoint of ``config`` (missing files or tensors, other shapes: checked from
+    the file headers, no weight is read) is a one-line ``ConfigurationError`` before training.
 
     ``undo`` is where the one-step undo copy lives (``switch.Held``): ``"device"`` (with the
     model), ``"host"`` (host memory, for an accelerator short of memory) or ``"off"``.
@@ -396,7 +409,30 @@ def run(config: ModelConfig, *, sample: Sampler, global_batch: int, steps: int,
         raise ConfigurationError(f"undo={undo!r}; valid: {', '.join(map(repr, UNDO_MODES))}")
     if checkpoint_every and not checkpoint_dir:
         raise ConfigurationError("checkpoint_every is set but checkpoint_dir is not")
+    if init_from is not None:
+        check_hf_checkpoint(init_from, config)
     worker = _Worker(identity or WorkerIdentity.from_env(), config, sample, global_batch, steps,
                      optim, seed, timeouts, reporter or reporter_from_env(), on_step, on_switch,
-                     checkpoint_dir, checkpoint_every, fault_injector, undo)
+                     checkpoint_dir, checkpoint_every, fault_injector, undo, init_from)
     return worker.run()
+
+
+def check_hf_checkpoint(path: str, config: ModelConfig) -> None:
+    """``path`` is a Hugging Face checkpoint of ``config``: a directory with ``config.json``,
+    every tensor of the model, nothing else, in the config's shapes (read from the safetensors
+    headers: an empty slice of each tensor); else a one-line ``ConfigurationError``."""
+    from hspmd_elastic.graph.config import param_specs
+    from hspmd_elastic.hf import HFCheckpointError, load_shards
+    from hspmd_elastic.hf.api import CONFIG_FILE
+
+    if not os.path.isdir(path):
+        raise ConfigurationError(f"init_from={path!r} is not a directory (a Hugging Face "
+                                 f"checkpoint directory with {CONFIG_FILE} and safetensors)")
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        raise ConfigurationError(f"init_from={path!r} holds no {CONFIG_FILE}: not a Hugging "
+                                 "Face checkpoint directory")
+    empty = {n: tuple((0, 0) for _ in s.shape) for n, s in param_specs(config).items()}
+    try:
+        load_shards(path, config, empty)
+    except HFCheckpointError as exc:
+        raise ConfigurationError(f"init_from={path!r}: {exc}") from None

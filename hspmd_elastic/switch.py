@@ -20,8 +20,11 @@ rank of the default group must), but it receives nothing and builds no model: it
 by network, then its worker leaves (``SwitchResult.drained``).
 
 Nobody holds state (the first plan, or every worker restarted): the newest complete checkpoint
-is read if there is one, else weights come from the seed, but only while the job has not trained
-(``PlanRecord.step`` 0); after that it is ``UnrecoverableStateError``, never a silent restart. A slice with no live owner raises
+is read if there is one, else each rank reads its own slices of the Hugging Face checkpoint
+``init_from`` when one is given (``hf.initial_state_from_hf``), else weights come from the seed;
+the last two only while the job has not trained (``PlanRecord.step`` 0); after that it is
+``UnrecoverableStateError``, never a silent restart. So ``init_from`` is read by the job's first
+switch only: later switches get the state from the survivors or from a newer checkpoint. A slice with no live owner raises
 ``ReshardError`` on every rank alike (planning is pure); the switch then reads the newest
 checkpoint every rank sees, saying why, or raises ``UnrecoverableStateError`` naming the slices.
 It never trains on wrong weights. A newer plan or a failed communication during the switch
@@ -194,7 +197,8 @@ class GraphSwitch:
                  optim: AdamWConfig, seed: int, timeouts: SwitchTimeouts,
                  checkpoints: Optional[CheckpointWriter] = None,
                  checkpoint_dir: Optional[str] = None,
-                 wall_clock: Callable[[], float] = time.time, undo: str = "device"):
+                 wall_clock: Callable[[], float] = time.time, undo: str = "device",
+                 init_from: Optional[str] = None):
         if undo not in UNDO_MODES:
             raise ConfigurationError(f"undo={undo!r}; valid: "
                                      f"{', '.join(repr(m) for m in UNDO_MODES)}")
@@ -203,6 +207,7 @@ class GraphSwitch:
         self.former, self.watchdog = former, watchdog
         self.config, self.optim, self.seed, self.timeouts = config, optim, seed, timeouts
         self.checkpoints, self.checkpoint_dir = checkpoints, checkpoint_dir
+        self.init_from = init_from  # a Hugging Face checkpoint directory: the job's start
         self._wall = wall_clock
 
     # ------------------------------------------------------------------------ the switch
@@ -298,7 +303,8 @@ class GraphSwitch:
     # ------------------------------------------------------------------------ state
     def _state(self, record, group, plan, rank, held, holdings, decision, timings):
         """This rank's new local state tensors (None: initialise from the seed) and its step;
-        a drained rank only sends (it gets None)."""
+        a drained rank only sends (it gets None). ``timings.source``: ``bsr``, ``checkpoint``,
+        ``hf`` (the ``init_from`` checkpoint) or ``init`` (the seed)."""
         draining = rank >= len(record.devices)
         if decision.fresh and draining:
             return None, decision.resume_step
@@ -315,6 +321,8 @@ class GraphSwitch:
                        "exists")
                 self._event("switch-failed", rank, record, {"error": why, "why": why})
                 raise UnrecoverableStateError(f"{why}, so the job cannot continue")
+            if self.init_from is not None:
+                return self._read_init_from(record, plan, rank, timings), 0
             timings.source = "init"
             return None, 0
         sources = []
@@ -360,6 +368,20 @@ class GraphSwitch:
         stats: dict = {}
         state = load_shards(self.checkpoint_dir, step, self.config, plan, rank, stats)
         timings.extra["checkpoint_bytes_read"] = stats.get("bytes_read", 0)
+        return state
+
+    def _read_init_from(self, record, plan, rank: int, timings) -> dict:
+        """This rank's own slices of the Hugging Face checkpoint ``init_from``, zero AdamW
+        moments and step 0; the bytes read go to ``timings.extra["checkpoint_bytes_read"]``."""
+        from hspmd_elastic.hf import initial_state_from_hf
+
+        stats: dict = {}
+        state = initial_state_from_hf(self.init_from, self.config, plan, rank, stats)
+        timings.source = "hf"
+        timings.extra["checkpoint_bytes_read"] = stats.get("bytes_read", 0)
+        log.info("plan v%d rank %d: nobody holds state; starting from the Hugging Face "
+                 "checkpoint %s (%d B read: this rank's slices)", record.version, rank,
+                 self.init_from, timings.extra["checkpoint_bytes_read"])
         return state
 
     def _fallback(self, record, plan, rank, holdings, exc: ReshardError, timings,

@@ -47,6 +47,7 @@ from launcher.api import (
 from launcher.capacity import CAPACITY_FLAGS, capacity_settings
 from launcher.etcd_security import launcher_options, launcher_security, server_tls
 from launcher.logs import parse_ranks_filter, parse_std
+from launcher.model_flag import parse_model
 
 log = logging.getLogger("launcher")
 
@@ -164,7 +165,11 @@ def _opt(*names: str, **kw):
 @_opt("--hspmd-model", default=None,
             help="Elastic mode: the model the leader plans for: a ModelConfig JSON file (the "
                  "one the script trains; plans are checked against it), an inline JSON object, "
-                 "or a preset (llama-7b, llama-13b, llama-32b).")
+                 "a preset (llama-7b, llama-13b, llama-32b), or a Hugging Face checkpoint "
+                 "directory (holding config.json; needs --hspmd-seq-len).")
+@_opt("--hspmd-seq-len", type=int, default=None,
+            help="Elastic mode, with a checkpoint directory as --hspmd-model: the training "
+                 "sequence length (config.json does not hold it; the script's --seq-len).")
 @_opt("--hspmd-global-batch", type=int, default=None,
             help="Elastic mode: rows per training step, the same under every plan.")
 @_opt("--hspmd-debounce", type=float, default=None,
@@ -408,37 +413,12 @@ def build_config(params: dict) -> LaunchConfig:
     )
 
 
-def parse_model(value: str):
-    """``--hspmd-model``: a preset name, a JSON file or an inline JSON object -> ModelProfile."""
-    from hspmd_elastic.planner import PlannerError
-    from hspmd_elastic.planner import PRESETS, preset, profile_from_dict
-
-    text = str(value).strip()
-    valid = f"use a JSON file, an inline JSON object or a preset ({', '.join(PRESETS)})"
-    if text.lower() in PRESETS:
-        return preset(text)
-    try:
-        if text.startswith("{"):
-            data = json.loads(text)
-        elif os.path.isfile(text):
-            with open(text, encoding="utf-8") as f:
-                data = json.load(f)
-        else:
-            raise ConfigError(f"invalid --hspmd-model value {value!r}: no such file; {valid}")
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"invalid --hspmd-model value {value!r}: not readable JSON "
-                          f"({str(exc).splitlines()[0]})") from None
-    try:
-        return profile_from_dict(data)
-    except PlannerError as exc:
-        raise ConfigError(f"invalid --hspmd-model value {value!r}: {exc}") from None
-
-
 def _elastic(params: dict, max_nodes: int) -> Optional[ElasticSettings]:
     model, batch = params["hspmd_model"], params["hspmd_global_batch"]
     if not params["hspmd_elastic"]:
         for flag, given in (("--hspmd-model", model), ("--hspmd-global-batch", batch),
                             ("--hspmd-debounce", params["hspmd_debounce"]),
+                            ("--hspmd-seq-len", params["hspmd_seq_len"]),
                             *((f"--{k.replace('_', '-')}", params[k]) for k in CAPACITY_FLAGS)):
             if given is not None:
                 raise ConfigError(f"{flag} {given} is only used with --hspmd-elastic")
@@ -457,7 +437,8 @@ def _elastic(params: dict, max_nodes: int) -> Optional[ElasticSettings]:
         log.info("--max-restarts %d is not used with --hspmd-elastic: surviving workers are "
                  "never restarted", params["max_restarts"])
     extra = {} if debounce is None else {"debounce_s": debounce}
-    return ElasticSettings(model_profile=parse_model(model), global_batch=batch,
+    return ElasticSettings(model_profile=parse_model(model, params["hspmd_seq_len"]),
+                           global_batch=batch,
                            model_spec=str(model), **extra, **capacity_settings(params, max_nodes))
 
 
