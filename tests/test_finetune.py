@@ -128,6 +128,41 @@ def test_finetune_with_a_worker_killed_equals_transformers_adamw(ckpt, etcd_serv
     assert config_from_hf(str(export), seq_len=SEQ) == ckpt.config
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_a_checkpoint_in_checkpoint_dir_wins_over_init_from(ckpt, elastic_job, tmp_path):
+    """A resumed fine-tune: ``--checkpoint-dir`` holds a complete checkpoint (here step 0 of
+    another model, B), so the first switch reads it, not ``--model`` (A); the export equals B
+    trained by transformers."""
+    from transformers import LlamaForCausalLM
+
+    from _elastic import payload
+    from hspmd_elastic.hf import write_initial_checkpoint
+    from hspmd_elastic.plan import simple_plan
+
+    other = tiny_llama()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    b_path, run_dir, export = str(tmp_path / "b"), str(tmp_path / "run"), tmp_path / "export"
+    other.save_pretrained(b_path)
+    write_initial_checkpoint(b_path, ckpt.config, run_dir)
+    job = elastic_job(payload())
+    job.spawn("n0:0", script=[EXAMPLE, "--model", ckpt.path, "--data", ckpt.data,
+                              "--seq-len", str(SEQ), "--steps", "2", "--global-batch", str(BATCH),
+                              "--lr", str(LR), "--seed", str(SEED), "--checkpoint-dir", run_dir,
+                              "--export", str(export)])
+    job.publish(simple_plan(num_layers=2, global_batch=BATCH), ["n0:0"], reason="start")
+    assert job.procs["n0:0"].wait(timeout=60) == 0, job.log("n0:0")
+    assert "switched to plan v1 from checkpoint, resuming at step 0" in job.log("n0:0")
+    sample = token_sampler(ckpt.config, ckpt.data, seed=SEED)
+    trained = train_peer(float64_peer(other), [global_batch_at(sample, s, BATCH)
+                                               for s in range(2)], AdamWConfig(lr=LR))
+    theirs = dict(trained.named_parameters())
+    for name, value in LlamaForCausalLM.from_pretrained(str(export)).named_parameters():
+        assert max_diff(value.detach(), theirs[name].detach()) <= TOL, name
+
+
 # ---------------------------------------------------------------------------- one-line errors
 @pytest.mark.parametrize("model, extra, message", [
     ("ckpt", [], "--hspmd-model '{ckpt}' is a Hugging Face checkpoint directory: give "
