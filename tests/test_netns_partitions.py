@@ -363,6 +363,11 @@ def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_h
           f"{closed.at - cut_at:.2f}s after the cut, first step {first[0]['t'] - cut_at:.2f}s")
     assert closed.at - cut_at < 4 * TTL + 10  # generous: timing belongs in benchmarks
     assert all(ln["rank"] == 0 for ln in lines() if ln["round"] == r1)  # without node-b
+    # The cut node's agent must have seen the outage (an etcd call that failed, not one still
+    # blocked in its timeout) before the heal, or the heal would hide it.
+    wait_until(lambda: "etcd unreachable, workers keep running" in
+               job.agents["node-b"].stderr(), 60, "node-b's agent seeing the outage",
+               interval=0.1)
     topo.heal("node-b")
     wait_until(reached(lambda ln: ln["round"] > r1 and ln["rank"] == 1), 90,
                "node-b back in a later round", interval=0.1)
