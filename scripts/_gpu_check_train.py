@@ -9,7 +9,8 @@ every step it writes ``<out>/<node>_<local_rank>.progress.json``
 its state reaches STEP, until FILE exists, so the check acts on a known state (a file that never
 comes holds that worker until it is killed). On success it writes ``<out>/<node>_<local_rank>.json``:
 pid, device, final state, steps, plan version, every switch's timings, and on CUDA the memory
-the caching allocator held after each switch (``memory_after_switch``, bytes).
+the caching allocator held after each switch (``memory_after_switch``, bytes), and after each
+switch ``process_resources()`` (live process groups, threads, open files: ``resources_after_switch``).
 """
 
 from __future__ import annotations
@@ -70,10 +71,15 @@ def _main() -> int:
     def cuda_memory() -> int:
         return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
 
+    resources: list[dict] = []
+
     def on_switch(timings):
+        from hspmd_elastic.elastic.group import process_resources
+
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         memory.append(cuda_memory())
+        resources.append(process_resources())
 
     def on_step(info):
         state.update(step=info.step + 1, plan_version=info.plan_version,
@@ -103,6 +109,7 @@ def _main() -> int:
         "pid": os.getpid(), "device": state["device"], "state": result.state.value,
         "steps_done": result.steps_done, "plan_version": result.plan_version,
         "switches": [s.as_dict() for s in result.switches], "memory_after_switch": memory,
+        "resources_after_switch": resources,
         "losses": {str(k): v for k, v in result.losses.items()}})
     return 0
 

@@ -7,7 +7,10 @@ kills with real signals, and waits on progress files and process exits, always w
 The worker side is ``main()`` below: it reads a JSON payload, trains, and writes its
 ``RunResult`` (or its error) with ``torch.save``. ``pause_at`` makes every worker wait, after the
 step that brings it to that step count, until the test creates the release file: the test then
-acts on a known state. ``die_in`` (``{"version", "state"[, "signal"]}``) makes a worker send
+acts on a known state. ``hold_steps: N`` makes every worker
+wait after each of its first N steps, step k until ``<release>-k`` exists, so a test can act
+between any two steps. After every switch a worker records ``process_resources()`` (its
+result's ``resources``). ``die_in`` (``{"version", "state"[, "signal"]}``) makes a worker send
 itself a signal (default SIGKILL) as it enters that state of that plan version.
 
 The scenario pieces the elastic tests share are here too: the model and timeouts (``payload``),
@@ -292,6 +295,16 @@ def main(payload_path: str) -> int:
     def on_step(info):
         if payload.get("pause_at") == info.step + 1:
             wait_until(lambda: os.path.exists(payload["release"]), 60.0, "the release file")
+        if info.step + 1 <= payload.get("hold_steps", 0):  # every step up to it: <release>-<k>
+            wait_until(lambda: os.path.exists(f"{payload['release']}-{info.step + 1}"), 60.0,
+                       f"the release file of step {info.step + 1}")
+
+    resources: list[dict] = []  # process_resources() after every switch
+
+    def on_switch(_timings):
+        from hspmd_elastic.elastic.group import process_resources
+
+        resources.append(process_resources())
 
     fault = payload.get("fail_last_wait_of_step")  # this rank abandons that step's last wait
     waits: dict[int, int] = {}
@@ -309,13 +322,14 @@ def main(payload_path: str) -> int:
                      checkpoint_every=payload.get("checkpoint_every", 0),
                      timeouts=RuntimeTimeouts(**payload.get("timeouts", {})), on_step=on_step,
                      fault_injector=fault_injector if fault is not None else None,
-                     undo=payload.get("undo", "device"),
+                     undo=payload.get("undo", "device"), on_switch=on_switch,
                      reporter=_DyingReporter(reporter_from_env(), die_in) if die_in else None)
         out = {"ok": True, "pid": os.getpid(), "state": result.state.value,
                "steps_done": result.steps_done, "plan_version": result.plan_version,
                "rank": result.rank, "final_state": result.final_state,
                "switches": [t.as_dict() for t in result.switches], "losses": result.losses,
-               "drained": result.drained.as_dict() if result.drained else None}
+               "drained": result.drained.as_dict() if result.drained else None,
+               "resources": resources}
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         out = {"ok": False, "pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}",

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 import time
 from typing import Callable, Optional
@@ -105,6 +106,25 @@ def end_process_groups() -> Optional[object]:
         log.warning("%s the old process group raised (%s); continuing",
                     "aborting" if nccl else "destroying", exc)
     return world
+
+
+def process_resources() -> dict[str, int]:
+    """What this process holds that a switch could leak: live process groups (torch's own
+    registry), threads, open file descriptors (gloo's sockets among them), and on CUDA the bytes
+    the caching allocator has handed out and reserved. Counters that cannot be read here
+    (no ``/proc``, no CUDA) are absent, never guessed."""
+    from torch.distributed import distributed_c10d as c10d
+
+    out = {"process_groups": len(getattr(c10d._world, "pg_map", {}) or {}),
+           "threads": threading.active_count()}
+    try:
+        out["fds"] = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_allocated"] = int(torch.cuda.memory_allocated())
+        out["cuda_reserved"] = int(torch.cuda.memory_reserved())
+    return out
 
 
 def version_prefix(version: int) -> str:

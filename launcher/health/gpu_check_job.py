@@ -203,9 +203,13 @@ def switches_in_process(device: str, budget_s: float, keep: Optional[str] = None
     memory = result["memory_after_switch"]
     if device == "cuda" and max(memory) > memory[0] + MEMORY_SLACK:
         raise CheckFailed(f"GPU memory grew across switches: {_mib(memory)}")
+    groups = [r.get("process_groups", 0) for r in result.get("resources_after_switch", [])]
+    if groups and max(groups) > groups[0]:
+        raise CheckFailed(f"process groups grew across switches: {groups}")
     times = ", ".join(f"v{s['from_version']}->v{s['to_version']} {s['total_s']:.2f}s"
                       for s in result["switches"])
     mem = f"; allocated after each switch {_mib(memory)}" if device == "cuda" else ""
+    mem += f"; live process groups after each switch {groups}" if groups else ""
     return (f"1 worker on {result['device']}, pid {result['pid']} throughout, switches {times}"
             f"{mem}; {STEPS} steps done")
 
