@@ -9,11 +9,16 @@ step computes the same thing whatever the plan.
 Pipelines may differ in depth, TP degree and layer split. A plan that exists is valid: the
 constructor rejects bad plans with a one-line ``PlanError`` naming the bad value.
 ``Plan.check_model(config)`` adds the checks that depend on the model (layer count, TP degrees
-that must divide heads, FFN width and vocabulary).
+that must divide heads, FFN width and vocabulary, and divide or be a multiple of the key/value
+heads: ``graph.config.tp_problem``).
 
 From a plan follow each parameter's layout (``param_layouts``): per pipeline, the TP group that
-holds it and the dimension it is split along. ``param_annotations`` turns that into HSPMD
-annotations (a DG union of those groups, hdim -1), which is all resharding between plans needs.
+holds it, the dimension it is split along and into how many parts (fewer than the TP degree for
+the key/value projections of a TP degree above ``num_kv_heads``: each part is then replicated on
+adjacent TP ranks). ``param_annotations`` turns that into HSPMD annotations (a DG union of those
+groups, hdim -1), which is all resharding between plans needs. A tied embedding
+(``ModelConfig.tie_embeddings``) is held by two stages of a pipeline, its first (lookup) and its
+last (LM head): it has a group for each, in every pipeline.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from hspmd_elastic.annotations import DGUnion, DeviceGroup, DistState, DSUnion, TensorAnnotation
-from hspmd_elastic.graph.config import ModelConfig, param_specs, resolve_layer, tp_divisibility
+from hspmd_elastic.graph.config import ModelConfig, holding_layers, param_specs, tp_problem
 
 SCHEMA = 1
 
@@ -81,11 +86,32 @@ class Placement:
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """How a parameter is held: per pipeline, the TP group holding it; the split dim or None."""
+    """How a parameter is held: per pipeline, the TP group holding it (per holding stage: a tied
+    embedding has two groups in a pipeline of several stages); the split dim or None.
+
+    ``splits``: per group, the parts the split dim is cut into (None: each group's TP degree).
+    A group of ``t`` devices with ``k < t`` parts holds part ``i // (t / k)`` on its ``i``-th
+    device: each part on ``t / k`` adjacent TP ranks (replicated key/value heads).
+    """
 
     groups: tuple[tuple[int, ...], ...]
     split_dim: Optional[int]
     shape: tuple[int, ...]
+    splits: Optional[tuple[int, ...]] = None
+
+    def parts(self, group: int) -> int:
+        """Parts of the split dim in ``groups[group]`` (1 when not split)."""
+        if self.split_dim is None:
+            return 1
+        return len(self.groups[group]) if self.splits is None else self.splits[group]
+
+    def replicas(self, group: int) -> int:
+        """Devices of ``groups[group]`` holding each part."""
+        return len(self.groups[group]) // self.parts(group)
+
+    def part_of(self, group: int, tp_rank: int) -> int:
+        """The part that TP rank ``tp_rank`` of ``groups[group]`` holds."""
+        return tp_rank // self.replicas(group)
 
 
 @dataclass(frozen=True)
@@ -139,17 +165,16 @@ class Plan:
                 f"plan has num_layers={self.num_layers}, model has {config.num_layers}")
         for pi, pipe in enumerate(self.pipelines):
             for si, stage in enumerate(pipe.stages):
-                for what, size in tp_divisibility(config).items():
-                    if size % stage.tp:
-                        raise PlanError(
-                            f"pipeline {pi} stage {si}: TP degree {stage.tp} does not divide "
-                            f"{what}={size}")
+                problem = tp_problem(config, stage.tp)
+                if problem is not None:
+                    raise PlanError(f"pipeline {pi} stage {si}: {problem}")
         for name, layout in self._layouts(config).items():
             dim = layout.split_dim
-            if dim is not None and layout.shape[dim] % lcm_tp(layout.groups):
+            parts = [layout.parts(p) for p in range(len(layout.groups))]
+            if dim is not None and layout.shape[dim] % math.lcm(*parts):
                 raise PlanError(
                     f"{name}: dim {dim} of size {layout.shape[dim]} does not cut into the common "
-                    f"slices of TP degrees {[len(g) for g in layout.groups]}")
+                    f"slices of {parts} parts (TP degrees {[len(g) for g in layout.groups]})")
 
     def param_layouts(self, config: ModelConfig) -> dict[str, ParamLayout]:
         """Each parameter's holders per pipeline and its split dim, in ``param_specs`` order."""
@@ -159,22 +184,31 @@ class Plan:
     def _layouts(self, config: ModelConfig) -> dict[str, ParamLayout]:
         out = {}
         for name, spec in param_specs(config).items():
-            layer = resolve_layer(spec.layer, config.num_layers)
-            groups = tuple(p.stage_of_layer(layer).devices for p in self.pipelines)
-            out[name] = ParamLayout(groups, spec.split_dim, spec.shape)
+            # one group per distinct holding stage per pipeline: a tied embedding is held by
+            # the first and the last stage (disjoint groups, so the gradient sync sums them)
+            layers = holding_layers(spec.layer, config.num_layers)
+            groups = tuple(dict.fromkeys(p.stage_of_layer(layer).devices for layer in layers)
+                           for p in self.pipelines)
+            groups = tuple(g for per_pipe in groups for g in per_pipe)
+            splits = None if spec.blocks is None else tuple(spec.split_count(len(g))
+                                                            for g in groups)
+            out[name] = ParamLayout(groups, spec.split_dim, spec.shape, splits)
         return out
 
     def param_annotations(self, config: ModelConfig) -> dict[str, TensorAnnotation]:
         """Each parameter's ``TensorAnnotation``: a DG union of its holding TP groups, hdim -1.
 
-        Local states: ``{split_dim: tp}`` for sharded weights, ``{-1: tp}`` for duplicated ones.
-        AdamW moments share their parameter's annotation.
+        Local states: ``{split_dim: tp}`` for sharded weights, ``{-1: tp}`` for duplicated ones,
+        and ``DistState({split_dim: k, -1: tp // k}, order=(split_dim, -1))`` for a weight cut
+        into ``k < tp`` parts (replicated key/value heads: the split dim varies slower, the
+        replicas fastest, so TP rank ``i`` holds part ``i // (tp / k)``). AdamW moments share
+        their parameter's annotation.
         """
         out = {}
         for name, layout in self.param_layouts(config).items():
             groups = DGUnion([DeviceGroup(list(g)) for g in layout.groups])
-            key = -1 if layout.split_dim is None else layout.split_dim
-            states = DSUnion([DistState({key: len(g)}) for g in layout.groups], hdim=-1)
+            states = DSUnion([_local_state(layout, p) for p in range(len(layout.groups))],
+                             hdim=-1)
             out[name] = TensorAnnotation(groups, states)
         return out
 
@@ -251,6 +285,14 @@ def simple_plan(*, dp: int = 1, tp: int = 1, pp: int = 1, num_layers: int,
 
 def lcm_tp(groups: tuple[tuple[int, ...], ...]) -> int:
     return math.lcm(*(len(g) for g in groups))
+
+
+def _local_state(layout: ParamLayout, group: int) -> DistState:
+    tp = len(layout.groups[group])
+    if layout.split_dim is None:
+        return DistState({-1: tp})
+    dim, parts = layout.split_dim, layout.parts(group)
+    return DistState({dim: parts, -1: tp // parts}, order=(dim, -1))
 
 
 # ---- validation ----------------------------------------------------------------------------

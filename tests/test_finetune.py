@@ -1,7 +1,7 @@
 """Fine-tuning a Hugging Face checkpoint elastically: examples/finetune_llama.py end to end.
 
-A tiny ``LlamaForCausalLM`` (float64, built and saved here as in test_hf.py; nothing is
-downloaded) and a token file written with ``hspmd_elastic.data``. One real ``hspmd-launch
+A tiny ``LlamaForCausalLM`` with grouped-query attention and tied embeddings (float64, built and
+saved here as in test_hf.py; nothing is downloaded) and a token file written with ``hspmd_elastic.data``. One real ``hspmd-launch
 --hspmd-elastic`` agent on a real etcd, given the checkpoint directory as ``--hspmd-model``,
 runs two workers of the example (through ``tests/scripts/finetune_gated.py``, which adds a pause
 gate); both start from the checkpoint (``runtime.run(init_from=...)``, switch source ``hf``),
@@ -43,13 +43,16 @@ from hspmd_elastic.runtime import global_batch_at, run
 SEQ, BATCH, STEPS, PAUSE, SEED, LR = 8, 4, 6, 3, 11, 1e-2
 TOL = 1e-9
 EXAMPLE = str(REPO / "examples" / "finetune_llama.py")
+# Grouped-query attention (two query heads share one key/value head, replicated under TP2) and
+# tied input and output embeddings: the family's features through the elastic runtime.
+FAMILY = dict(num_key_value_heads=1, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """The tiny model saved with ``save_pretrained``, its float64 peer, a token file."""
     root = tmp_path_factory.mktemp("finetune")
-    model = tiny_llama()
+    model = tiny_llama(**FAMILY)
     path = str(root / "llama")
     model.save_pretrained(path)
     data = str(root / "train.bin")
@@ -140,7 +143,7 @@ def test_a_checkpoint_in_checkpoint_dir_wins_over_init_from(ckpt, elastic_job, t
     from hspmd_elastic.hf import write_initial_checkpoint
     from hspmd_elastic.plan import simple_plan
 
-    other = tiny_llama()
+    other = tiny_llama(**FAMILY)
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(0.5)

@@ -2,10 +2,18 @@
 
 Each pipeline holds a full replica of every parameter, sharded over that pipeline's TP group, so
 gradients must be summed across pipelines. When TP degrees differ the shards do not line up; the
-finest common slicing does: cut the split dimension into ``lcm(tp_p)`` micro-blocks. Micro-block
-``j`` is held in pipeline ``p`` by TP rank ``j * tp_p // lcm``; the holders of one micro-block,
-one per pipeline, all-reduce it. Neighbouring micro-blocks with the same holders form one
-operation, and all operations of one group travel in one buffer.
+finest common slicing does: cut the split dimension into ``lcm(k_p)`` micro-blocks, ``k_p`` the
+parts pipeline ``p`` cuts it into (``ParamLayout.parts``: its TP degree, or fewer for replicated
+key/value heads). Micro-block ``j`` is part ``j * k_p // lcm`` in pipeline ``p``, held there by
+the ``tp_p / k_p`` TP ranks of that part; all holders of one micro-block all-reduce it.
+Neighbouring micro-blocks with the same holders form one operation, and all operations of one
+group travel in one buffer.
+
+Replicated key/value heads (a TP degree above ``num_kv_heads``): the ranks sharing a part each
+back-propagate only their own query heads, so each holds a different partial gradient of the
+part, and the sum over them (and over the other pipelines' holders) is the gradient. This needs
+an operation even with a single pipeline; a part with a single holder in the whole plan needs
+none.
 
 Parameters duplicated inside a TP group (norm scales) are summed over all their holders at once,
 each holder contributing only its ``1/tp`` share (zeros elsewhere), so each pipeline counts once.
@@ -17,10 +25,12 @@ divided by the global token count), so the plain sum is the gradient of the glob
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
-from hspmd_elastic.plan import ParamLayout, lcm_tp
+from hspmd_elastic.plan import ParamLayout
 
 
 @dataclass(frozen=True)
@@ -38,39 +48,50 @@ class SyncOp:
     hi: int
 
 
-def _block_runs(groups: tuple[tuple[int, ...], ...]) -> list[tuple[int, int, tuple[int, ...]]]:
-    """(first, stop, holders) for each run of micro-blocks with the same holders."""
-    blocks = lcm_tp(groups)
+@functools.lru_cache(maxsize=256)
+def _block_runs(layout: ParamLayout) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """(first, stop, holders) for each run of micro-blocks with the same holders (sorted)."""
+    parts = [layout.parts(g) for g in range(len(layout.groups))]
+    blocks = math.lcm(*parts)
     runs: list[tuple[int, int, tuple[int, ...]]] = []
     for j in range(blocks):
-        holders = tuple(g[j * len(g) // blocks] for g in groups)
+        held = []
+        for g, group in enumerate(layout.groups):
+            reps = layout.replicas(g)
+            part = j * parts[g] // blocks
+            held.extend(group[part * reps:(part + 1) * reps])
+        holders = tuple(sorted(held))
         if runs and runs[-1][2] == holders:
             runs[-1] = (runs[-1][0], j + 1, holders)
         else:
             runs.append((j, j + 1, holders))
-    return runs
+    return tuple(runs)
 
 
 def _param_ops(name: str, layout: ParamLayout, device: int) -> list[SyncOp]:
     mine = [(p, g.index(device)) for p, g in enumerate(layout.groups) if device in g]
-    if not mine or len(layout.groups) < 2:
+    if not mine:
         return []
-    _, tp_rank = mine[0]
-    tp = len(layout.groups[mine[0][0]])
+    group, tp_rank = mine[0]
+    tp = len(layout.groups[group])
     if layout.split_dim is None:
+        if len(layout.groups) < 2:  # duplicates inside one TP group get identical gradients
+            return []
         numel = 1
         for n in layout.shape:
             numel *= n
         members = tuple(sorted(d for g in layout.groups for d in g))
         return [SyncOp(name, members, None, numel * tp_rank // tp, numel * (tp_rank + 1) // tp)]
-    blocks = lcm_tp(layout.groups)
+    parts = layout.parts(group)
+    blocks = math.lcm(*(layout.parts(g) for g in range(len(layout.groups))))
     rows = layout.shape[layout.split_dim] // blocks
-    first, stop = tp_rank * blocks // tp, (tp_rank + 1) * blocks // tp
+    part = layout.part_of(group, tp_rank)
+    first, stop = part * blocks // parts, (part + 1) * blocks // parts
     ops = []
-    for lo, hi, holders in _block_runs(layout.groups):
+    for lo, hi, holders in _block_runs(layout):
         lo, hi = max(lo, first), min(hi, stop)
-        if lo < hi:
-            ops.append(SyncOp(name, tuple(sorted(holders)), layout.split_dim,
+        if lo < hi and len(holders) > 1:
+            ops.append(SyncOp(name, holders, layout.split_dim,
                               (lo - first) * rows, (hi - first) * rows))
     return ops
 

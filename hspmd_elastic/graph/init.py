@@ -2,13 +2,14 @@
 
 Every parameter's full value is a function of (seed, parameter name) only: norms start at one,
 everything else is N(0, init_std) drawn from a generator seeded by the seed and the name. A rank
-materialises the full tensor and keeps its shard, so any plan starts from the same weights.
+materialises the full tensor and keeps its shard (the ranges its annotation names), so any plan
+starts from the same weights.
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Optional
+from typing import Sequence
 
 import torch
 
@@ -24,13 +25,10 @@ def full_param(spec: ParamSpec, config: ModelConfig, seed: int) -> torch.Tensor:
     return values.to(dtype)
 
 
-def shard(full: torch.Tensor, split_dim: Optional[int], parts: int, index: int) -> torch.Tensor:
-    """Shard ``index`` of ``parts`` even shards along ``split_dim`` (the whole tensor if None)."""
-    if split_dim is None or parts == 1:
-        return full.clone()
-    size = full.shape[split_dim]
-    lo, hi = size * index // parts, size * (index + 1) // parts
-    return full.narrow(split_dim, lo, hi - lo).clone()
+def local_part(full: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The half-open index ``ranges`` (one per dimension) of ``full``, as a copy: a rank's shard,
+    with the ranges its annotation gives (``TensorAnnotation.local_slices``)."""
+    return full[tuple(slice(lo, hi) for lo, hi in ranges)].clone()
 
 
 def full_params(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:

@@ -83,13 +83,17 @@ def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W [out, in] split along out; the input must have entered the TP region."""
+    """y = x W^T with W [out, in] split along out; the input must have entered the TP region.
+
+    ``parts``: the number of slices of out (default the TP degree); fewer than the TP degree
+    means each slice is replicated on adjacent TP ranks (the key/value heads of grouped-query
+    attention when the TP degree exceeds their number)."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, *,
-                 dtype: torch.dtype = torch.float64) -> None:
+                 dtype: torch.dtype = torch.float64, parts: int | None = None) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = _empty(out_features // tp.size, in_features, dtype=dtype)
+        self.weight = _empty(out_features // (parts or tp.size), in_features, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

@@ -33,7 +33,7 @@ import torch
 from hspmd_elastic.graph.comm import Comm, GraphError, Waiter
 from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.graph.gradsync import sync_gradients, sync_ops
-from hspmd_elastic.graph.init import full_param, shard
+from hspmd_elastic.graph.init import full_param, local_part
 from hspmd_elastic.graph.layers import TPGroup
 from hspmd_elastic.graph.model import StageModule, compute_context, token_loss_sum, torch_dtype
 from hspmd_elastic.graph.optim import AdamWConfig, ShardedAdamW
@@ -105,11 +105,14 @@ class SpecializedModel:
 
     @torch.no_grad()
     def init_params(self, seed: int) -> None:
+        """The seed's initial values of this rank's shards: the ranges its annotations name
+        (a replicated key/value part included), cut from each full parameter."""
         specs = param_specs(self.config)
+        annotations = self.plan.param_annotations(self.config)
         for name, p in self.params.items():
             spec = specs[name]
-            p.copy_(shard(full_param(spec, self.config, seed), spec.split_dim, self.tp.size,
-                          self.tp.index))
+            ranges = annotations[name].local_slices(self.rank, spec.shape)
+            p.copy_(local_part(full_param(spec, self.config, seed), ranges))
 
     # ---- training ------------------------------------------------------------------------
     def batch_rows(self) -> tuple[int, int]:

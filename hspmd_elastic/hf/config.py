@@ -2,9 +2,10 @@
 
 Every field of the file is in exactly one of three tables, and a field in none is refused:
 
-* ``_MAPPED``: fields that become ``ModelConfig`` fields (sizes, RoPE theta, RMSNorm epsilon);
+* ``_MAPPED``: fields that become ``ModelConfig`` fields (sizes, key/value heads, RoPE theta and
+  scaling (``hf/rope.py``), tied embeddings, RMSNorm epsilon);
 * ``_NEUTRAL``: fields that change the model unless they hold the value the decoder computes
-  (MHA, untied embeddings, no RoPE scaling, no biases, SiLU, no dropout, ...); any other value is
+  (no biases, SiLU, no dropout, ...); any other value is
   refused, naming the field, its value and what is supported;
 * ``_IGNORED``: bookkeeping that does not change what is trained (token ids, cache and output
   switches, versions, names).
@@ -22,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from hspmd_elastic.graph.config import ModelConfig, ModelConfigError
 from hspmd_elastic.hf.api import CONFIG_FILE, HFConfigError
+from hspmd_elastic.hf.rope import is_dynamic, rope_from_hf, rope_to_hf
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 STORAGE_DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -33,24 +35,9 @@ def _is(value) -> Callable[[Any, dict, int], bool]:
     return lambda v, _cfg, _seq: v == value
 
 
-def _default_rope(v, _cfg, _seq) -> bool:
-    """v5-style ``rope_parameters``: only the plain (unscaled) kind."""
-    return isinstance(v, dict) and v.get("rope_type", v.get("type", "default")) == "default" \
-        and set(v) <= {"rope_type", "type", "rope_theta"}
-
-
 # field -> (accepts(value, config, seq_len), what is supported): absent fields take the
 # neutral value, as in transformers.
 _NEUTRAL: dict[str, tuple[Callable[[Any, dict, int], bool], str]] = {
-    "num_key_value_heads": (lambda v, c, _s: v in (None, c.get("num_attention_heads")),
-                            "null or num_attention_heads (grouped-query attention is not yet "
-                            "supported)"),
-    "tie_word_embeddings": (_is(False), "false (tied input and output embeddings are not yet "
-                                        "supported)"),
-    "rope_scaling": (lambda v, _c, _s: v is None or _default_rope(v, _c, _s),
-                     "null (RoPE scaling is not yet supported)"),
-    "rope_parameters": (_default_rope, "{\"rope_type\": \"default\", \"rope_theta\": ...} "
-                                       "(RoPE scaling is not yet supported)"),
     "head_dim": (lambda v, c, _s: v is None or (type(v) is int and v * c.get(
         "num_attention_heads", 0) == c.get("hidden_size")), "null or hidden_size / num_attention_heads"),
     "hidden_act": (_is("silu"), "\"silu\" (the gated SiLU MLP)"),
@@ -67,9 +54,10 @@ _NEUTRAL: dict[str, tuple[Callable[[Any, dict, int], bool], str]] = {
     "pretraining_tp": (lambda v, _c, _s: isinstance(v, int) and v >= 1, "an integer >= 1"),
 }
 
-_MAPPED = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers",
-           "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-           "initializer_range", "torch_dtype", "dtype", "architectures", "model_type")
+_MAPPED = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+           "num_hidden_layers", "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+           "initializer_range", "torch_dtype", "dtype", "architectures", "model_type",
+           "tie_word_embeddings", "rope_scaling", "rope_parameters")
 
 _IGNORED = frozenset({
     "_name_or_path", "transformers_version", "bos_token_id", "eos_token_id", "pad_token_id",
@@ -108,7 +96,8 @@ def config_from_hf(path_or_dict, *, seq_len: int, dtype: Optional[str] = None) -
 
     ``seq_len`` is a training choice, not part of the checkpoint: the rows the sampler yields
     have ``seq_len + 1`` tokens. It must not exceed ``max_position_embeddings`` (the positions
-    the checkpoint was trained for). ``dtype`` is the training dtype; by default the
+    the checkpoint was trained for), except with dynamic NTK RoPE scaling, which is what extends
+    the context beyond it (``hf/rope.py``). ``dtype`` is the training dtype; by default the
     checkpoint's own when ``ModelConfig`` supports it, else float32 (bfloat16 and float16
     weights widen to it exactly)."""
     cfg = path_or_dict if isinstance(path_or_dict, dict) else read_hf_config(path_or_dict)
@@ -129,17 +118,25 @@ def config_from_hf(path_or_dict, *, seq_len: int, dtype: Optional[str] = None) -
         if name in cfg and not accepts(cfg[name], cfg, seq_len):
             raise HFConfigError(f"{where}: field {name}={json.dumps(cfg[name])} is not "
                                 f"supported; supported: {supported}")
+    rope_scaling = rope_from_hf(cfg, where)
     max_pos = cfg.get("max_position_embeddings")
-    if max_pos is not None and (type(max_pos) is not int or seq_len > max_pos):
+    if max_pos is not None and (type(max_pos) is not int
+                                or (seq_len > max_pos and not is_dynamic(cfg))):
         raise HFConfigError(f"{where}: seq_len={seq_len} exceeds field "
                             f"max_position_embeddings={max_pos!r}")
+    tied = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise HFConfigError(f"{where}: field tie_word_embeddings={json.dumps(tied)} must be "
+                            "true or false")
     return ModelConfig(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        num_heads=cfg["num_attention_heads"], num_layers=cfg["num_hidden_layers"],
+        num_heads=cfg["num_attention_heads"], num_kv_heads=_kv_heads(cfg, where),
+        num_layers=cfg["num_hidden_layers"],
         ffn_size=cfg["intermediate_size"], seq_len=seq_len, rope_theta=_rope_theta(cfg, where),
         norm_eps=_positive(cfg, "rms_norm_eps", _DEFAULT_EPS, where),
         init_std=_positive(cfg, "initializer_range", ModelConfig.init_std, where),
-        dtype=dtype or _training_dtype(storage_dtype(cfg, where)))
+        dtype=dtype or _training_dtype(storage_dtype(cfg, where)),
+        rope_scaling=rope_scaling, tie_embeddings=tied)
 
 
 def _check_architecture(cfg: dict, where: str) -> None:
@@ -154,6 +151,20 @@ def _check_architecture(cfg: dict, where: str) -> None:
         raise HFConfigError(f"{where}: field model_type={json.dumps(model_type)} is not "
                             f"supported; supported: {sorted(set(ARCHITECTURES.values()))} "
                             "(matching architectures)")
+
+
+def _kv_heads(cfg: dict, where: str) -> Optional[int]:
+    """``num_key_value_heads`` as ``ModelConfig.num_kv_heads``: None (multi-head attention) when
+    absent, null or ``num_attention_heads``; else a positive divisor of ``num_attention_heads``
+    (grouped-query attention)."""
+    value, heads = cfg.get("num_key_value_heads"), cfg["num_attention_heads"]
+    if value is None or value == heads:
+        return None
+    if type(value) is not int or value < 1 or heads % value:
+        raise HFConfigError(f"{where}: field num_key_value_heads={json.dumps(value)} is not "
+                            f"supported; supported: a positive divisor of "
+                            f"num_attention_heads={heads}")
+    return value
 
 
 def _rope_theta(cfg: dict, where: str) -> float:
@@ -218,14 +229,11 @@ def config_to_hf(config: ModelConfig, *, dtype: Optional[str] = None,
         config_from_hf(like, seq_len=config.seq_len)  # only a supported source is carried over
         out.update({k: v for k, v in like.items() if k not in ("dtype", "torch_dtype")})
     out.update(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-               num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads,
+               num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
                num_hidden_layers=config.num_layers, intermediate_size=config.ffn_size,
-               head_dim=config.head_dim, rms_norm_eps=config.norm_eps)
-    if isinstance(out.get("rope_parameters"), dict):  # the source's (transformers 5) form
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
-        out.pop("rope_theta", None)
-    else:
-        out["rope_theta"] = config.rope_theta
+               head_dim=config.head_dim, rms_norm_eps=config.norm_eps,
+               tie_word_embeddings=config.tie_embeddings)
+    rope_to_hf(config, out)  # the source's form: rope_parameters (transformers 5) or rope_scaling
     # transformers 5 reads `dtype`, older releases `torch_dtype`.
     out["dtype" if like is not None and "dtype" in like else "torch_dtype"] = dtype
     return out

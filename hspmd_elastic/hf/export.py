@@ -6,7 +6,9 @@ the weights exceed ``max_shard_size`` bytes, ``model-0000i-of-0000n.safetensors`
 parameters (our names) or the ranks' ``RunResult.final_state`` pieces, which are assembled with
 ``runtime.gather_full``: that is how a model trained under any plan is exported (every rank of
 the final plan hands back its slices with their global index ranges; one replica of each slice
-is enough). Names map back through ``weights.hf_names``; no row is permuted (see weights.py).
+is enough). Names map back through ``weights.hf_names``; no row is permuted (see weights.py). A
+tied model writes no ``lm_head.weight`` (``tie_word_embeddings: true``: transformers ties it on
+load).
 
 Files are written to a temporary name and renamed; ``config.json`` comes last, so a directory
 with a ``config.json`` holds a whole checkpoint. A directory that already holds weights is

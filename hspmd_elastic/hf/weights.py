@@ -1,7 +1,8 @@
 """Reading a Hugging Face checkpoint's weights, each rank only its own slices.
 
 Names: ``hf_names(config)`` maps every name of ``graph.config.param_specs`` to its Hugging Face
-name (``layers.3.attn.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``). Shapes are the
+name (``layers.3.attn.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``). With tied
+embeddings there is no ``lm_head.weight``: the head is ``model.embed_tokens.weight``. Shapes are the
 same on both sides (linear weights are ``[out, in]``), and no row is permuted: Hugging Face's
 Llama checkpoints are stored for ``rotate_half`` RoPE (each head's first half pairs with its
 second half), which is the convention of ``graph.model.apply_rope`` and ``graph.reference``.
@@ -96,14 +97,17 @@ def _open(file: str):
         raise HFCheckpointError(f"cannot read {file} as safetensors: {exc}") from None
 
 
-def _check_names(path: str, files: Mapping[str, str], names: Mapping[str, str]) -> None:
-    """Every parameter is in the checkpoint, and the checkpoint holds nothing else."""
+def _check_names(path: str, files: Mapping[str, str], names: Mapping[str, str],
+                 tied: bool = False) -> None:
+    """Every parameter is in the checkpoint, and the checkpoint holds nothing else (but a tied
+    model's ``lm_head.weight``, which transformers ties to the embedding on load: not read)."""
     missing = [hf for hf in names.values() if hf not in files]
     if missing:
         raise HFCheckpointError(f"{path} lacks tensor {missing[0]}"
                                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     known = set(names.values())
-    extra = sorted(n for n in files if n not in known and not _SKIPPED.match(n))
+    extra = sorted(n for n in files if n not in known and not _SKIPPED.match(n)
+                   and not (tied and n == "lm_head.weight"))
     if extra:
         raise HFCheckpointError(f"{path} holds tensor {extra[0]}, which this model does not have"
                                 + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
@@ -122,7 +126,7 @@ def load_shards(path: str, config: ModelConfig, wanted: Mapping[str, Optional[Ra
     names = hf_names(config)
     specs = param_specs(config)
     files = checkpoint_files(path)
-    _check_names(path, files, names)
+    _check_names(path, files, names, config.tie_embeddings)
     by_file: dict[str, list[tuple[str, Ranges]]] = {}
     for name, ranges in wanted.items():
         if name not in names:
