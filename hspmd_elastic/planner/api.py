@@ -14,7 +14,9 @@ import enum
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from functools import cached_property
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping, Optional
 
 if TYPE_CHECKING:
     from hspmd_elastic.graph.config import ModelConfig
@@ -124,7 +126,8 @@ class Device:
     slowdown: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "health", Health(self.health))
+        if type(self.health) is not Health:
+            object.__setattr__(self, "health", Health(self.health))
         if isinstance(self.id, bool) or not isinstance(self.id, int) or self.id < 0:
             raise PlannerError(f"device id={self.id!r} must be an integer >= 0")
         if not (self.slowdown >= 1.0 and math.isfinite(self.slowdown)):
@@ -165,7 +168,13 @@ class Inventory:
     def by_id(self) -> dict[int, Device]:
         return {d.id: d for d in self.devices}
 
-    @property
+    @cached_property
+    def devices_by_id(self) -> Mapping[int, Device]:
+        """``by_id()`` as a read-only mapping, built once (an inventory never changes): the
+        planner looks devices up for every candidate it scores."""
+        return MappingProxyType(self.by_id())
+
+    @cached_property
     def usable(self) -> tuple[Device, ...]:
         return tuple(d for d in self.devices if d.usable)
 

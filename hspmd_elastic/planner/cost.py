@@ -19,6 +19,8 @@ the activation bytes stay whole and 24/34 are split), plus the last stage's logi
 does not fit raises ``PlanInfeasibleError`` naming the device and the shortfall.
 
 Every function here is pure and cheap; the search calls the per-stage ones directly.
+``estimate_plan`` runs them once per distinct stage of a plan (same device classes, layers and
+micro-batches), with the results the per-stage computation over every device gives.
 """
 
 from __future__ import annotations
@@ -158,27 +160,37 @@ def estimate_plan(plan: Plan, inventory: Inventory, profile: ModelProfile,
                   options: PlannerOptions = PlannerOptions(),
                   current_plan: Optional[Plan] = None) -> Estimate:
     """Estimate ``plan``; raise ``PlanInfeasibleError`` if it uses an unusable device or a device
-    runs out of memory."""
+    runs out of memory.
+
+    The search scores a handful of plans over thousands of devices, most stages alike: each
+    stage is reduced to the classes (spec, slowdown) of its devices and of the next stage's, and
+    the cost model runs once per distinct stage (``_Index``, ``_StageCosts``); the results are
+    those of the per-stage formulas, evaluated on the same values."""
     if plan.num_layers != profile.num_layers:
         raise PlanInfeasibleError(f"plan has num_layers={plan.num_layers}, model "
                                   f"{profile.name} has {profile.num_layers}")
-    devs = inventory.by_id()
-    for d in plan.devices:
-        if d not in devs:
+    index = _index_of(inventory)
+    stages = [[tuple(s.devices) for s in pipe.stages] for pipe in plan.pipelines]
+    used = {d for pipe in stages for devices in pipe for d in devices}
+    bad = used - index.usable_ids
+    if bad:
+        d = min(bad)
+        if d not in index.devs:
             raise PlanInfeasibleError(f"plan uses device {d}, which is not in the inventory")
-        if not devs[d].usable:
-            raise PlanInfeasibleError(f"plan uses device {d}, which has failed")
+        raise PlanInfeasibleError(f"plan uses device {d}, which has failed")
+    costs = _StageCosts(index, profile, options)
     memory, limits, stage_times, pipe_times = {}, {}, [], []
+    facts = []  # per stage: (layers, classes, nodes)
     for pi, pipe in enumerate(plan.pipelines):
-        times = _pipeline_stage_times(plan, pi, devs, profile, options, memory, limits)
+        times = costs.pipeline(plan, pi, stages[pi], memory, limits, facts)
         stage_times.append(tuple(times))
         pipe_times.append(pipeline_time(times, pipe.num_microbatches))
-    sync = _grad_sync(plan, devs, profile)
+    layers = _LayerNodes(plan.num_layers, facts)
+    sync = costs.grad_sync(len(plan.pipelines), facts, layers)
     slowest = max(range(len(pipe_times)), key=lambda i: pipe_times[i])
     busy = plan.pipelines[slowest].num_microbatches * max(stage_times[slowest])
     step = max(pipe_times) + sync
-    used = set(plan.devices)
-    replicas = replica_nodes(plan, devs)
+    replicas = layers.replica_nodes()
     return Estimate(
         step_time_s=step,
         samples_per_s=plan.global_batch / step,
@@ -189,11 +201,193 @@ def estimate_plan(plan: Plan, inventory: Inventory, profile: ModelProfile,
         bubble_fraction=max(0.0, 1.0 - busy / pipe_times[slowest]),
         memory_bytes=memory,
         memory_limit_bytes=limits,
-        unused_devices=tuple(d.id for d in inventory.usable if d.id not in used),
+        unused_devices=tuple(d for d in index.usable_order if d not in used),
         cross_node_replicas=replicas >= 2,
         switch_bytes=None if current_plan is None else switch_bytes(current_plan, plan, profile),
         replica_nodes=replicas,
     )
+
+
+class _Index:
+    """Per device of one inventory: its node and its class, an int standing for its
+    (spec object, slowdown): two devices of one class look the same to the cost model."""
+
+    def __init__(self, inventory: Inventory):
+        self.inventory = inventory
+        self.devs = inventory.devices_by_id
+        self.usable_order = tuple(d.id for d in inventory.usable)
+        self.usable_ids = frozenset(self.usable_order)
+        self.node = {d.id: d.node for d in inventory.devices}
+        interned: dict[tuple, int] = {}
+        self.cls = {d.id: interned.setdefault((id(d.spec), d.slowdown), len(interned))
+                    for d in inventory.devices}
+        self.one_of: dict[int, int] = {}  # class -> its first device
+        for d, c in self.cls.items():
+            self.one_of.setdefault(c, d)
+        self.limits: dict[float, dict[int, int]] = {}  # memory fraction -> class -> limit
+
+    def limit_of(self, memory_fraction: float) -> dict[int, int]:
+        if memory_fraction not in self.limits:
+            out: dict[int, int] = {}
+            for d in self.inventory.devices:
+                out.setdefault(self.cls[d.id], int(d.spec.memory_bytes * memory_fraction))
+            self.limits[memory_fraction] = out
+        return self.limits[memory_fraction]
+
+
+_last_index: tuple = (None, None)  # (inventory, its _Index): one tuple, swapped whole
+
+
+def _index_of(inventory: Inventory) -> _Index:
+    global _last_index
+    cached, index = _last_index
+    if cached is not inventory:
+        index = _Index(inventory)
+        _last_index = (inventory, index)
+    return index
+
+
+class _StageCosts:
+    """The per-stage cost model of one ``estimate_plan`` call, once per distinct stage."""
+
+    def __init__(self, index: _Index, profile: ModelProfile, options: PlannerOptions):
+        self.index, self.profile, self.options = index, profile, options
+        self.limit = index.limit_of(options.memory_fraction)
+        self.shapes: dict[tuple, StageShape] = {}
+        self.stages: dict[tuple, tuple] = {}
+
+    def pipeline(self, plan: Plan, pi: int, groups: list[tuple], memory: dict, limits: dict,
+                 facts: list) -> list[float]:
+        """Stage times of pipeline ``pi``; fills ``memory`` and ``limits`` per device and
+        ``facts`` per stage; raises as ``_pipeline_stage_times`` does when memory is short."""
+        index, profile = self.index, self.profile
+        pipe = plan.pipelines[pi]
+        n, m, b = len(pipe.stages), pipe.num_microbatches, pipe.microbatch_size
+        classes = [tuple(map(index.cls.__getitem__, g)) for g in groups]
+        nodes = [tuple(map(index.node.__getitem__, g)) for g in groups]
+        times = []
+        for si, stage in enumerate(pipe.stages):
+            last = si == n - 1
+            if last:
+                shape_key = (classes[si], None, False)
+            else:
+                one_node = len(set(nodes[si] + nodes[si + 1])) == 1
+                shape_key = (classes[si], classes[si + 1], one_node)
+            shape = self.shapes.get(shape_key)
+            if shape is None:
+                devs = index.devs
+                shape = self.shapes[shape_key] = group_shape(
+                    [devs[d] for d in groups[si]],
+                    None if last else [devs[d] for d in groups[si + 1]],
+                    self.options.memory_fraction)
+            layers = stage.layers[1] - stage.layers[0]
+            key = (shape_key, layers, si == 0, last, b, inflight(n, si, m))
+            found = self.stages.get(key)
+            if found is None:
+                need = stage_memory(profile, shape.tp, layers, si == 0, last, b, key[5])
+                lims = tuple(self.limit[c] for c in dict.fromkeys(classes[si]))
+                found = self.stages[key] = (need, lims, min(lims),
+                                            stage_time(profile, shape, layers, last, b))
+            need, lims, lowest, elapsed = found
+            if need > lowest:  # the reference names the device that is short
+                _pipeline_stage_times(plan, pi, index.devs, profile, self.options, {}, {})
+                raise AssertionError("unreachable: the reference raises for this stage")
+            memory.update(dict.fromkeys(groups[si], need))
+            if len(lims) == 1:
+                limits.update(dict.fromkeys(groups[si], lims[0]))
+            else:
+                limits.update(zip(groups[si], map(self.limit.__getitem__, classes[si])))
+            times.append(elapsed)
+            facts.append((stage.layers, si == 0, last, classes[si], nodes[si]))
+        return times
+
+    def grad_sync(self, replicas: int, facts: list, layers: "_LayerNodes") -> float:
+        """``_grad_sync``: the slowest gradient all-reduce over the pipelines."""
+        if replicas <= 1:
+            return 0.0
+        devs, profile = self.index.devs, self.profile
+        worst = 0.0
+        seen: set = set()
+        for span, first, last, classes, nodes in facts:
+            spans = layers.spans(span)
+            key = (span[1] - span[0], first, last, classes, spans)
+            if key in seen:
+                continue
+            seen.add(key)
+            group = [devs[self.index.one_of[c]] for c in classes]  # the same specs
+            gbps = min(d.spec.inter_node_gbps if spans else d.spec.intra_node_gbps for d in group)
+            params = stage_params(profile, span[1] - span[0], first, last) / len(group)
+            latency = max(d.spec.link_latency_s for d in group)
+            worst = max(worst, grad_sync_time(profile, params, replicas, gbps, latency))
+        return worst
+
+
+class _LayerNodes:
+    """Per decoder layer, which nodes hold it, from the stages' (layers, nodes) facts: what
+    ``layer_nodes`` and ``replica_nodes`` compute per stage and layer, here once per distinct
+    layer range."""
+
+    def __init__(self, num_layers: int, facts: list):
+        self.num_layers = num_layers
+        whole: dict[tuple, set] = {}  # layer range -> nodes of the stages inside one node
+        split: dict[tuple, list] = {}  # layer range -> node tuples of stages over several
+        for span, _, _, _, nodes in facts:
+            first = nodes[0]
+            if nodes.count(first) == len(nodes):
+                whole.setdefault(span, set()).add(first)
+            else:
+                split.setdefault(span, []).append(nodes)
+                whole.setdefault(span, set())
+        self.whole, self.split = whole, split
+        self.covering: list[tuple] = [
+            tuple(r for r in whole if r[0] <= layer < r[1]) for layer in range(num_layers)]
+        self._spans: dict[tuple, bool] = {}
+
+    def _holders(self, ranges: tuple) -> set:
+        out: set = set()
+        for r in ranges:
+            out |= self.whole[r]
+            for nodes in self.split.get(r, ()):
+                out.update(nodes)
+        return out
+
+    def spans(self, span: tuple) -> bool:
+        """Whether some layer of ``span`` is held on more than one node."""
+        if span not in self._spans:
+            multi: dict[tuple, bool] = {}
+            out = False
+            for layer in range(*span):
+                ranges = self.covering[layer]
+                if ranges not in multi:
+                    multi[ranges] = len(self._holders(ranges)) > 1
+                if multi[ranges]:
+                    out = True
+                    break
+            self._spans[span] = out
+        return self._spans[span]
+
+    def replica_nodes(self) -> int:
+        """``replica_nodes``: the fewest nodes any parameter slice lives on."""
+        counts: dict[tuple, int] = {}
+        fewest = None
+        for layer in range(self.num_layers):
+            ranges = self.covering[layer]
+            if ranges not in counts:
+                whole: set = set()
+                split: list = []
+                for r in ranges:
+                    whole |= self.whole[r]
+                    split += self.split.get(r, [])
+                if not split:
+                    counts[ranges] = len(whole)
+                else:
+                    cells = math.lcm(*(len(nodes) for nodes in split))
+                    counts[ranges] = min(len(whole | {nodes[c * len(nodes) // cells]
+                                                      for nodes in split})
+                                         for c in range(cells))
+            count = counts[ranges]
+            fewest = count if fewest is None else min(fewest, count)
+        return fewest or 0
 
 
 def _pipeline_stage_times(plan: Plan, pi: int, devs: dict, profile: ModelProfile,
@@ -268,6 +462,8 @@ def replica_nodes(plan: Plan, devs: dict) -> int:
 
 
 def _grad_sync(plan: Plan, devs: dict, profile: ModelProfile) -> float:
+    """The slowest gradient all-reduce, stage by stage (``_StageCosts.grad_sync`` gives the
+    same once per distinct stage)."""
     replicas = len(plan.pipelines)
     if replicas <= 1:
         return 0.0
@@ -325,19 +521,36 @@ def switch_bytes(old: Plan, new: Plan, profile: ModelProfile) -> int:
     per_param = profile.param_bytes + profile.optimizer_bytes
     before = _holdings_of(old) if old.num_layers == new.num_layers else {}
     total = 0.0
-    params_of: dict[tuple, float] = {}  # one stage_params per stage shape, not per device
-    for d, (a, b, tp, rank, emb, head) in _holdings(new).items():
-        shape = (a, b, tp, emb, head)
-        params = params_of.get(shape)
-        if params is None:
-            params = params_of[shape] = stage_params(profile, b - a, emb, head) / tp
-        kept = 0.0
-        if d in before:
-            c, e, tp0, rank0, emb0, head0 = before[d]
-            frac = _shard_overlap(tp, rank, tp0, rank0)
-            layers = max(0, min(b, e) - max(a, c))
-            kept = frac * (layers * profile.layer_params + (profile.embed_params if emb and emb0
-                                                            else 0)
-                           + (profile.head_params if head and head0 else 0))
-        total += max(0.0, params - kept)
+    # One value per (holding in new, holding in old): devices of one stage moved alike cost
+    # the same; summed per device in the plan's order, as the plain loop would.
+    moved: dict[tuple, float] = {}
+    for pipe in new.pipelines:
+        n = len(pipe.stages)
+        for si, stage in enumerate(pipe.stages):
+            tp = stage.tp
+            shape = (stage.layers[0], stage.layers[1], tp, si == 0, si == n - 1)
+            for rank, d in enumerate(stage.devices):
+                was = before.get(d)
+                key = (shape, rank, was)
+                value = moved.get(key)
+                if value is None:
+                    value = moved[key] = _moved(profile, shape, rank, was)
+                total += value
     return int(round(total * per_param))
+
+
+def _moved(profile: ModelProfile, shape: tuple, rank: int, was: Optional[tuple]) -> float:
+    """Parameters one device must receive: its shard of ``shape`` (layer start, stop, tp, holds
+    the embedding, holds the head) at TP rank ``rank``, less what it held before (``was``, a
+    ``_holdings`` value, or None)."""
+    a, b, tp, emb, head = shape
+    params = stage_params(profile, b - a, emb, head) / tp
+    kept = 0.0
+    if was is not None:
+        c, e, tp0, rank0, emb0, head0 = was
+        frac = _shard_overlap(tp, rank, tp0, rank0)
+        layers = max(0, min(b, e) - max(a, c))
+        kept = frac * (layers * profile.layer_params + (profile.embed_params if emb and emb0
+                                                        else 0)
+                       + (profile.head_params if head and head0 else 0))
+    return max(0.0, params - kept)

@@ -31,16 +31,35 @@ def compact_ids(ids: Iterable[int]) -> str:
 
 def describe(plan, inventory: Inventory, limit: int = 3) -> str:
     """A one-line layout: ``"2 x [H800 tp2 > H20 tp8] + 1 x [H20 tp4]"`` (pipelines by shape)."""
-    devs = inventory.by_id()
+    type_of = _type_names(inventory)
     shapes: dict[str, int] = {}
+    texts: dict[tuple, str] = {}  # a stage's type names and TP degree -> its text
     for pipe in plan.pipelines:
-        stages = " > ".join(f"{'/'.join(sorted({devs[d].spec.name for d in s.devices}))} tp{s.tp}"
-                            for s in pipe.stages)
+        parts = []
+        for s in pipe.stages:
+            key = (frozenset(map(type_of.__getitem__, s.devices)), s.tp)
+            if key not in texts:
+                texts[key] = f"{'/'.join(sorted(key[0]))} tp{s.tp}"
+            parts.append(texts[key])
+        stages = " > ".join(parts)
         shapes[stages] = shapes.get(stages, 0) + 1
     parts = [f"{n} x [{shape}]" for shape, n in list(shapes.items())[:limit]]
     if len(shapes) > limit:
         parts.append(f"{len(shapes) - limit} more shapes")
     return " + ".join(parts)
+
+
+_last_types: tuple = (None, {})  # (inventory, device id -> type name): one tuple, swapped whole
+
+
+def _type_names(inventory: Inventory) -> dict:
+    """Device id -> its type's name, built once for the inventory last asked about."""
+    global _last_types
+    cached, names = _last_types
+    if cached is not inventory:
+        names = {d.id: d.spec.name for d in inventory.devices}
+        _last_types = (inventory, names)
+    return names
 
 
 def layout_line(plan, devices: Optional[Sequence[str]] = None) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter, eq
 from typing import Optional, Sequence
 
 from hspmd_elastic.plan import Pipeline, Plan, Stage
@@ -40,8 +41,11 @@ def signature(pipe: Sequence) -> tuple:
     hand-off whether it stays inside a node."""
     if len(pipe) == 1:
         return (pipe[0].sid,)
-    return (tuple(g.sid for g in pipe),
-            tuple(a.node == b.node for a, b in zip(pipe, pipe[1:])))
+    nodes = tuple(map(_node, pipe))
+    return (tuple(map(_sid, pipe)), tuple(map(eq, nodes, nodes[1:])))
+
+
+_sid, _node = attrgetter("sid"), attrgetter("node")
 
 
 def shapes_of(signature: tuple, attrs: list) -> tuple[cost.StageShape, ...]:
@@ -129,13 +133,16 @@ class Solver:
         slowest = max(times)
         return PipeModel(shapes, split, b, sum(times) - slowest, slowest / b)
 
-    def fast(self, pipelines: Sequence[tuple]) -> Optional["Draft"]:
+    def fast(self, pipelines: Sequence[tuple],
+             signatures: Optional[Sequence[tuple]] = None) -> Optional["Draft"]:
         """Score a layout (pipelines of groups) with the water-filling splits; None if no
-        pipeline fits."""
+        pipeline fits. ``signatures``: each pipeline's ``signature``, when the caller has
+        them."""
         rows_est = max(1, math.ceil(self.batch / len(pipelines)))
         classes: dict[tuple, list] = {}
-        for pipe in pipelines:
-            sig = signature(pipe)
+        if signatures is None:
+            signatures = [signature(pipe) for pipe in pipelines]
+        for pipe, sig in zip(pipelines, signatures):
             if sig in classes:
                 classes[sig].append(pipe)
             else:

@@ -28,8 +28,11 @@ best few exactly and ranks them:
 
 from __future__ import annotations
 
+import gc
 import math
 import re
+import threading
+from contextlib import contextmanager
 from itertools import product
 from typing import Optional
 
@@ -56,18 +59,26 @@ class _Group:
     __slots__ = ("devices", "node", "node_rank", "tp", "flops", "key", "inter", "sid")
 
     def __init__(self, devices: tuple[Device, ...], node_rank: int, memory_fraction: float,
-                 interned: dict):
+                 interned: dict, classes: Optional[tuple] = None,
+                 known: Optional[dict] = None):
+        """``classes``: each device's (spec object, slowdown), all the attributes depend on;
+        groups of the same classes share them through ``known``."""
         self.devices = devices
         self.node = devices[0].node
         self.node_rank = node_rank
         self.tp = len(devices)
-        self.flops = min(d.flops for d in devices)
-        self.inter = min(d.spec.inter_node_gbps for d in devices)
-        shape = cost.group_shape(devices, None, memory_fraction)
-        self.key = (shape.tp, shape.flops, shape.memory, shape.intra_gbps, shape.overhead_s,
-                    shape.latency_s)
-        # A small int standing for (key, inter): pipeline signatures are tuples of these.
-        self.sid = interned.setdefault((self.key, self.inter), len(interned))
+        attrs = known.get(classes) if known is not None else None
+        if attrs is None:
+            flops = min(d.flops for d in devices)
+            inter = min(d.spec.inter_node_gbps for d in devices)
+            shape = cost.group_shape(devices, None, memory_fraction)
+            key = (shape.tp, shape.flops, shape.memory, shape.intra_gbps, shape.overhead_s,
+                   shape.latency_s)
+            # A small int standing for (key, inter): pipeline signatures are tuples of these.
+            attrs = (flops, inter, key, interned.setdefault((key, inter), len(interned)))
+            if known is not None:
+                known[classes] = attrs
+        self.flops, self.inter, self.key, self.sid = attrs
 
 
 def _check_tp_degrees(profile: ModelProfile, options: PlannerOptions) -> None:
@@ -80,17 +91,25 @@ def _check_tp_degrees(profile: ModelProfile, options: PlannerOptions) -> None:
             + ", ".join(f"{k}={v}" for k, v in sizes.items()) + f" of model {profile.name}")
 
 
-def _node_groups(devices: list[Device], tp: int, allowed: list[int], rank: int,
-                 memory_fraction: float, interned: dict) -> list[_Group]:
-    """Cut one node's devices into groups of ``tp`` (fastest together), remainder smaller."""
-    ordered = sorted(devices, key=lambda d: (-d.flops, d.id))
+def _node_groups(ordered: tuple, tp: int, allowed: list[int], rank: int,
+                 memory_fraction: float, interned: dict, known: dict) -> list[_Group]:
+    """Cut one node's devices into groups of ``tp`` (fastest together), remainder smaller.
+    ``ordered``: the node's devices fastest first and their classes (``_fastest_first``)."""
+    devices, classes = ordered
     groups, i = [], 0
-    while i < len(ordered):
-        left = len(ordered) - i
+    while i < len(devices):
+        left = len(devices) - i
         size = tp if left >= tp else max((t for t in allowed if t <= left), default=1)
-        groups.append(_Group(tuple(ordered[i:i + size]), rank, memory_fraction, interned))
+        groups.append(_Group(tuple(devices[i:i + size]), rank, memory_fraction, interned,
+                             classes[i:i + size], known))
         i += size
     return groups
+
+
+def _fastest_first(devices: list[Device]) -> tuple:
+    """A node's devices, fastest first (then by id), and each one's (spec, slowdown) class."""
+    ordered = sorted(devices, key=lambda d: (-d.flops, d.id))
+    return ordered, tuple((id(d.spec), d.slowdown) for d in ordered)
 
 
 def _pipelines(groups: list[_Group], depth: int, mixed: bool) -> tuple[tuple[_Group, ...], ...]:
@@ -131,6 +150,8 @@ def _group_sets(devices: tuple[Device, ...], profile: ModelProfile,
         common = sorted(set.intersection(*(set(v) for v in per_type.values())) or {1})
         combos = [tuple(t for _ in types) for t in common]
     cache: dict[tuple, list[_Group]] = {}
+    ordered: dict[str, tuple] = {}  # node -> _fastest_first
+    known: dict[tuple, tuple] = {}  # device classes -> a group's attributes
     for combo in combos:
         tp_of = dict(zip(types, combo))
         if keep is not None and tuple(sorted(tp_of.items())) not in keep:
@@ -140,8 +161,11 @@ def _group_sets(devices: tuple[Device, ...], profile: ModelProfile,
             devs = by_node[node]
             kind = devs[0].spec.name
             if (node, tp_of[kind]) not in cache:
+                if node not in ordered:
+                    ordered[node] = _fastest_first(devs)
                 cache[node, tp_of[kind]] = _node_groups(
-                    devs, tp_of[kind], per_type[kind], rank, options.memory_fraction, interned)
+                    ordered[node], tp_of[kind], per_type[kind], rank, options.memory_fraction,
+                    interned, known)
             groups += cache[node, tp_of[kind]]
         yield tuple(sorted(tp_of.items())), groups
 
@@ -163,15 +187,32 @@ def _node_order(by_node: dict[str, list[Device]]) -> list[str]:
 
 
 def _depth_layouts(groups: list[_Group], profile: ModelProfile, options: PlannerOptions):
-    """Yield (depth, layouts of that depth) in increasing depth; a layout is a tuple of
-    pipelines, each a tuple of TP groups in stage order."""
+    """Yield (depth, layouts of that depth) in increasing depth; a layout is a pair: a tuple of
+    pipelines, each a tuple of TP groups in stage order, and their signatures (or None)."""
     depths = options.pp_degrees or _PP_DEPTHS
     hetero = len({g.key for g in groups}) > 1
+    sids = [g.sid for g in groups]
+    same = [a.node == b.node for a, b in zip(groups, groups[1:])]
     for depth in sorted(depths):
         if depth > min(len(groups), profile.num_layers):
             break
-        yield depth, [_pipelines(groups, depth, mixed)
+        yield depth, [(_pipelines(groups, depth, mixed),
+                       None if mixed else _chunk_signatures(sids, same, depth))
                       for mixed in ((False, True) if hetero and depth > 1 else (False,))]
+
+
+def _chunk_signatures(sids: list[int], same: list[bool], depth: int) -> list[tuple]:
+    """``passes.signature`` of each pipeline of ``_pipelines(groups, depth, False)``, from the
+    groups' sids and whether each group shares its successor's node."""
+    if depth == 1:
+        return [(sid,) for sid in sids]
+    out = []
+    for i in range(0, len(sids), depth):
+        if i + 1 == len(sids):
+            out.append((sids[i],))
+        else:
+            out.append((tuple(sids[i:i + depth]), tuple(same[i:i + depth - 1])))
+    return out
 
 
 def _natural(name: str) -> tuple:
@@ -186,8 +227,42 @@ def plan_for(inventory: Inventory, profile: ModelProfile, global_batch: int,
     """The best plan for ``profile`` on the usable devices of ``inventory``, with alternatives.
 
     Raises ``PlanInfeasibleError`` (naming the shortfall) when nothing fits, and
-    ``PlannerError`` for bad inputs.
+    ``PlannerError`` for bad inputs. Python's cyclic garbage collector is paused meanwhile
+    (``paused_gc``).
     """
+    with paused_gc():
+        return _plan_for(inventory, profile, global_batch, current_plan, options)
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # calls inside paused_gc, all threads together
+_gc_paused_it = False  # whether the first of them turned the collector off
+
+
+@contextmanager
+def paused_gc():
+    """No cyclic garbage collection inside (nested and concurrent uses are fine; the collector
+    is left as it was found once the last one ends). A search over thousands of devices
+    allocates a few hundred thousand short-lived objects and no cycles: reference counting
+    frees them, and the collections they would trigger, each a walk over every object of the
+    process, cost a third of the search's time or more in a process holding many records."""
+    global _gc_pauses, _gc_paused_it
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_paused_it = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_paused_it:
+                gc.enable()
+
+
+def _plan_for(inventory: Inventory, profile: ModelProfile, global_batch: int,
+              current_plan: Optional[Plan], options: PlannerOptions) -> PlanResult:
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise PlannerError(f"global_batch={global_batch!r} must be a positive integer")
     _check_tp_degrees(profile, options)
@@ -234,8 +309,8 @@ def _scan_depths(solver: Solver, groups: list[_Group]) -> tuple[list[Draft], int
     want, layers = solver.options.redundancy, solver.profile.num_layers
     for _, layouts in _depth_layouts(groups, solver.profile, solver.options):
         scores = []
-        for layout in layouts:
-            draft = solver.fast(layout)
+        for layout, signatures in layouts:
+            draft = solver.fast(layout, signatures)
             if draft is not None and want > 1 and not _draft_replicated(draft, layers, want):
                 dropped += 1
                 continue
@@ -287,7 +362,7 @@ def _refine(drafts, solver: Solver, inventory: Inventory, profile: ModelProfile,
     """Exact plans for the best drafts (the first ``options.refine`` with re-solved layer
     splits), distinct, plus the candidates derived from ``current_plan``. A re-solved split that
     moves a layer off the nodes ``options.redundancy`` needs falls back to the draft's split."""
-    out, seen = [], set()
+    out, seen = [], []
     wanted = options.refine + options.alternatives
     for draft in drafts:
         if len(out) >= wanted:
@@ -302,36 +377,54 @@ def _refine(drafts, solver: Solver, inventory: Inventory, profile: ModelProfile,
                 cand = candidate(plan, "", inventory, profile, options, current_plan)
         except PlanError:
             continue
-        text = plan.to_json() if cand is not None else None
-        if cand is not None and text not in seen:
-            seen.add(text)
+        # Distinct plans: dataclass equality is the plans' JSON equality (every field is an
+        # int); comparing stops at the first difference, encoding would not.
+        if cand is not None and not any(plan == p for p in seen):
+            seen.append(plan)
             out.append(cand)
     if current_plan is not None:
         for cand in from_current(current_plan, solver, inventory, profile, options):
-            text = cand.plan.to_json()
-            if text not in seen:
-                seen.add(text)
+            if not any(cand.plan == p for p in seen):
+                seen.append(cand.plan)
                 out.append(cand)
     return out
 
 
 def _rank(candidates: list[Candidate], options: PlannerOptions) -> list[Candidate]:
-    """Best first: preference classes, then score; near-equal plans by switch traffic."""
-    def key(c: Candidate):
+    """Best first: preference classes, then score; near-equal plans by switch traffic. The
+    last tie-break is the plan's JSON text, encoded only for plans tied on everything before
+    it (plans over thousands of devices take milliseconds each to encode)."""
+    def head_key(c: Candidate):
         redundant = options.cross_node_replicas and not c.estimate.cross_node_replicas
         idle = options.use_all_devices and bool(c.estimate.unused_devices)
-        return ((int(idle), int(redundant)), c.score, c.plan.to_json())
+        return ((int(idle), int(redundant)), c.score)
 
-    ranked = sorted(candidates, key=key)
-    head = key(ranked[0])
+    def near_key(c: Candidate):
+        return (c.estimate.switch_bytes or 0, max(len(p.stages) for p in c.plan.pipelines),
+                c.score)
+
+    ranked = _sorted_by(candidates, head_key)
+    head = head_key(ranked[0])
     near = [c for c in ranked
-            if key(c)[0] == head[0] and c.score <= head[1] * (1.0 + options.tie_tolerance)]
+            if head_key(c)[0] == head[0] and c.score <= head[1] * (1.0 + options.tie_tolerance)]
     # Near-equal plans: least switch traffic first, then the shallowest pipelines (fewer
     # hand-offs, simpler switches), then the score.
-    near.sort(key=lambda c: (c.estimate.switch_bytes or 0,
-                             max(len(p.stages) for p in c.plan.pipelines), c.score,
-                             c.plan.to_json()))
-    return near + [c for c in ranked if c not in near]
+    near = _sorted_by(near, near_key)
+    taken = {id(c) for c in near}  # candidates are distinct plans: identity is equality
+    return near + [c for c in ranked if id(c) not in taken]
+
+
+def _sorted_by(candidates: list[Candidate], key) -> list[Candidate]:
+    """``sorted(candidates, key=lambda c: key(c) + (c.plan.to_json(),))``, encoding only the
+    plans whose ``key`` ties with another's (for the others the text is never compared)."""
+    keys = [key(c) for c in candidates]
+    counts: dict = {}
+    for k in keys:
+        counts[k] = counts.get(k, 0) + 1
+    full = [k + ((c.plan.to_json(),) if counts[k] > 1 else ("",))
+            for k, c in zip(keys, candidates)]
+    order = sorted(range(len(candidates)), key=full.__getitem__)
+    return [candidates[i] for i in order]
 
 
 def _infeasible(usable: tuple[Device, ...], profile: ModelProfile,

@@ -165,9 +165,11 @@ def drain_of(snapshot: ClusterSnapshot, current: schema.PlanRecord,
     suspect (still working), on a live node, with a running worker (one that holds state)."""
     out = []
     for dev in current.devices:
+        if dev in usable:  # most devices: the lookups below scan a node's devices
+            continue
         view = snapshot.device(dev)
         node = snapshot.nodes.get(node_of(dev))
-        if (dev not in usable and view is not None and view.state == "suspect"
+        if (view is not None and view.state == "suspect"
                 and node is not None and node.alive and dev in snapshot.running):
             out.append(dev)
     return tuple(sorted(out, key=device_sort_key))

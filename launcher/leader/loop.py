@@ -76,6 +76,11 @@ DEFAULT_DEBOUNCE_S = 1.0
 DEFAULT_MAX_DEBOUNCE_S = 10.0
 TICK_S = 0.05  # re-check period while debouncing (real seconds; the debounce clock is injected)
 IDLE_RECHECK_S = 1.0  # level-triggered re-check even without watch events
+# A tick woken by a watch event is followed by a pause of COALESCE x its own cost (snapshot and
+# decision, O(devices)), at most MAX_COALESCE_S: a burst of events (a thousand agents starting,
+# 8 verdicts each) is taken in a few ticks, not one per event.
+COALESCE = 3.0
+MAX_COALESCE_S = 0.25
 WATCH_START_S = 5.0
 STOP_TIMEOUT_S = 5.0
 MAX_SWITCH_RETRIES = 3  # publications of the same plan again, per furthest step
@@ -240,6 +245,7 @@ class Leader:
         self._watches: list[PrefixWatch] = []
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._tick_cost = 0.0  # real seconds of the last tick's snapshot and decision
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -295,6 +301,7 @@ class Leader:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
+            self._tick_cost = 0.0
             try:
                 delay = self._tick()
             except CoordinationError as exc:
@@ -303,7 +310,10 @@ class Leader:
             except Exception:  # noqa: BLE001 - the loop must survive a bug in one tick
                 log.exception("[%s] leader %s: unexpected error", self.job, self.node)
                 delay = IDLE_RECHECK_S
-            self._wake.wait(delay)
+            if self._wake.wait(delay) and self._tick_cost > 0:
+                # Woken early (a watch event, most likely one of a burst): let the burst
+                # gather, so the loop spends at most 1 / (1 + COALESCE) of its time rebuilding.
+                self._stop.wait(min(MAX_COALESCE_S, COALESCE * self._tick_cost))
 
     def _tick(self) -> float:
         """One level-triggered step; returns how long to wait (real seconds) at most."""
@@ -313,9 +323,11 @@ class Leader:
             return IDLE_RECHECK_S
         if self.state is LeaderState.FOLLOWER:
             self._take_office()
+        started = time.monotonic()
         snap, current = self._world.snapshot(self.node)
         self._note_spares(snap, current)
         decision = decide(snap, current, self.min_nodes, self.max_nodes)
+        self._tick_cost = time.monotonic() - started
         fp = decision.fingerprint() if decision else None
         if decision is None or fp == self._infeasible:
             self._note_no_devices(snap, current)

@@ -122,7 +122,17 @@ def make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
                 planner_fn: Optional[PlannerFn], profile: ModelProfile, global_batch: int,
                 options: Optional[PlannerOptions] = None) -> PlannedLayout:
     """Pure (given a pure ``planner_fn``): the plan for ``decision`` (see the module docstring).
-    Raises ``PlanningFailed`` when the planner finds no plan."""
+    Raises ``PlanningFailed`` when the planner finds no plan. The cyclic garbage collector is
+    paused meanwhile (``planner.search.paused_gc``: the objects made here have no cycles)."""
+    from hspmd_elastic.planner.search import paused_gc
+
+    with paused_gc():
+        return _make_layout(decision, current, planner_fn, profile, global_batch, options)
+
+
+def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
+                 planner_fn: Optional[PlannerFn], profile: ModelProfile, global_batch: int,
+                 options: Optional[PlannerOptions]) -> PlannedLayout:
     from hspmd_elastic.planner import PlanInfeasibleError, fallback_dp_plan
 
     usable = {d.id: d for d in decision.devices}
@@ -152,7 +162,15 @@ def make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
             raise PlanningFailed(str(exc)) from exc
     used = sorted(plan.devices)
     compact = {u: k for k, u in enumerate(used)}
-    return PlannedLayout(plan.relabel(compact), tuple(universe[u] for u in used), planner)
+    return PlannedLayout(_relabel(plan, compact), tuple(universe[u] for u in used), planner)
+
+
+def _relabel(plan: Plan, mapping: Mapping[int, int]) -> Plan:
+    """``plan.relabel(mapping)``; the plan itself when ``mapping`` moves no id (plans are
+    immutable, and building one over thousands of devices is not free)."""
+    if all(k == v for k, v in mapping.items()) and mapping.keys() >= set(plan.devices):
+        return plan
+    return plan.relabel(mapping)
 
 
 def _inventory(universe: Sequence[str], usable: Mapping[str, DeviceView],
@@ -185,7 +203,7 @@ def _current_in(current: Optional[schema.PlanRecord], ids: Mapping[str, int]) ->
     if current is None or not current.strategy:
         return None
     try:
-        return plan_of(current).relabel({i: ids[dev] for i, dev in enumerate(current.devices)})
+        return _relabel(plan_of(current), {i: ids[dev] for i, dev in enumerate(current.devices)})
     except (PlanError, KeyError, IndexError, TypeError) as exc:
         log.info("current plan v%d is not a plan the planner reads (%s)", current.version, exc)
         return None
