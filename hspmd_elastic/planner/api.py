@@ -208,8 +208,10 @@ class ModelProfile:
     ``activation_bytes`` (activations exchanged between stages and TP ranks).
     ``activation_bytes_per_token_layer``: activation memory one token keeps for backward in one
     layer without TP (default 17 activation elements per hidden unit, the usual estimate with a
-    fused attention kernel). ``config`` is set when the profile comes from a runnable
-    ``ModelConfig``; the planner then checks its plans against it.
+    fused attention kernel). ``num_kv_heads``: key/value heads of grouped-query attention
+    (None: ``num_heads``); it sizes the key/value projections and limits the TP degrees
+    (``tp_valid``). ``config`` is set when the profile comes from a runnable ``ModelConfig``;
+    the planner then checks its plans against it.
     """
 
     name: str
@@ -225,6 +227,10 @@ class ModelProfile:
     activation_bytes: int = 2
     activation_bytes_per_token_layer: Optional[int] = None
     config: Optional["ModelConfig"] = field(default=None, compare=False, repr=False)
+    num_kv_heads: Optional[int] = None
+    # tied input and output embeddings: the first and the last stage each hold the one table
+    # (head_params counts it on the last), a one-stage pipeline holds it once
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_size", "num_heads", "vocab_size",
@@ -232,6 +238,11 @@ class ModelProfile:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlannerError(f"model {self.name!r}: {name}={value!r} must be an integer >= 1")
+        kv = self.num_kv_heads
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1
+                               or self.num_heads % kv):
+            raise PlannerError(f"model {self.name!r}: num_kv_heads={kv!r} must be an integer "
+                               f">= 1 dividing num_heads={self.num_heads}")
         if self.activation_bytes_per_token_layer is None:
             object.__setattr__(self, "activation_bytes_per_token_layer",
                                17 * self.hidden_size * self.activation_bytes)
@@ -252,9 +263,33 @@ class ModelProfile:
 
     # ---- parameter and FLOP counts ----------------------------------------------------------
     @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Rows of each key/value projection (``num_kv_heads`` x head width)."""
+        return self.kv_heads * (self.hidden_size // self.num_heads)
+
+    @property
     def layer_params(self) -> int:
         h, f = self.hidden_size, self.ffn_size
-        return 4 * h * h + 3 * h * f + 2 * h
+        return 2 * h * h + 2 * self.kv_size * h + 3 * h * f + 2 * h
+
+    def layer_params_per_device(self, tp: int) -> float:
+        """One decoder layer's parameters on each device of a TP group of ``tp``: a ``1/tp``
+        share, plus ``kv_replica_params``."""
+        return self.layer_params / tp + self.kv_replica_params(tp)
+
+    def kv_replica_params(self, tp: int) -> float:
+        """What a device of a TP group of ``tp`` holds of one layer beyond its ``1/tp`` share: a
+        ``tp`` above ``num_kv_heads`` leaves one whole key/value head of each projection on
+        every device (replicated); 0 otherwise."""
+        parts = math.gcd(tp, self.kv_heads)
+        if parts == tp:
+            return 0.0
+        kv_params = 2 * self.kv_size * self.hidden_size
+        return kv_params / parts - kv_params / tp
 
     @property
     def embed_params(self) -> int:
@@ -266,7 +301,8 @@ class ModelProfile:
 
     @property
     def total_params(self) -> int:
-        return self.num_layers * self.layer_params + self.embed_params + self.head_params
+        return (self.num_layers * self.layer_params + self.head_params
+                + (0 if self.tie_embeddings else self.embed_params))
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -276,7 +312,7 @@ class ModelProfile:
     def layer_flops_per_token(self) -> float:
         """Forward FLOPs of one decoder layer for one token (matmuls and attention)."""
         h, f, s = self.hidden_size, self.ffn_size, self.seq_len
-        return 2.0 * (4 * h * h + 3 * h * f) + 4.0 * s * h
+        return 2.0 * (2 * h * h + 2 * self.kv_size * h + 3 * h * f) + 4.0 * s * h
 
     @property
     def head_flops_per_token(self) -> float:
@@ -286,6 +322,14 @@ class ModelProfile:
         """Sizes every TP degree must divide (whole heads per rank, FFN, vocab, hidden)."""
         return {"num_heads": self.num_heads, "ffn_size": self.ffn_size,
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size}
+
+    def tp_valid(self, tp: int) -> bool:
+        """Whether TP degree ``tp`` can run this model: it divides every size of ``tp_sizes``
+        and divides ``num_kv_heads`` or is a multiple of it (``graph.config.tp_problem``).
+        Valid degrees mix: any set of them has an LCM that still cuts every split dimension."""
+        kv = self.kv_heads
+        return all(size % tp == 0 for size in self.tp_sizes().values()) and \
+            (kv % tp == 0 or tp % kv == 0)
 
 
 @dataclass(frozen=True)

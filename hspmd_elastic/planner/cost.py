@@ -118,7 +118,9 @@ def grad_sync_time(profile: ModelProfile, params_per_device: float, replicas: in
 # ---- memory --------------------------------------------------------------------------------
 
 def stage_params(profile: ModelProfile, layers: int, first: bool, last: bool) -> int:
-    return (layers * profile.layer_params + (profile.embed_params if first else 0)
+    """Parameters of a stage; a tied embedding is on both ends, once on a stage that is both."""
+    once = profile.tie_embeddings and first and last
+    return (layers * profile.layer_params + (profile.embed_params if first and not once else 0)
             + (profile.head_params if last else 0))
 
 
@@ -128,6 +130,7 @@ def memory_coeffs(profile: ModelProfile, tp: int, first: bool, last: bool, b: in
     state = profile.state_bytes_per_param / tp
     act_share = (10.0 + 24.0 / tp) / 34.0
     per_layer = (profile.layer_params * state
+                 + profile.kv_replica_params(tp) * profile.state_bytes_per_param
                  + inflight * b * profile.seq_len * profile.activation_bytes_per_token_layer
                  * act_share)
     fixed = stage_params(profile, 0, first, last) * state

@@ -63,11 +63,11 @@ def shapes_of(signature: tuple, attrs: list) -> tuple[cost.StageShape, ...]:
 
 
 def tp_options(profile: ModelProfile, options: PlannerOptions, node_size: int) -> list[int]:
-    """TP degrees for a device type whose largest node has ``node_size`` of them: divisors of
-    every size TP splits (so degrees also mix), within the node; at least TP 1."""
-    g = math.gcd(*profile.tp_sizes().values())
+    """TP degrees for a device type whose largest node has ``node_size`` of them: the valid ones
+    (``ModelProfile.tp_valid``: divisors of every size TP splits, so degrees also mix, that
+    divide or are multiples of the key/value heads), within the node; at least TP 1."""
     allowed = options.tp_degrees or tuple(range(1, node_size + 1))
-    return sorted(t for t in allowed if g % t == 0 and t <= node_size) or [1]
+    return sorted(t for t in allowed if profile.tp_valid(t) and t <= node_size) or [1]
 
 
 class Solver:

@@ -45,12 +45,13 @@ def profile_from_config(config: ModelConfig, name: str = "config") -> ModelProfi
                         ffn_size=config.ffn_size, num_heads=config.num_heads,
                         vocab_size=config.vocab_size, seq_len=config.seq_len,
                         param_bytes=dt, grad_bytes=dt, optimizer_bytes=2 * dt,
-                        activation_bytes=dt, activation_bytes_per_token_layer=act, config=config)
+                        activation_bytes=dt, activation_bytes_per_token_layer=act, config=config,
+                        num_kv_heads=config.num_kv_heads, tie_embeddings=config.tie_embeddings)
 
 
 _PROFILE_KEYS = {"name", "num_layers", "hidden_size", "ffn_size", "num_heads", "vocab_size",
                  "seq_len", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                 "activation_bytes_per_token_layer"}
+                 "activation_bytes_per_token_layer", "num_kv_heads", "tie_embeddings"}
 
 
 _CONFIG_KEYS = set(ModelConfig.__dataclass_fields__)

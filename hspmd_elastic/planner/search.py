@@ -85,10 +85,12 @@ def _check_tp_degrees(profile: ModelProfile, options: PlannerOptions) -> None:
     if options.tp_degrees is None:
         return
     sizes = profile.tp_sizes()
-    if not any(all(size % t == 0 for size in sizes.values()) for t in options.tp_degrees):
+    if not any(profile.tp_valid(t) for t in options.tp_degrees):
+        kv = f" and divides or is a multiple of num_kv_heads={profile.kv_heads}" \
+            if profile.num_kv_heads is not None else ""
         raise PlannerError(
             f"tp_degrees={options.tp_degrees}: none divides "
-            + ", ".join(f"{k}={v}" for k, v in sizes.items()) + f" of model {profile.name}")
+            + ", ".join(f"{k}={v}" for k, v in sizes.items()) + kv + f" of model {profile.name}")
 
 
 def _node_groups(ordered: tuple, tp: int, allowed: list[int], rank: int,
