@@ -18,15 +18,14 @@ including its ``repeat_kv`` (query head ``j`` reads key/value head ``j // (heads
 
 from __future__ import annotations
 
-import copy
 import math
 import types
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
+from _hf_peer import cut, float64_peer, hf_logits, max_diff, mean_ce, train_peer
 from _world import run_world
 from hspmd_elastic.graph.config import ModelConfig, ModelConfigError, param_specs, tp_problem
 from hspmd_elastic.graph.gradsync import sync_group_members, sync_ops
@@ -77,60 +76,9 @@ def tiny_gqa_llama(kv: int):
     return model
 
 
-def float64_peer(model):
-    """A copy of ``model`` whose RMSNorm and RoPE angles compute in float64."""
-    peer = copy.deepcopy(model)
-
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
-                                              + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        d = self.inv_freq.numel() * 2
-        inv = 1.0 / THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        freqs = position_ids[..., None].to(torch.float64) * inv
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    for module in peer.modules():
-        if type(module).__name__ == "LlamaRMSNorm":
-            module.forward = types.MethodType(rms_norm, module)
-        elif type(module).__name__ == "LlamaRotaryEmbedding":
-            module.forward = types.MethodType(rotary, module)
-    return peer
-
-
-def hf_logits(model, batch):
-    with torch.no_grad():
-        return model(input_ids=batch[:, :-1]).logits
-
-
-def mean_ce(logits, batch):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-
-
 def batches(count: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=gen) for _ in range(count)]
-
-
-def train_peer(model, steps, optim: AdamWConfig):
-    model = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                            weight_decay=optim.weight_decay, foreach=False)
-    for batch in steps:
-        opt.zero_grad()
-        mean_ce(model(input_ids=batch[:, :-1]).logits, batch).backward()
-        opt.step()
-    return model.eval()
-
-
-def max_diff(a, b) -> float:
-    return (a - b).abs().max().item()
-
-
-def cut(full: torch.Tensor, ranges) -> torch.Tensor:
-    return full[tuple(slice(lo, hi) for lo, hi in ranges)]
 
 
 @pytest.fixture(scope="module")

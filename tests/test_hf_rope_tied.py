@@ -23,7 +23,6 @@ float32 dtype read as float64, and the stock model is compared at float32 precis
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -31,9 +30,9 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
+from _hf_peer import cut, float64_peer, hf_logits, max_diff, mean_ce, train_peer
 from _world import run_world
 from hspmd_elastic.graph.config import ModelConfig, ModelConfigError, param_specs
 from hspmd_elastic.graph.optim import AdamWConfig
@@ -95,84 +94,9 @@ def tiny_llama(variant: str):
     return model
 
 
-class _Float64Torch:
-    """``torch`` as transformers' RoPE functions see it in the peer: float32 reads as float64."""
-
-    def __getattr__(self, name):
-        return torch.float64 if name in ("float", "float32") else getattr(torch, name)
-
-
-def _transformers_rope(config, seq_len: int):
-    """transformers' own (inverse frequencies, attention factor) for ``config``, in float64."""
-    import transformers.modeling_rope_utils as mru
-
-    kind = config.rope_parameters["rope_type"]
-    if kind == "default":
-        d = config.head_dim
-        theta = config.rope_parameters["rope_theta"]
-        return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d), 1.0
-    real, mru.torch = mru.torch, _Float64Torch()
-    try:  # dynamic: what its forward recomputes for an input of seq_len tokens
-        inv, scale = mru.ROPE_INIT_FUNCTIONS[kind](config, None, seq_len=seq_len)
-    finally:
-        mru.torch = real
-    assert inv.dtype == torch.float64
-    return inv, scale
-
-
-def float64_peer(model):
-    """A copy of ``model`` whose RMSNorm and RoPE compute in float64 (module docstring)."""
-    peer = copy.deepcopy(model)
-
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
-                                              + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        inv, scale = _transformers_rope(self.config, int(position_ids.max()) + 1)
-        freqs = position_ids[..., None].to(torch.float64) * inv
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
-
-    for module in peer.modules():
-        if type(module).__name__ == "LlamaRMSNorm":
-            module.forward = types.MethodType(rms_norm, module)
-        elif type(module).__name__ == "LlamaRotaryEmbedding":
-            module.forward = types.MethodType(rotary, module)
-    return peer
-
-
-def hf_logits(model, batch):
-    with torch.no_grad():
-        return model(input_ids=batch[:, :-1]).logits
-
-
-def mean_ce(logits, batch):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-
-
 def batches(count: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=gen) for _ in range(count)]
-
-
-def train_peer(model, steps, optim: AdamWConfig):
-    model = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                            weight_decay=optim.weight_decay, foreach=False)
-    for batch in steps:
-        opt.zero_grad()
-        mean_ce(model(input_ids=batch[:, :-1]).logits, batch).backward()
-        opt.step()
-    return model.eval()
-
-
-def max_diff(a, b) -> float:
-    return (a - b).abs().max().item()
-
-
-def cut(full: torch.Tensor, ranges) -> torch.Tensor:
-    return full[tuple(slice(lo, hi) for lo, hi in ranges)]
 
 
 def read_json(path: str):
