@@ -16,17 +16,16 @@ transformers' own. The unmodified model is compared too, at float32 precision.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from _hf_peer import float64_peer, hf_logits, mean_ce, train_peer
 from _world import run_world
 from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.graph.optim import AdamWConfig
@@ -63,53 +62,9 @@ def tiny_llama(**overrides):
     return model
 
 
-def float64_peer(model):
-    """A copy of ``model`` whose RMSNorm and RoPE angles compute in float64 (module docstring)."""
-    peer = copy.deepcopy(model)
-
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
-                                              + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        d = self.inv_freq.numel() * 2
-        inv = 1.0 / THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        freqs = position_ids[..., None].to(torch.float64) * inv
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    for module in peer.modules():
-        if type(module).__name__ == "LlamaRMSNorm":
-            module.forward = types.MethodType(rms_norm, module)
-        elif type(module).__name__ == "LlamaRotaryEmbedding":
-            module.forward = types.MethodType(rotary, module)
-    return peer
-
-
-def hf_logits(model, batch: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=batch[:, :-1]).logits
-
-
-def mean_ce(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-
-
 def batches(count: int, seed: int = 5) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=gen) for _ in range(count)]
-
-
-def train_peer(model, steps: list[torch.Tensor], optim: AdamWConfig):
-    """transformers' model trained with torch.optim.AdamW on our loss (mean token CE)."""
-    model = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                            weight_decay=optim.weight_decay, foreach=False)
-    for batch in steps:
-        opt.zero_grad()
-        mean_ce(model(input_ids=batch[:, :-1]).logits, batch).backward()
-        opt.step()
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
