@@ -108,7 +108,10 @@ def test_new_kinds_are_detected_and_recovered_from_the_jobs_own_records():
     assert match_detection(lost, base, [], verdicts) is None  # its failed verdict is older
     killed = Injected("kill-agent", {"node": "node-c"})
     gone = [_ev(3, "unreachable", "node-c", devices=["node-c:0"], plan_version=5)]
-    assert match_detection(killed, base, gone) is None  # a peer's report counts for a cut only
+    # its peers' probes can report the dead node before its lease expires: that replan takes
+    # it out of the plan, and its expiring lease then journals no leave
+    assert match_detection(killed, base, gone).by == "unreachable event #3"
+    assert match_detection(killed, base, [_ev(3, "unreachable", "node-b")]) is None
     cut = Injected("partition", {"node": "node-c"})
     away = [_ev(3, "unreachable", "node-c", devices=["node-c:0"], plan_version=5),
             _ev(4, "replan", version=5, reason="unreachable node-c:0: unreachable over the "

@@ -8,12 +8,13 @@ observations, so they are unit-tested without a job:
 
 * ``match_detection``: the first reaction of the job after the injection that names the fault's
   target: a ``failure``/``stall`` event for a worker fault (by pid when the event lists pids),
-  a ``leave`` event about the node, or a ``failure`` of its peers, for an agent fault; the
+  a ``leave`` or ``unreachable`` event about the node, or a ``failure`` of its peers, for an
+  agent fault (its peers' probes may report the dead node before its lease expires); the
   device's verdict under ``devices/<node>/<device>`` (``failed``; ``degraded`` for thermal,
   ``suspect`` for suspect, ``healthy`` for recover) or the leader's event about the device
   (``failure``/``degrade``, ``drain``, ``recover``) for a device fault; a ``join`` event for a
-  join; a ``partition`` of a node is matched like an agent fault, or by an ``unreachable``
-  event about it (its data link cut); an etcd restart or stall, a partition of an etcd member and an
+  join; a ``partition`` of a node is matched like an agent fault (an ``unreachable`` event
+  about it: its data link cut); an etcd restart or stall, a partition of an etcd member and an
   informational Xid expect no reaction (``reactions``: the journal must show none);
 * ``match_recovery``: the ``switch-done`` event of the plan that handled the fault (elastic jobs:
   the first ``replan`` whose ``reason`` names the target, ``replan_changes``), else the first
@@ -158,15 +159,18 @@ def _worker_event(ev: schema.EventRecord, inj: Injected) -> bool:
     return node is None or ev.node == node
 
 
-def _agent_event(ev: schema.EventRecord, node: str, network: bool = False) -> bool:
-    """A ``leave`` about the node, or a ``failure`` anywhere: when an agent dies its workers
-    die with it, and the surviving ranks' collectives fail (a restart-mode job notices the loss
-    that way before the node's lease expires); for a partition (``network``) also an
-    ``unreachable`` about the node (its peers cannot reach it over the data network)."""
+def _agent_event(ev: schema.EventRecord, node: str) -> bool:
+    """A ``leave`` about the node, an ``unreachable`` about it, or a ``failure`` anywhere. When
+    an agent dies its workers die with it: the surviving ranks' collectives fail (a restart-mode
+    job notices the loss that way before the node's lease expires), and their agents' probes
+    find the node unreachable; whichever comes first, the lease's expiry or the probes' report,
+    is how the job noticed (after an ``unreachable`` replan the node is out of the plan, so its
+    expiring lease publishes nothing and journals no ``leave``). For a partition the
+    ``unreachable`` report is the data link cut."""
     if ev.type == "leave":
         return ev.node == node or f"node {node} left" in str(ev.detail.get("reason", ""))
     if ev.type == "unreachable":
-        return network and ev.node == node
+        return ev.node == node
     return ev.type == "failure"
 
 
@@ -221,7 +225,7 @@ def match_detection(inj: Injected, base: Baseline, events: Sequence[schema.Event
         if fault in WORKER_FAULTS:
             hit = _worker_event(ev, inj)
         elif fault in NODE_FAULTS:
-            hit = _agent_event(ev, inj.target["node"], fault in NETWORK_FAULTS)
+            hit = _agent_event(ev, inj.target["node"])
         elif fault in DEVICE_FAULTS:
             hit = _device_event(ev, inj)
         elif fault == "join":
