@@ -238,16 +238,23 @@ class _Index:
         return self.limits[memory_fraction]
 
 
-_last_index: tuple = (None, None)  # (inventory, its _Index): one tuple, swapped whole
+class _LastOf:
+    """``fn(x)``, remembered for the last ``x`` asked, by identity (inventories and plans are
+    immutable; a search asks about the same one again and again). The pair is one tuple,
+    swapped whole, so concurrent callers never mix two arguments' values."""
+
+    def __init__(self, fn):
+        self.fn, self._last = fn, (None, None)
+
+    def __call__(self, x):
+        cached, value = self._last
+        if cached is not x:
+            value = self.fn(x)
+            self._last = (x, value)
+        return value
 
 
-def _index_of(inventory: Inventory) -> _Index:
-    global _last_index
-    cached, index = _last_index
-    if cached is not inventory:
-        index = _Index(inventory)
-        _last_index = (inventory, index)
-    return index
+_index_of = _LastOf(_Index)  # the current inventory's index
 
 
 class _StageCosts:
@@ -498,18 +505,8 @@ def _holdings(plan: Plan) -> dict[int, tuple[int, int, int, int, bool, bool]]:
     return out
 
 
-_last_holdings: tuple = (None, {})  # (plan, its holdings): the current plan is compared with
-# every candidate of a search; one tuple, swapped whole, so threads never mix two plans
-
-
-def _holdings_of(plan: Plan) -> dict:
-    """``_holdings(plan)``, remembered for the last plan asked (plans are immutable)."""
-    global _last_holdings
-    cached, holdings = _last_holdings
-    if cached is not plan:
-        holdings = _holdings(plan)
-        _last_holdings = (plan, holdings)
-    return holdings
+# The current plan is compared with every candidate of a search: its holdings, remembered.
+_holdings_of = _LastOf(_holdings)
 
 
 def _shard_overlap(tp_a: int, rank_a: int, tp_b: int, rank_b: int) -> float:
