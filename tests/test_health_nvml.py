@@ -12,6 +12,7 @@ from launcher.health.api import DeviceState, Verdict
 from launcher.health.fake_nvml import FakeGpu, FakeNvml, fake_gpus
 from launcher.health.nvml import NvmlHealthSource, device_type
 from launcher.health.rules import (
+    DRAIN_XIDS,
     FATAL_XIDS,
     THROTTLE_HW_POWER_BRAKE,
     THROTTLE_HW_THERMAL,
@@ -70,7 +71,19 @@ def test_fatal_xids_are_fatal(xid):
 
 @pytest.mark.parametrize("xid", [13, 31, 43, 45, 999])
 def test_other_xids_are_informational(xid):
-    assert not classify_xid(xid).fatal
+    assert not classify_xid(xid).fatal and not classify_xid(xid).drain
+
+
+@pytest.mark.parametrize("xid", [63, 92])
+def test_repair_pending_and_high_sbe_rate_xids_drain(xid):
+    cls = classify_xid(xid)
+    assert xid in DRAIN_XIDS and xid not in FATAL_XIDS
+    assert cls.drain and not cls.fatal
+
+
+def test_an_xid_in_both_tables_is_fatal():
+    assert classify_xid(63, fatal={63: "site policy"}).fatal
+    assert classify_xid(13, drain={13: "site policy"}).reason() == "Xid 13 (site policy)"
 
 
 def test_fatal_xid_event_fails_device_and_sticks():
@@ -83,6 +96,64 @@ def test_fatal_xid_event_fails_device_and_sticks():
     assert "fallen off the bus" in v[1].reason
     clock.t += 100  # nothing clears it
     assert source.poll(clock())[1].is_failed
+
+
+@pytest.mark.parametrize("xid,words", [(48, "double-bit ECC"), (79, "fallen off the bus"),
+                                        (95, "uncontained ECC")])
+def test_fatal_xid_events_fail_the_device(xid, words):
+    faults = []
+    fake, clock, source = make(fake_gpus(2), on_fault=lambda i, v: faults.append((i, v.xid)))
+    fake.push_event(0, XID, xid)
+    assert source.wait_for_event()
+    v = source.poll(clock())
+    assert v[0].is_failed and v[0].xid == xid and v[0].reason.startswith(f"Xid {xid}: ")
+    assert words in v[0].reason
+    assert v[1].state is DeviceState.HEALTHY
+    assert faults == [(0, xid)]
+
+
+@pytest.mark.parametrize("xid,reason", [
+    (63, "Xid 63 (row remap pending: reset when convenient)"),
+    (92, "Xid 92 (high single-bit ECC error rate: data still correct, the memory is wearing out)"),
+])
+def test_one_drain_xid_makes_the_device_suspect_not_failed(xid, reason):
+    faults = []
+    fake, clock, source = make(fake_gpus(2), on_fault=lambda i, v: faults.append((i, v)))
+    assert source.poll(clock())[1].state is DeviceState.HEALTHY
+    fake.push_event(1, XID, xid)  # a single one: no burst needed
+    assert source.wait_for_event()
+    clock.advance(5.0)
+    v = source.poll(clock())
+    assert v[1].state is DeviceState.SUSPECT, v[1]
+    assert (v[1].reason, v[1].xid, v[1].at) == (reason, xid, 100.0)
+    assert v[0].state is DeviceState.HEALTHY
+    assert faults == []  # not a failure: on_fault is for failures
+    clock.advance(3600.0)  # sticky, and an informational Xid does not replace it
+    fake.push_event(1, XID, 13)
+    assert source.wait_for_event()
+    assert source.poll(clock())[1] == v[1]
+    fake.push_event(1, XID, 95)  # the fault it warned of: failed replaces suspect
+    assert source.wait_for_event()
+    assert source.poll(clock())[1].is_failed and faults[0][1].xid == 95
+
+
+def test_drain_xid_after_a_failure_keeps_the_failure():
+    fake, clock, source = make(fake_gpus(1))
+    fake.push_event(0, XID, 79)
+    fake.push_event(0, XID, 63)
+    assert source.wait_for_event() and source.wait_for_event()
+    assert source.poll(clock())[0].xid == 79 and source.poll(clock())[0].is_failed
+
+
+def test_drain_xids_can_be_overridden():
+    fake, clock, source = make(fake_gpus(2), fatal_xids={**FATAL_XIDS, 63: "site: fail it"},
+                               drain_xids={})
+    fake.push_event(0, XID, 63)
+    fake.push_event(1, XID, 92)
+    assert source.wait_for_event() and source.wait_for_event()
+    v = source.poll(clock())
+    assert v[0].is_failed and v[0].reason == "Xid 63: site: fail it"
+    assert v[1].state is DeviceState.HEALTHY
 
 
 def test_informational_xid_does_not_change_verdict():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pynvml
 import pytest
 
 from hspmd_elastic.coord.api import EtcdUnavailableError
@@ -95,6 +96,29 @@ def test_leader_view_failed_is_lost_degraded_is_slower(client):
     assert summary.failed == {("a", 0): "Xid 48: dbe"}
     assert summary.slowdown == {("a", 1): 0.6, ("b", 0): 0.8}
     assert summary.unknown_slowdown == {("b", 0)}
+
+
+def test_nvml_xids_reach_the_leader_as_drain_or_failure(client):
+    """Driver Xids through FakeNvml, NvmlHealthSource and etcd to the leader's summary: 63 and 92
+    drain the device (suspect), 48, 79 and 95 fail it, 13 alone changes nothing."""
+    xids = [63, 92, 48, 79, 95, 13]
+    fake = FakeNvml(fake_gpus(len(xids)))
+    mono = FakeClock(100.0)
+    source = NvmlHealthSource(fake, mono, event_thread=False, event_timeout_ms=20)
+    source.start()
+    for index, xid in enumerate(xids):
+        fake.push_event(index, pynvml.nvmlEventTypeXidCriticalError, xid)
+        assert source.wait_for_event()
+    VerdictPublisher(client, "job3", "a", clock=mono).publish(source.poll(mono()))
+    records = read_device_health(client, "job3")
+    summary = summarize_device_health(records)
+    assert summary.suspect == {("a", 0): "Xid 63 (row remap pending: reset when convenient)",
+                               ("a", 1): "Xid 92 (high single-bit ECC error rate: data still "
+                                         "correct, the memory is wearing out)"}
+    assert sorted(summary.failed) == [("a", 2), ("a", 3), ("a", 4)]
+    assert [records["a", i].xid for i in range(5)] == xids[:5]
+    assert records["a", 5].state == "healthy"
+    source.stop()
 
 
 # ----------------------------------------------------------------------------- selection

@@ -1,13 +1,16 @@
 """Device types and inventories: the built-in spec table and the ways to build an inventory.
 
 The table holds dense BF16 peak TFLOP/s, memory, and per-device bandwidth inside a node and
-across nodes for H100, H200, H800, H20, A100, L40S and a CPU worker. Users extend it with
+across nodes for H100, H200, H800, A100 (SXM), their PCIe and NVL cards (H100-PCIe, H100-NVL,
+H200-NVL, H800-PCIe, A100-PCIe), H20, L40S and a CPU worker. Users extend it with
 ``register_device_type`` or by passing ``types=`` (a name -> ``DeviceSpec`` mapping) to the
 builders, which never mutate the table they are given.
 
 Names as the NVIDIA driver gives them (``"NVIDIA H100 80GB HBM3"``, or the agent's type
 ``"H100-80GB-HBM3"``, ``"A100-SXM4-80GB"``, ``"H200-NVL"``) map to a table entry by
-``known_type``: the whole name, else its first dash- or blank-separated word that is one.
+``known_type``: the whole name, else, at the first dash- or blank-separated word where one
+starts, the longest run of words that is an entry (``"H200 NVL"`` -> ``H200-NVL``), that word
+with a later one (``"H100 80GB PCIe"`` -> ``H100-PCIe``), or that word alone (``"H200"``).
 ``spec_for_device`` (the leader's inventory of real devices) gives an unknown GPU the
 conservative ``generic_gpu_spec`` under its own name and logs a warning naming it once; typed
 inventories (``inventory_from_nodes``, ``hspmd-launch plan --devices``) accept the same names and
@@ -34,8 +37,17 @@ BUILTIN_SPECS: dict[str, DeviceSpec] = {
     # H100's compute with 141 GB of HBM3e (NVML reports about 140 GiB).
     "H200": DeviceSpec("H200", 989.0, 141 * GiB, 450.0, 50.0, mfu=0.45),
     "H800": DeviceSpec("H800", 989.0, 80 * GiB, 200.0, 50.0, mfu=0.45),
+    # PCIe cards: lower clocks and power than the SXM part. NVLink bridges join only pairs (H100
+    # PCIe, H800 PCIe) or 2-4 cards (NVL), so the figure inside a node is PCIe Gen5 x16 (64 GB/s
+    # each way), what any two of the node's GPUs get; bridged peers are faster.
+    "H100-PCIe": DeviceSpec("H100-PCIe", 756.0, 80 * GiB, 64.0, 50.0, mfu=0.45),
+    "H100-NVL": DeviceSpec("H100-NVL", 835.0, 94 * GiB, 64.0, 50.0, mfu=0.45),
+    "H200-NVL": DeviceSpec("H200-NVL", 835.0, 141 * GiB, 64.0, 50.0, mfu=0.45),
+    "H800-PCIe": DeviceSpec("H800-PCIe", 756.0, 80 * GiB, 64.0, 50.0, mfu=0.45),
     "H20": DeviceSpec("H20", 148.0, 96 * GiB, 450.0, 50.0, mfu=0.65),
     "A100": DeviceSpec("A100", 312.0, 80 * GiB, 300.0, 25.0, mfu=0.5),
+    # The SXM A100's compute, PCIe Gen4 x16 (32 GB/s each way) between GPUs.
+    "A100-PCIe": DeviceSpec("A100-PCIe", 312.0, 80 * GiB, 32.0, 25.0, mfu=0.5),
     "L40S": DeviceSpec("L40S", 362.0, 48 * GiB, 32.0, 12.5, mfu=0.4),
     # One CPU training process (one thread): about 10 GFLOP/s on small matmuls, gloo over
     # loopback or TCP, a large fixed cost per micro-batch (Python, autograd) and per collective.
@@ -76,9 +88,13 @@ def known_type(name: str, table: Mapping[str, DeviceSpec]) -> Optional[str]:
     words = [w for w in re.split(r"[\s_-]+", text) if w]
     if words and words[0] == "NVIDIA":
         words = words[1:]
-    if "-".join(words) in table:
-        return "-".join(words)
-    return next((w for w in words if w in table), None)
+    for i, word in enumerate(words):
+        runs = ["-".join(words[i:j]) for j in range(len(words), i + 1, -1)]  # longest first
+        pairs = [f"{word}-{later}" for later in words[i + 2:]]  # "H100 80GB PCIE": H100-PCIE
+        key = next((k for k in (*runs, *pairs, word) if k in table), None)
+        if key is not None:
+            return key
+    return None
 
 
 def lookup_spec(name: str, types: Optional[Mapping[str, DeviceSpec]] = None) -> DeviceSpec:

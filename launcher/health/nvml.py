@@ -6,8 +6,8 @@ source with a scripted stand-in (``fake_nvml.FakeNvml``) and nothing is patched 
 What it watches, per device (docs/health.md has the rules and the reasons):
 
 * an event thread blocked in ``nvmlEventSetWait`` with a bounded timeout: Xid critical errors
-  (classified by ``rules.classify_xid``), double-bit ECC, fatal poison, GPU-unavailable and
-  page-retirement-failure events;
+  (classified by ``rules.classify_xid``: fatal fails, drain (63, 92) makes suspect at once),
+  double-bit ECC, fatal poison, GPU-unavailable and page-retirement-failure events;
 * on every ``poll``: the volatile uncorrectable ECC count (a rise over the count seen at start
   fails the device), failed row remapping, the driver's recovery-action field where the driver
   has it, ``NVML_ERROR_GPU_IS_LOST`` / ``NVML_ERROR_RESET_REQUIRED`` from any call; then the
@@ -34,6 +34,7 @@ from launcher.health.api import (
     DEFAULT_STOP_TIMEOUT_S,
     Clock,
     DeviceInfo,
+    DeviceState,
     HealthSourceUnavailable,
     Verdict,
     keep_at,
@@ -86,9 +87,10 @@ class NvmlHealthSource:
 
     ``nvml``: the pynvml module (or a stand-in). ``clock``: monotonic seconds, stamped on
     verdicts raised by the event thread. ``event_timeout_ms``: the longest one
-    ``nvmlEventSetWait`` blocks, so ``stop`` joins within about that long. ``fatal_xids``:
-    overrides ``rules.FATAL_XIDS``. ``on_fault(index, verdict)``: called from the event thread
-    as soon as an event fails a device (the next ``poll`` reports it anyway). ``event_thread``:
+    ``nvmlEventSetWait`` blocks, so ``stop`` joins within about that long. ``fatal_xids``,
+    ``drain_xids``: override ``rules.FATAL_XIDS``, ``rules.DRAIN_XIDS``. ``on_fault(index,
+    verdict)``: called from the event thread as soon as an event fails a device (a drain Xid
+    does not call it; the next ``poll`` reports either). ``event_thread``:
     False leaves the events to explicit ``wait_for_event`` calls (deterministic tests).
     ``node``: the node id, for log lines. ``warnings``: when warning signs make a device
     suspect (``warning_signs.WarningThresholds``).
@@ -105,6 +107,7 @@ class NvmlHealthSource:
         event_error_backoff_s: float = 1.0,
         event_thread: bool = True,
         fatal_xids: Optional[dict[int, str]] = None,
+        drain_xids: Optional[dict[int, str]] = None,
         on_fault: Optional[FaultCallback] = None,
         node: str = "local",
         warnings: WarningThresholds = WarningThresholds(),
@@ -116,7 +119,7 @@ class NvmlHealthSource:
         self._event_timeout_ms = int(event_timeout_ms)
         self._event_backoff_s = float(event_error_backoff_s)
         self._event_thread = bool(event_thread)
-        self._fatal_xids = fatal_xids
+        self._xid_tables = (fatal_xids, drain_xids)
         self._on_fault = on_fault
         self._node = node
         self._lock = threading.Lock()
@@ -371,11 +374,17 @@ class NvmlHealthSource:
         now = self._clock()
         where = f"node {self._node}: an unknown GPU" if index is None else self._gpu_name(index)
         if etype & self._const("nvmlEventTypeXidCriticalError", 0x8):
-            xid = classify_xid(int(data.eventData), self._fatal_xids)
+            xid = classify_xid(int(data.eventData), *self._xid_tables)
             if xid.fatal:
                 log.error("%s: %s", where, xid.reason())
                 if index is not None:
                     self._fail(index, Verdict.failed(xid.reason(), xid=xid.xid, at=now))
+            elif xid.drain:
+                if index is None:
+                    log.warning("%s: %s", where, xid.reason())
+                else:
+                    self._mark_suspect(index, Verdict(DeviceState.SUSPECT, xid.reason(), xid.xid,
+                                                      None, now))
             else:
                 log.info("%s: %s", where, xid.reason())
                 if index is not None:
@@ -476,11 +485,17 @@ class NvmlHealthSource:
             with self._lock:
                 if index in self._sticky:  # a query found the GPU lost
                     return self._sticky[index]
-                if reason:
-                    log.warning("%s: suspect: %s", self._gpu_name(index), reason)
-                    self._suspect[index] = Verdict.suspect(reason, at=now)
-                    return self._suspect[index]
+            if reason:
+                return self._mark_suspect(index, Verdict.suspect(reason, at=now))
         return None
+
+    def _mark_suspect(self, index: int, verdict: Verdict) -> Verdict:
+        """Record a sticky suspect verdict (the first wins) and return the one recorded."""
+        with self._lock:
+            if index not in self._suspect:
+                log.warning("%s: suspect: %s", self._gpu_name(index), verdict.reason)
+                self._suspect[index] = verdict
+            return self._suspect[index]
 
     def _ecc_fault(self, dev: _Device) -> Optional[str]:
         count = self._ecc_count(dev)

@@ -4,7 +4,10 @@ Pure tables and functions, no driver calls, so the NVML source, the scripted sou
 (docs/health.md) share one definition. Promises:
 
 * ``classify_xid(xid)`` is fatal exactly for ``FATAL_XIDS`` (or the set the caller passes);
-  every other Xid is informational: it is logged, it never changes a verdict;
+  else *drain* for ``DRAIN_XIDS`` (or the caller's set): one occurrence makes the device
+  ``suspect`` at once (the GPU still computes correctly, but needs a reset or is wearing out);
+  every other Xid is informational: it is logged, it changes a verdict only as part of a burst
+  (``warning_signs.py``);
 * ``throttle_slowdown`` turns an SM clock pair into a speed relative to nominal in (0, 1]
   (docs/etcd-schema.md: ``slowdown``, 1.0 = nominal), rounded to ``SLOWDOWN_QUANTUM`` so that
   clock jitter does not rewrite the verdict on every poll;
@@ -22,19 +25,25 @@ from typing import Iterable, Optional
 # of the processes on the GPU, or leaves the GPU unusable/unsafe until it is reset.
 FATAL_XIDS: dict[int, str] = {
     48: "double-bit ECC error: uncorrectable device-memory error, data in use may be corrupt",
-    63: "ECC page retirement / row remapping recorded: a reset is needed to activate the repair",
     64: "ECC page retirement / row remapping failed: the bad memory cannot be repaired",
     74: "NVLink error: a link to a peer GPU failed, collectives over it hang or fail",
     79: "GPU has fallen off the bus: the device is gone from PCIe",
-    92: "high single-bit ECC error rate: memory is failing, uncorrectable errors will follow",
     94: "contained ECC error: the processes using the bad memory were terminated",
     95: "uncontained ECC error: every process on the GPU is affected, a reset is required",
     119: "GSP RPC timeout: the GPU System Processor stopped answering the driver",
     120: "GSP error: the GPU System Processor firmware faulted, a reset is required",
 }
 
-# Xids worth a readable log line; they do not change a verdict (an application fault shows up as
-# a worker exit, and a silent freeze as a stalled progress heartbeat).
+# Xid -> what the driver asks for, for Xids that drain the device (suspect) at the first one: the
+# GPU keeps computing correctly, so it hands its state over by network before it leaves. The
+# uncorrectable error behind a repair, if any, has its own fatal Xid (48, 94, 95) or ECC count.
+DRAIN_XIDS: dict[int, str] = {
+    63: "row remap pending: reset when convenient",
+    92: "high single-bit ECC error rate: data still correct, the memory is wearing out",
+}
+
+# Xids worth a readable log line; alone they do not change a verdict (an application fault shows
+# up as a worker exit, a silent freeze as a stalled progress heartbeat; a burst makes a suspect).
 INFO_XIDS: dict[int, str] = {
     13: "graphics engine exception (usually an application fault)",
     31: "GPU memory page fault (usually an application fault)",
@@ -78,16 +87,25 @@ class XidClass:
     xid: int
     fatal: bool
     meaning: str
+    drain: bool = False  # not fatal, but the device is suspect at once
 
     def reason(self) -> str:
+        """``Xid 79: GPU has fallen off ...``; a drain Xid ``Xid 63 (row remap pending: ...)``."""
+        if self.drain:
+            return f"Xid {self.xid} ({self.meaning})"
         return f"Xid {self.xid}: {self.meaning}"
 
 
-def classify_xid(xid: int, fatal: Optional[dict[int, str]] = None) -> XidClass:
-    """Fatal or informational, with a one-line meaning."""
+def classify_xid(xid: int, fatal: Optional[dict[int, str]] = None,
+                 drain: Optional[dict[int, str]] = None) -> XidClass:
+    """Fatal, drain or informational, with a one-line meaning (``fatal``/``drain`` replace
+    ``FATAL_XIDS``/``DRAIN_XIDS``; an Xid in both is fatal)."""
     table = FATAL_XIDS if fatal is None else fatal
     if xid in table:
         return XidClass(xid, True, table[xid])
+    drains = DRAIN_XIDS if drain is None else drain
+    if xid in drains:
+        return XidClass(xid, False, drains[xid], drain=True)
     return XidClass(xid, False, INFO_XIDS.get(xid, "informational (not in the fatal list)"))
 
 

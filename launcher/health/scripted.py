@@ -168,6 +168,11 @@ def _apply(current: Verdict, fault: Fault, at: float) -> Verdict:
         return current  # sticky: the first failure is the root cause
     if fault.kind == "xid":
         cls = classify_xid(fault.xid or 0)
+        if cls.drain:  # as the driver's: the device is suspect at once (sticky), never failed
+            if current.state is DeviceState.SUSPECT:
+                return current
+            return Verdict(DeviceState.SUSPECT, fault.reason or f"{cls.reason()} (scripted)",
+                           cls.xid, None, at)
         if not cls.fatal:
             return current
         return Verdict.failed(fault.reason or f"{cls.reason()} (scripted)", xid=cls.xid, at=at)

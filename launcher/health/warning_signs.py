@@ -15,6 +15,10 @@ driver calls: ``nvml.NvmlHealthSource`` feeds it, and so can a test. The signs:
 * **a burst of non-fatal Xids**: ``xid_burst`` or more informational Xids within
   ``xid_window_s`` seconds (one such Xid is noise; a burst precedes hangs and falls off the bus).
 
+Xids that are warning signs by themselves (``rules.DRAIN_XIDS``: 63 row remap pending, 92 high
+single-bit ECC error rate) need no counting: the NVML source makes the device suspect at the
+first one, with the Xid in the verdict.
+
 Promises: every method is O(1) amortised and thread-safe (Xids arrive on the event thread);
 ``reason`` is one line naming the sign and its numbers.
 """
