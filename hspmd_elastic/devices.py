@@ -18,6 +18,14 @@ NCCL while the switch's small exchange of host integers stays on gloo. ``graph/c
 the sub-groups with the backend the default group was formed with, and ``elastic/group.py`` forms
 the default group with this one.
 
+``completes_at_enqueue(backend)`` says which backends have NCCL's completion semantics: a
+``Work``'s future is done when the operation is enqueued, not when it ends, ``wait()`` only orders
+streams, and a peer that dies leaves the operation running until the communicators are aborted.
+That is NCCL, and any backend registered with ``register_enqueue_backend`` (a double with NCCL's
+semantics plugs in there, through torch's own ``dist.Backend.register_backend``). Waits on such
+backends poll ``Work.is_completed()`` and leaving a plan aborts its communicators
+(``elastic/group.py``, ``elastic/monitor.py``); gloo's futures complete when the work ends.
+
 ``cuda_available()`` is the selection seam the tests replace; nothing else here reads the
 hardware.
 """
@@ -94,26 +102,50 @@ def uses_nccl(backend: str) -> bool:
     return "nccl" in str(backend).lower()
 
 
+_ENQUEUE_BACKENDS: set[str] = set()
+
+
+def register_enqueue_backend(name: str) -> None:
+    """Declare that the c10d backend ``name`` (registered with ``dist.Backend.register_backend``)
+    completes its works' futures at enqueue, as NCCL does (see the module docstring)."""
+    _ENQUEUE_BACKENDS.add(str(name).lower())
+
+
+def completes_at_enqueue(backend: str) -> bool:
+    """True when some part of ``backend`` has NCCL's completion semantics: waits must poll
+    ``is_completed()`` and leaving means aborting the communicators."""
+    parts = {p.rpartition(":")[2].strip() for p in str(backend).lower().split(",")}
+    return "nccl" in parts or bool(parts & _ENQUEUE_BACKENDS)
+
+
 def use_device(device: torch.device) -> None:
     """Make ``device`` current for this process (NCCL and the caching allocator follow it)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
 
-def nccl_environment(timeout_s: float, env: Optional[dict] = None) -> dict:
+def nccl_environment(init_timeout_s: float, env: Optional[dict] = None) -> dict:
     """The NCCL settings an elastic worker needs, set only where the user has not set them:
 
-    * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``: the worker's own watchdog gives every wait its
-      deadline and aborts the communicators itself when it leaves a plan (torch's
-      ``_abort_process_group`` asks for this: with it on, NCCL's watchdog may tear the
-      communicators down, or the process, on its own);
-    * ``TORCH_NCCL_NONBLOCKING_TIMEOUT``: the longest a non-blocking communicator creation or
-      split may take (torch's default is 30 minutes), the worker's communication timeout.
+    * ``TORCH_NCCL_USE_COMM_NONBLOCKING=1``: communicators are created and split in NCCL's
+      non-blocking mode, so torch waits for them with a bound instead of inside a blocking
+      ``ncclCommInitRank``/``ncclCommSplit`` that a peer dying mid-creation would never end
+      (torch stopped choosing this mode by itself for eager init in 2.7.1);
+    * ``TORCH_NCCL_NONBLOCKING_TIMEOUT``: that bound, in whole seconds: the regroup deadline
+      (``init_timeout_s``). torch reads it once per process, so the first value set stays;
+    * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``: torch's own NCCL watchdog neither aborts the
+      communicators nor tears the process down on a timeout. Leaving a plan is ours: the
+      worker's ``Watchdog`` polls every wait against its deadline and newer plans, and the
+      ``AbortMonitor`` thread aborts the plan's communicators when a wait is abandoned or the
+      main thread is stuck (torch's ``_abort_process_group`` asks for this setting: with error
+      handling on, torch's watchdog may abort the same communicators, or kill the survivor,
+      on its own).
 
     Returns what it set (``env``: default ``os.environ``)."""
     env = os.environ if env is None else env
     wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
-              "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(max(1, int(timeout_s)))}
+              "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
+              "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(max(1, int(init_timeout_s)))}
     done = {}
     for name, value in wanted.items():
         if name not in env:

@@ -32,6 +32,7 @@ parameter shards with their global index ranges (``gather_full`` assembles them)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -63,6 +64,9 @@ log = logging.getLogger("hspmd_elastic.runtime")
 # At the end of a run: how long retired groups whose abandoned collectives have ended get to be
 # destroyed before the process may exit (``GroupReaper.close``); it takes well under a second.
 _REAPER_EXIT_S = 5.0
+# The abort monitor's limit over the watchdog's: every wait has the watchdog's deadline, so the
+# monitor aborts by itself only for a thread stuck outside a wait (a host sync, an enqueue).
+_MONITOR_GRACE_S = 2.0
 
 Sampler = Callable[[int], torch.Tensor]
 
@@ -169,7 +173,7 @@ class _Worker:
         self.former = GroupFormer(timeouts.comm_s, connect_timeout_s=timeouts.regroup_s,
                                   device=device)
         self.watchdog = Watchdog(self.plans, lambda: self.version, timeouts.comm_s, inject,
-                                 on_abandon=self.former.abandoned)
+                                 on_abandon=self.former.abandoned, monitor=self.former.monitor)
         writer = (CheckpointWriter(checkpoint_dir, checkpoint_every)
                   if checkpoint_dir and checkpoint_every else None)
         self.checkpoints = writer
@@ -260,8 +264,10 @@ class _Worker:
         try:
             res = self.switcher.switch(record, self.held, self.stalled_since,
                                        on_phase=self._phase)
-        except (CommTimeoutError, RegroupAborted, RegroupTimeout, StoreUnreachable,
-                ReshardCommError) as exc:
+        except Exception as exc:  # noqa: BLE001 - re-raised unless the switch was interrupted
+            if not isinstance(exc, (CommTimeoutError, RegroupAborted, RegroupTimeout,
+                                    StoreUnreachable, ReshardCommError)) and not self._aborted():
+                raise
             self.log.warning("switch to plan v%d interrupted: %s", record.version, exc)
             self.stalled_since = self.stalled_since or time.monotonic()
             self._enter(WorkerState.WAITING_PLAN)
@@ -303,7 +309,8 @@ class _Worker:
                 batch = rows_at(self.sample, self.step, self.global_batch,
                                 held.model.batch_rows())
                 self.watchdog.check(f"step {self.step}")
-                loss = held.train_step(batch)
+                with self._armed(f"step {self.step}"):
+                    loss = held.train_step(batch)
                 self.result.losses[self.step] = loss
                 self.step = held.step
                 if self.checkpoints and self.checkpoints.due(self.step):
@@ -312,7 +319,11 @@ class _Worker:
                 self._progress()
                 if self.on_step:
                     self.on_step(StepInfo(self.step - 1, loss, self.rank, self.version, held))
-        except CommTimeoutError as exc:  # a newer plan (SwitchRequested) or a dead peer
+        except Exception as exc:  # noqa: BLE001 - re-raised unless the step was abandoned
+            # a newer plan (SwitchRequested) or a dead peer (CommTimeoutError); after the
+            # monitor aborted the communicators, whatever the released thread ran into
+            if not isinstance(exc, CommTimeoutError) and not self._aborted():
+                raise
             self.log.warning("step %d abandoned: %s", self.step, exc)
             if self.watchdog.first_failure_at is not None:
                 self.stalled_since = self.watchdog.first_failure_at
@@ -320,6 +331,18 @@ class _Worker:
             return False
         self._enter(WorkerState.FINISHING)
         return True
+
+    def _armed(self, what: str):
+        """The monitor's watch over one step (NCCL: see ``elastic.monitor``); a no-op on gloo."""
+        monitor = self.former.monitor
+        if monitor is None:
+            return contextlib.nullcontext()
+        return monitor.armed(what, self.timeouts.comm_s + _MONITOR_GRACE_S,
+                             self.watchdog.superseded)
+
+    def _aborted(self) -> bool:
+        monitor = self.former.monitor
+        return monitor is not None and monitor.fired is not None
 
     def _finish(self) -> bool:
         """Wait until every rank of the plan finished (a rank that dies before that is replaced
@@ -364,6 +387,7 @@ class _Worker:
             self.checkpoints.flush(30.0)
         self._retire_held()
         self.former.leave()
+        self.former.close()
         self.former.reaper.close(_REAPER_EXIT_S)
         self.plans.stop()
         self.client.close()

@@ -42,6 +42,7 @@ committed it leaves the state in two layouts; the next switch reads from both (s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -68,6 +69,10 @@ from hspmd_elastic.reshard import ReshardError, fused_bsr_schedule
 from hspmd_elastic.reshard.executor import execute_fused
 
 log = logging.getLogger(__name__)
+
+# The abort monitor's limit over the switch's own deadlines (each wait, the BSR): it aborts by
+# itself only for a thread stuck outside them.
+_MONITOR_GRACE_S = 2.0
 
 
 UNDO_MODES = ("device", "host", "off")
@@ -236,6 +241,21 @@ class GraphSwitch:
                          deadline=t + self.timeouts.regroup_s)
         timings.regroup_s = time.monotonic() - t
 
+        with self._armed(record.version):
+            return self._after_regroup(record, held, group, rank, draining, plan, mine, timings,
+                                       start, on_phase)
+
+    def _armed(self, version: int):
+        """The abort monitor's watch over the switch's waits on the device (NCCL: a BSR
+        enqueue that blocks, a split); a no-op on gloo."""
+        monitor = self.former.monitor
+        if monitor is None:
+            return contextlib.nullcontext()
+        return monitor.armed(f"switch to plan v{version}",
+                             self.timeouts.comm_s + _MONITOR_GRACE_S, self._superseded(version))
+
+    def _after_regroup(self, record, held, group, rank, draining, plan, mine, timings, start,
+                       on_phase) -> SwitchResult:
         on_phase("exchanging")
         t = time.monotonic()
         holdings = self._exchange(mine, len(group))

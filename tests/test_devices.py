@@ -79,8 +79,28 @@ def test_backend_follows_the_device():
 
 def test_nccl_environment_keeps_what_the_user_set():
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
-    assert devices.nccl_environment(42.5, env) == {"TORCH_NCCL_NONBLOCKING_TIMEOUT": "42"}
-    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "42"}
+    assert devices.nccl_environment(42.5, env) == {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
+                                                   "TORCH_NCCL_NONBLOCKING_TIMEOUT": "42"}
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
+                   "TORCH_NCCL_NONBLOCKING_TIMEOUT": "42"}
+    env = {"TORCH_NCCL_USE_COMM_NONBLOCKING": "0"}  # a user who wants blocking creation keeps it
+    assert "TORCH_NCCL_USE_COMM_NONBLOCKING" not in devices.nccl_environment(0.2, env)
+    assert env["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "1" and env[
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_which_backends_complete_at_enqueue():
+    assert devices.completes_at_enqueue("cpu:gloo,cuda:nccl")
+    assert devices.completes_at_enqueue("nccl")
+    assert not devices.completes_at_enqueue("gloo")
+    assert not devices.completes_at_enqueue("cpu:gloo,cuda:ncclx-not-registered")
+    devices.register_enqueue_backend("Test-Enqueue")
+    assert devices.completes_at_enqueue("cpu:test-enqueue")
+    from hspmd_elastic.elastic.group import GroupFormer
+
+    assert GroupFormer(5.0).monitor is None  # gloo: no abort monitor
+    former = GroupFormer(5.0, device="cuda:1")
+    assert former.enqueue and former.monitor is not None
 
 
 def test_worker_identity_reads_the_device_setting():

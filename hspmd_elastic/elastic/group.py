@@ -46,7 +46,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hspmd_elastic.devices import backend_for, nccl_environment, use_device, uses_nccl
+from hspmd_elastic.devices import (backend_for, completes_at_enqueue, nccl_environment, use_device,
+                                   uses_nccl)
+from hspmd_elastic.elastic.monitor import AbortMonitor, CommAbortFailed
 from hspmd_elastic.elastic.api import ConfigurationError, ElasticError
 
 log = logging.getLogger(__name__)
@@ -68,43 +70,92 @@ class StoreUnreachable(ElasticError):
     """The plan's store cannot be reached (its host died): a newer plan will name another."""
 
 
+def abort_communicators() -> None:
+    """Abort the communicators of every process group of this process, newest first, without
+    waiting for what runs in them and without touching torch's registry of groups (the main
+    thread may be using it): safe from the ``AbortMonitor``'s thread. On NCCL the aborts run
+    inside one NCCL group call, so two hung communicators cannot block each other's abort
+    (what torch's ``_abort_process_group`` does). Raises what an abort raised."""
+    from torch.distributed import distributed_c10d as c10d
+
+    names = dict(c10d._world.pg_names)  # a copy: the main thread may add groups meanwhile
+    groups = sorted(names, key=lambda pg: names[pg], reverse=True)
+    nccl = None
+    if groups and c10d.is_nccl_available():
+        try:
+            nccl = dist.group.WORLD._get_backend(torch.device("cuda"))
+        except (RuntimeError, AttributeError):
+            nccl = None
+        if not isinstance(nccl, getattr(dist, "ProcessGroupNCCL", ())):
+            nccl = None
+    if nccl is not None:
+        nccl._group_start()
+    try:
+        for pg in groups:
+            pg.abort()
+    finally:
+        if nccl is not None:
+            nccl._group_end()
+
+
+def forget_process_groups() -> None:
+    """Clear torch's registry of process groups as ``_abort_process_group`` does after its
+    aborts, without aborting anything: the default group and every sub-group are gone
+    (``dist.is_initialized()`` is False) and the next ``init_process_group`` starts afresh.
+    For groups already aborted, or whose abort failed."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    c10d._update_default_pg(None)
+    for table in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
+                  "tags_to_pg", "pg_coalesce_state"):
+        getattr(world, table, {}).clear()
+    unregister = getattr(c10d, "_unregister_all_process_groups", None)
+    if unregister is not None:
+        unregister()
+    world.group_count = 0
+
+
 def abort_process_groups() -> None:
     """Abort every process group of this process without waiting for what runs in them, and
-    forget them (``dist.is_initialized()`` is False afterwards)."""
+    forget them (``dist.is_initialized()`` is False afterwards, also when an abort raised:
+    that is re-raised after the registry is cleared)."""
     from torch.distributed import distributed_c10d as c10d
 
     abort = getattr(c10d, "_abort_process_group", None)
-    if abort is not None:  # torch >= 2.5
-        abort()
-        return
-    for pg in list(c10d._world.pg_names):  # torch 2.4: abort each NCCL part, then destroy
-        try:
-            backend = pg._get_backend(torch.device("cuda"))
-        except RuntimeError:
-            continue
-        stop = getattr(backend, "abort", None) or getattr(backend, "_shutdown", None)
-        if stop is not None:
-            stop()
-    dist.destroy_process_group()
+    try:
+        if abort is not None:  # torch >= 2.5
+            abort()
+        else:  # torch 2.4
+            abort_communicators()
+    finally:
+        if dist.is_initialized() or c10d._world.pg_map:
+            forget_process_groups()
 
 
-def end_process_groups() -> Optional[object]:
-    """Leave every process group of this process: destroyed on gloo, aborted when the default
-    group has an NCCL part (see the module docstring). Returns the default group's object, for
-    ``GroupReaper.retire``; None when there was none. Never raises: a group broken by a dead peer
-    still goes away."""
+def end_process_groups(aborted: bool = False) -> Optional[object]:
+    """Leave every process group of this process: destroyed on gloo, aborted on a backend that
+    completes at enqueue (NCCL: see the module docstring), only forgotten when ``aborted``
+    (the ``AbortMonitor`` already aborted them). Returns the default group's object, for
+    ``GroupReaper.retire``; None when there was none. Never raises, and never leaves a group
+    registered: a group broken by a dead peer, or whose abort failed, still goes away, so the
+    next plan's ``init_process_group`` finds none."""
     if not dist.is_initialized():
         return None
     world = dist.group.WORLD
-    nccl = uses_nccl(dist.get_backend())
+    enqueue = completes_at_enqueue(dist.get_backend())
     try:
-        if nccl:
+        if aborted:
+            forget_process_groups()
+        elif enqueue:
             abort_process_groups()
         else:
             dist.destroy_process_group()
-    except RuntimeError as exc:  # a group broken by a dead peer still goes away
-        log.warning("%s the old process group raised (%s); continuing",
-                    "aborting" if nccl else "destroying", exc)
+    except Exception as exc:  # noqa: BLE001 - a group broken by a dead peer still goes away
+        log.warning("%s the old process group raised (%s: %s); forgetting it",
+                    "aborting" if enqueue else "destroying", type(exc).__name__, exc)
+    if dist.is_initialized():
+        forget_process_groups()
     return world
 
 
@@ -242,16 +293,27 @@ class GroupReaper:
 
 class GroupFormer:
     """Owns this process's connection to the plan's store and its default process group, on
-    ``device`` with the backend ``devices.backend_for`` gives it."""
+    ``device`` with the backend ``devices.backend_for`` gives it (``backend`` overrides it: a
+    registered c10d backend, such as a double with NCCL's semantics).
+
+    On a backend that completes at enqueue (``devices.completes_at_enqueue``: NCCL) it owns an
+    ``AbortMonitor`` (``monitor``) whose thread aborts the plan's communicators; on gloo
+    ``monitor`` is None."""
 
     def __init__(self, timeout_s: float, connect_timeout_s: float = 30.0,
                  reaper: Optional[GroupReaper] = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", backend: Optional[str] = None,
+                 init_timeout_s: Optional[float] = None, abort_timeout_s: float = 30.0):
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
+        # bound of a communicator's creation or split (TORCH_NCCL_NONBLOCKING_TIMEOUT)
+        self.init_timeout_s = connect_timeout_s if init_timeout_s is None else init_timeout_s
         self.reaper = reaper or GroupReaper()
         self.device = torch.device(device)
-        self.backend = backend_for(self.device)
+        self.backend = backend or backend_for(self.device)
+        self.enqueue = completes_at_enqueue(self.backend)
+        self.monitor: Optional[AbortMonitor] = (
+            AbortMonitor(abort_communicators, abort_timeout_s) if self.enqueue else None)
         self._stores: dict[str, dist.Store] = {}
         self.store: Optional[dist.Store] = None  # the current version's PrefixStore
 
@@ -268,10 +330,23 @@ class GroupFormer:
         return self._stores[endpoint]
 
     def leave(self) -> float:
-        """Leave the current process group and its sub-groups (``end_process_groups``);
-        returns the seconds spent."""
+        """Leave the current process group and its sub-groups; returns the seconds spent.
+
+        gloo: ``end_process_groups`` destroys them. A backend that completes at enqueue: the
+        communicators are aborted on the monitor's thread (unless it already did), then the
+        groups are forgotten, also when the abort raised; an abort that does not return is
+        ``CommAbortFailed``."""
         start = time.monotonic()
-        world = end_process_groups()
+        aborted = False
+        if self.monitor is not None and dist.is_initialized():
+            error = self.monitor.abort_now("leaving the plan")
+            if error is not None:
+                log.warning("aborting the old communicators raised (%s: %s); forgetting them",
+                            type(error).__name__, error)
+            aborted = True
+        world = end_process_groups(aborted=aborted)
+        if self.monitor is not None:
+            self.monitor.reset()
         if world is not None:
             self.reaper.retire(world, what="the previous default group")
             del world
@@ -280,11 +355,21 @@ class GroupFormer:
 
     def abandoned(self, done: threading.Event) -> None:
         """A collective was left in flight (the watchdog's ``on_abandon``): the reaper keeps
-        its groups alive until it ends; on NCCL the groups are aborted now, which ends it."""
+        its groups alive until it ends; on a backend that completes at enqueue the monitor's
+        thread aborts the plan's communicators now, which ends it (``CommAbortFailed`` when
+        the abort does not return)."""
         self.reaper.abandoned(done)
-        if uses_nccl(self.backend) and dist.is_initialized():
-            log.info("a collective was abandoned on NCCL: aborting this plan's communicators")
-            self.leave()
+        if self.monitor is not None and dist.is_initialized():
+            log.info("a collective was abandoned on %s: aborting this plan's communicators",
+                     self.backend)
+            error = self.monitor.abort_now("a collective was abandoned")
+            if error is not None:
+                log.warning("aborting the communicators raised (%s: %s); the groups are "
+                            "forgotten when the plan is left", type(error).__name__, error)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
 
     def form(self, version: int, endpoint: str, rank: int, world: int,
              aborted: Callable[[], bool], deadline: float) -> None:
@@ -303,15 +388,25 @@ class GroupFormer:
         wait_keys(store, [f"arrive/{r}" for r in range(world)], aborted, deadline,
                   f"plan v{version}: ranks arriving")
         self._check_backend(store, rank, version)
-        nccl = uses_nccl(self.backend)
+        nccl = uses_nccl(self.backend) and self.device.type == "cuda"
+        if self.enqueue:
+            nccl_environment(self.init_timeout_s)
         if nccl:
-            nccl_environment(self.timeout_s)
             use_device(self.device)
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=self.timeout_s),
-                                **({"device_id": self.device} if nccl else {}))
-        if nccl:
-            self._warm(version, aborted, deadline)
+        try:
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s),
+                                    **({"device_id": self.device} if nccl else {}))
+            if self.enqueue:
+                self._warm(version, aborted, deadline)
+        except (RuntimeError, ValueError) as exc:
+            # a peer died while the communicators were created (non-blocking creation timed
+            # out), or the warm-up was abandoned: nothing of this plan's group may stay behind
+            self.leave()
+            if isinstance(exc, ElasticError):
+                raise
+            raise RegroupTimeout(f"plan v{version}: creating the process group failed: "
+                                 f"{str(exc).splitlines()[0][:200]}") from exc
         self.store = store
 
     def _check_backend(self, store: dist.Store, rank: int, version: int) -> None:

@@ -6,12 +6,22 @@ missed event is repaired on the next poll. ``Watchdog`` is a ``graph.comm.Waiter
 pending ``Work`` until it completes, its deadline passes (``CommTimeoutError``) or a plan newer than
 the one the worker runs is published (``SwitchRequested``), whichever comes first.
 
-A collective it leaves in flight goes to ``on_abandon`` (the runtime passes
-``GroupFormer.abandoned``): on gloo the reaper keeps its groups until gloo ends it; on NCCL, whose
-kernel would spin until NCCL's own timeout, the plan's communicators are aborted there and then
-(``elastic.group.end_process_groups``), so the rank is out of its collective within this limit.
-Waits work the same on both backends: completion is a ``Work``'s future (NCCL completes it when
-the GPU work ends), never a blocking ``wait``.
+What "completes" means depends on the backend, and the wait is written for the stricter one:
+
+* **NCCL** (and any backend ``devices.completes_at_enqueue`` names): a ``Work``'s future is done
+  as soon as the operation is enqueued (torch: "for GPU work, ``fut.done()`` returns true only
+  whether the operation has been enqueued") and ``wait()`` only orders the current stream after
+  it. Only ``is_completed()`` says the operation ended, so the watchdog polls it, between looks
+  at the plan watch, and calls ``wait()`` once it is true. A wait it abandons goes to
+  ``on_abandon`` (``GroupFormer.abandoned``), whose ``AbortMonitor`` aborts the plan's
+  communicators on its own thread: the kernel that spins on the dead peer ends, and the rank is
+  out of its collective within this limit. If the main thread is blocked elsewhere (a host sync,
+  an enqueue), the monitor, armed around every step, aborts by itself; ``check()`` and every
+  later wait then raise (``fired``).
+* **gloo**: a collective's future completes when the work ends (the watchdog sleeps on it,
+  looking at the plan watch in between), and a dead peer fails it within the group's timeout. An abandoned collective keeps its group's worker busy until then, so ``on_abandon``
+  only records it for the ``GroupReaper``. Point-to-point works have no future and progress only
+  inside ``wait()``: they are waited on, once, with the whole deadline, by a helper thread.
 """
 
 from __future__ import annotations
@@ -25,11 +35,13 @@ from typing import Callable, Optional
 from hspmd_elastic.coord import EtcdClient, PrefixWatch, read_plan, schema
 from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent
 from hspmd_elastic.elastic.api import SwitchRequested
+from hspmd_elastic.elastic.monitor import AbortMonitor
 from hspmd_elastic.graph.comm import CommTimeoutError
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.02  # how often a pending wait looks at the plan watch
+_POLL_FIRST_S = 0.0005  # the first poll of a device work's completion (then doubling)
 
 
 class PlanWatcher:
@@ -106,32 +118,49 @@ class Watchdog:
     """A ``Waiter`` for ``graph.comm``: completion, deadline, or a newer plan.
 
     ``current_version()`` returns the plan version the worker runs; a published plan above it
-    aborts the wait with ``SwitchRequested``. The wait sleeps on the work's completion and looks
-    at the plan watch every ``_POLL_S`` seconds.
+    aborts the wait with ``SwitchRequested``. ``monitor`` (the ``GroupFormer``'s, on a backend
+    that completes at enqueue) is told of every completed wait and, once it has aborted the
+    communicators, makes every check and wait raise.
     """
 
     def __init__(self, plans: PlanWatcher, current_version: Callable[[], int], timeout_s: float,
                  inject: Optional[Callable[[str], None]] = None,
-                 on_abandon: Optional[Callable[[threading.Event], None]] = None):
+                 on_abandon: Optional[Callable[..., None]] = None,
+                 monitor: Optional[AbortMonitor] = None):
         self.plans, self.current_version, self.timeout_s = plans, current_version, timeout_s
         self.inject = inject  # fault-injection seam: called before each wait, may raise
-        # told of every collective left in flight (its completion event): see GroupReaper
+        # told of every collective left in flight (its completion event): GroupFormer.abandoned
         self.on_abandon = on_abandon
+        self.monitor = monitor
+        # NCCL's semantics (the monitor exists for them): completion is polled, never a future
+        self.polled = monitor is not None
         self.failures = 0
         self.first_failure_at: Optional[float] = None  # monotonic time of the first failed wait
 
     def check(self, what: str) -> None:
-        """Raise ``SwitchRequested`` if a newer plan exists (call between communications)."""
+        """Raise ``SwitchRequested`` if a newer plan exists (call between communications), or
+        ``CommTimeoutError`` if the monitor aborted this plan's communicators."""
         newer = self.plans.newer_than(self.current_version())
         if newer is not None:
             raise SwitchRequested(newer.version, what)
+        monitor = self.monitor
+        if monitor is not None and monitor.fired is not None:
+            self._failed()
+            raise CommTimeoutError(f"{what}: this plan's communicators were aborted "
+                                   f"({monitor.fired})")
+
+    def superseded(self) -> bool:
+        """True once a plan newer than the one the worker runs is known (lock-only)."""
+        return self.plans.newer_than(self.current_version()) is not None
 
     def __call__(self, work, what: str) -> None:
         if self.inject is not None:
             self.inject(what)
         deadline = time.monotonic() + self.timeout_s
         done, error, waited = _completion(work, self.timeout_s)
-        while not done.is_set():
+        polled = self.polled and not waited
+        delay = _POLL_FIRST_S
+        while not (work.is_completed() if polled else done.is_set()):
             try:
                 self.check(what)
             except SwitchRequested:
@@ -142,20 +171,28 @@ class Watchdog:
                 self._abandon(done, waited)
                 self._failed()
                 raise CommTimeoutError(f"{what} did not complete within {self.timeout_s:g}s")
-            done.wait(min(_POLL_S, remaining))  # the plan watch is checked between sleeps
+            if polled:  # the future may say done at enqueue: only is_completed() tells
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, _POLL_S)
+            else:  # gloo: sleep on the future, the plan watch looked at in between
+                done.wait(min(_POLL_S, remaining))
         try:
             if error:
                 raise error[0]
-            if not waited:  # a collective: surface its error (a second wait is a no-op)
+            if not waited:  # surface its error; on NCCL, order this stream after it
                 work.wait()
         except RuntimeError as exc:
             self._failed()
             raise CommTimeoutError(f"{what} failed: {str(exc).splitlines()[0][:200]}") from exc
+        if self.monitor is not None:
+            self.monitor.progress()
 
     def _abandon(self, done: threading.Event, waited: bool) -> None:
-        """A collective left in flight keeps its group's worker busy until gloo times it out;
-        point-to-point works (``waited``: on a helper thread) do not."""
-        if not waited and not done.is_set() and self.on_abandon is not None:
+        """Left in flight: a collective keeps its group's worker busy until gloo times it out
+        (recorded for the reaper), and on NCCL its kernel spins until the communicators are
+        aborted (``on_abandon`` does it, whatever the future says); point-to-point works on
+        gloo (``waited``: on a helper thread) hold nothing."""
+        if not waited and self.on_abandon is not None and (self.polled or not done.is_set()):
             self.on_abandon(done)
 
     def _failed(self) -> None:

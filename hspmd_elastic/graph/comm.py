@@ -189,7 +189,9 @@ class Comm:
     # receives a gradient, while its neighbour sends that gradient, then receives the activation,
     # would deadlock. So there a send is held and posted with the next receive in one
     # ``batch_isend_irecv`` (one NCCL group: its operations progress together), or by
-    # ``flush_sends``. On gloo a send is posted at once, as before.
+    # ``flush_sends``; a receive with no send held is a batch of one, so every CUDA p2p is
+    # batched on both sides and matches on every admitted torch. On gloo a send is posted at
+    # once, as before.
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         """Start sending; the send completes by ``flush_sends``."""
         tensor = tensor.contiguous()
@@ -201,7 +203,9 @@ class Comm:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         what = f"recv from rank {src} tag {tag}"
-        if self._held_sends:
+        if self._held_sends or self.device.type == "cuda":
+            # CUDA: every point-to-point goes through batch_isend_irecv, so a receive always
+            # matches its peer's batched send (a lone ``irecv`` matches one only from torch 2.8)
             self._post_held(dist.P2POp(dist.irecv, tensor, src, tag=tag), what)
             return tensor
         self.wait(self.post(lambda: dist.irecv(tensor, src, tag=tag), what), what)
