@@ -74,6 +74,17 @@ def test_replay_rules():
     assert replay(timed, [0, 1, 2], now=11.0)[2].state is DeviceState.HEALTHY
 
 
+def test_a_scripted_drain_xid_makes_the_device_suspect_as_the_drivers_does():
+    timed = [(1.0, Fault(0, "xid", xid=63)), (2.0, Fault(1, "xid", xid=92)),
+             (3.0, Fault(0, "xid", xid=92)),   # already suspect: the first reason stays
+             (4.0, Fault(1, "xid", xid=79))]   # a fatal one replaces suspect
+    at_3 = replay(timed, [0, 1], now=3.0)
+    assert at_3[0].state is DeviceState.SUSPECT and at_3[0].xid == 63, at_3[0]
+    assert "row remap pending" in at_3[0].reason and at_3[0].at == 1.0
+    assert at_3[1].state is DeviceState.SUSPECT and at_3[1].xid == 92
+    assert replay(timed, [0, 1], now=4.0)[1].is_failed
+
+
 def test_source_replays_relative_to_start():
     clock = FakeClock(1000.0)
     feed = StaticFaultFeed([Fault(1, "xid", at=10, xid=48),

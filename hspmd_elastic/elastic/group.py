@@ -20,18 +20,30 @@ the reaper's thread while the interpreter exits aborts the process ("terminate c
 active exception": C++ tears down under that thread), which turned a finished worker into a
 failed one.
 
-On CUDA (``hspmd_elastic.devices``: the backend is ``cpu:gloo,cuda:nccl``) a collective whose
-peer died never ends by itself: its kernel spins on the GPU until NCCL's own timeout.
-``end_process_groups`` is the one place that leaves every group of the process: on gloo it
-destroys them as before; when a group has an NCCL part it aborts them (torch's
-``_abort_process_group``: every communicator at once, in one NCCL group call, so two hung
-communicators cannot block each other's abort), which also ends the abandoned collectives.
-``GroupFormer.abandoned`` (the watchdog's ``on_abandon``) calls it as soon as a collective is left
-in flight on NCCL, so the GPU is free within the watchdog's limit, not NCCL's timeout; the next
-plan's group is formed in the same process. On NCCL the default group is created with
-``device_id`` (eager communicator creation; sub-groups split from it), then warmed by one
-``all_reduce`` under the regroup deadline, so every rank's communicator exists before the BSR's
-``batch_isend_irecv`` (which needs every rank when it is a group's first operation).
+On CUDA (``hspmd_elastic.devices``: the backend is ``cpu:gloo,cuda:nccl``; in general any backend
+that ``devices.completes_at_enqueue``) a collective whose peer died never ends by itself: its
+kernel spins on the GPU until the communicators are aborted. Leaving is therefore an abort:
+
+* ``abort_communicators`` aborts every communicator of the process (newest first, in one NCCL
+  group call, so two hung communicators cannot block each other's abort) and touches nothing
+  else, so it is safe from the ``AbortMonitor``'s thread (``elastic/monitor.py``) while the main
+  thread is stuck in a host sync or an enqueue; ``GroupFormer.abandoned`` (the watchdog's
+  ``on_abandon``) and ``GroupFormer.leave`` run it there, with a bound (``CommAbortFailed``);
+* ``forget_process_groups`` then clears torch's registry of groups on the main thread, as
+  ``_abort_process_group`` does after its aborts; ``end_process_groups`` (torch's
+  ``_abort_process_group`` on the main thread, or destroying on gloo) forgets them too when an
+  abort or a destroy raised, so a failed abort never leaves the default group registered and the
+  next plan's ``init_process_group`` always starts afresh.
+
+Creating a plan's communicators is bounded too: ``devices.nccl_environment`` puts NCCL in its
+non-blocking mode (``TORCH_NCCL_USE_COMM_NONBLOCKING=1``) with the regroup deadline as
+``TORCH_NCCL_NONBLOCKING_TIMEOUT``, so a peer that dies between the store barrier and its
+``ncclCommInitRank`` (or a split for ``new_group``) costs the survivors that deadline, then
+``RegroupTimeout``, instead of a wait in C++ that never ends. On NCCL the default group is
+created with ``device_id`` (eager communicator creation; sub-groups split from it), then warmed
+by one ``all_reduce`` polled against the regroup deadline and newer plans, so every rank's
+communicator exists before the BSR's ``batch_isend_irecv`` (which needs every rank when it is a
+group's first operation).
 """
 
 from __future__ import annotations
