@@ -32,10 +32,13 @@ hardware.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Mapping, Optional
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DEVICE_ENV = "HSPMD_DEVICE"
 SETTINGS = ("auto", "cuda", "cpu")
@@ -103,6 +106,7 @@ def uses_nccl(backend: str) -> bool:
 
 
 _ENQUEUE_BACKENDS: set[str] = set()
+_warned: list[str] = []  # the user's TORCH_NCCL_ASYNC_ERROR_HANDLING, once warned about
 
 
 def register_enqueue_backend(name: str) -> None:
@@ -141,8 +145,18 @@ def nccl_environment(init_timeout_s: float, env: Optional[dict] = None) -> dict:
       handling on, torch's watchdog may abort the same communicators, or kill the survivor,
       on its own).
 
+    A user's ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` other than 0 is kept, with a warning: torch's
+    watchdog may then tear the worker down on a timed-out collective before it can switch.
+
     Returns what it set (``env``: default ``os.environ``)."""
     env = os.environ if env is None else env
+    handling = str(env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")).strip()
+    if handling != "0" and not _warned:
+        _warned.append(handling)
+        log.warning("TORCH_NCCL_ASYNC_ERROR_HANDLING=%s is set: torch's NCCL watchdog may abort "
+                    "the communicators, or end this worker, when a collective times out, before "
+                    "the worker can switch plans in memory; unset it (or set 0) for elastic "
+                    "mode", handling)
     wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
               "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
               "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(max(1, int(init_timeout_s)))}
