@@ -12,6 +12,11 @@ vocabulary-parallel cross-entropy under TP), and the optimizer is ``torch.optim.
 per-tensor loop (the model: ``ShardedAdamW``'s foreach form). RoPE frequencies are computed one
 at a time in Python floats (the model: ``rope_frequencies``' tensor form); with tied embeddings
 the logits use ``embed.weight``, and ``reference_train`` trains that one tensor.
+
+Placement: every table it builds (RoPE angles, the causal mask, the key/value head index) is
+made on the device of the activations, so it runs where its parameters and batch are (CUDA
+included). It is an oracle, not a baseline: ``scripts/bench_step --mfu`` measures the step
+against transformers' ``LlamaForCausalLM``, not against this.
 """
 
 from __future__ import annotations
@@ -84,8 +89,8 @@ def _rope_scale(config):
 def _rope(x, seq, config):
     d = config.head_dim
     freqs = torch.tensor([_rope_frequency(i, config) for i in range(d // 2)],
-                         dtype=torch.float64)
-    ang = torch.arange(seq, dtype=torch.float64)[:, None] * freqs[None, :]
+                         dtype=torch.float64, device=x.device)
+    ang = torch.arange(seq, dtype=torch.float64, device=x.device)[:, None] * freqs[None, :]
     scale = _rope_scale(config)
     cos, sin = (torch.cos(ang) * scale).to(x.dtype), (torch.sin(ang) * scale).to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -102,10 +107,10 @@ def _layer(x, p, i, config):
     k, v = (t.reshape(b, s, kv, hd).permute(0, 2, 1, 3) for t in (k, v))
     q, k = _rope(q, s, config), _rope(k, s, config)
     # grouped-query attention: query head j reads key/value head j // (nh / kv)
-    kv_of = torch.tensor([j * kv // nh for j in range(nh)])
+    kv_of = torch.tensor([j * kv // nh for j in range(nh)], device=x.device)
     k, v = k[:, kv_of], v[:, kv_of]
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(hd)
-    allowed = torch.tril(torch.ones(s, s, dtype=torch.bool))
+    allowed = torch.tril(torch.ones(s, s, dtype=torch.bool, device=x.device))
     scores = torch.where(allowed, scores, torch.full_like(scores, float("-inf")))
     att = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v).permute(0, 2, 1, 3)
     x = x + att.reshape(b, s, h) @ p[pre + "attn.wo.weight"].T

