@@ -53,6 +53,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -190,6 +191,15 @@ def process_resources() -> dict[str, int]:
     return out
 
 
+_REAPERS: "weakref.WeakSet[GroupReaper]" = weakref.WeakSet()
+
+
+def live_reapers() -> list["GroupReaper"]:
+    """Every ``GroupReaper`` of this process still alive (a resource count that must not see
+    a retired set about to be dropped waits for them: ``GroupReaper.wait_idle``)."""
+    return list(_REAPERS)
+
+
 def version_prefix(version: int) -> str:
     return f"hspmd/v{version}/"
 
@@ -215,6 +225,7 @@ class GroupReaper:
     """
 
     def __init__(self, warn_after_s: float = 600.0):
+        _REAPERS.add(self)
         self.warn_after_s = warn_after_s
         self._lock = threading.Lock()
         self._inflight: list[threading.Event] = []
