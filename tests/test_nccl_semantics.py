@@ -23,13 +23,14 @@ import time
 import pytest
 import torch.distributed as dist
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "scripts", "nccl_double_worker.py")
 LIMIT_S = 3.0
-SLACK_S = 4.0  # start-up of the abort, the poll intervals, a loaded 2-core machine
-BOUND_S = 45.0  # a survivor still running then is hung
+SLACK_S = 6.0  # the abort, the poll intervals, a loaded 2-core machine
+BOUND_S = 120.0  # a survivor still running then is hung (start-up included)
+START_S = 120.0  # importing torch on a loaded 2-core machine
 
 
 class Worker:
@@ -102,8 +103,8 @@ def _left_by_abort(res: dict) -> None:
 
 
 def _kill_victim_then_go(survivor: Worker, victim: Worker) -> None:
-    survivor.expect("FORMED", 30)
-    victim.expect("FORMED", 30)
+    survivor.expect("FORMED", START_S)
+    victim.expect("FORMED", START_S)
     victim.kill()  # a real SIGKILL, while the survivor holds the plan's group
     survivor.proc.stdin.write("GO\n")
     survivor.proc.stdin.flush()
@@ -138,7 +139,7 @@ def test_a_newer_plan_releases_a_blocked_host_sync_before_the_limit(world, etcd_
     survivor, victim = world("survivor", "hostsync", job, 60.0), \
         world("victim", "hostsync", job, 60.0)
     _kill_victim_then_go(survivor, victim)
-    survivor.expect("SYNC", 30)  # about to block in the host sync
+    survivor.expect("SYNC", START_S)  # about to block in the host sync
     record = schema.PlanRecord(version=2, reason="test", devices=["n0:0"],
                                strategy=simple_plan(dp=1, num_layers=2, global_batch=2).to_dict(),
                                store_endpoint="127.0.0.1:1", created_at=time.time())
