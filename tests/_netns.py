@@ -21,7 +21,9 @@ Promises:
   by pid, stops the etcd members, deletes every namespace (which removes their veths) and the
   host's veth; every loop is bounded in count and time;
 * when the kernel refuses a namespace (no privilege, no netns support) the test is skipped with
-  the kernel's own message.
+  the kernel's own message, except where namespaces are expected to work: with
+  ``HSPMD_REQUIRE_NETNS=1`` (``.ci/run`` sets it) the refusal fails the test, since a skipped
+  partition or chaos test there is a missing test.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ CONTROL_DEV, DATA_DEV = "ctl", "dat"
 LINKS = {"control": (CONTROL_DEV,), "data": (DATA_DEV,), "all": (CONTROL_DEV, DATA_DEV)}
 IP_TIMEOUT_S = 10.0
 STOP_GRACE_S = 5.0
+
+
+REQUIRE_ENV = "HSPMD_REQUIRE_NETNS"  # 1: a refused namespace fails the test instead of skipping
 
 
 class NetnsRefused(RuntimeError):
@@ -332,6 +337,9 @@ def topologies(tmp: Path) -> Iterator:
         try:
             return topo.start()
         except NetnsRefused as exc:
+            if os.environ.get(REQUIRE_ENV) == "1":
+                pytest.fail(f"network namespaces refused by the kernel, where they are required "
+                            f"({REQUIRE_ENV}=1): {exc}")
             pytest.skip(f"network namespaces refused by the kernel: {exc}")
 
     try:
