@@ -291,6 +291,8 @@ def test_the_example_trains_on_a_token_file_to_the_reference_under_any_plan(
     job.publish(simple_plan(**layout, num_layers=2, global_batch=4), devices, reason="start")
     for d in devices:
         assert job.procs[d].wait(timeout=60) == 0, job.log(d)
+        assert "done after 3 steps (plan v1, 1 switches)" in job.log(d)
+    assert sorted(os.listdir(out)) == ["n0_0.pt", "n0_1.pt"]
     results = [{"final_state": torch.load(out / f"{d.replace(':', '_')}.pt")} for d in devices]
     got = assemble(results, {"config": dataclasses.asdict(MODEL)})
     sample = token_sampler(MODEL, str(path), "uint16", seed=3)
