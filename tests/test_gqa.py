@@ -2,13 +2,15 @@
 
 Tiny ``LlamaForCausalLM`` models with GQA (4 query heads over 2 key/value heads, and over 1) are
 built and saved with ``save_pretrained`` here; nothing is downloaded. In one gloo world of 8
-ranks, each of these plans loads its slices of the checkpoint and gives transformers' logits and
-loss within 1e-10, then trains two steps and equals transformers trained with
-``torch.optim.AdamW``: DP2, TP2, TP4 (key/value heads replicated on 2 or 4 ranks), PP2, and a
-heterogeneous plan (TP4 + TP2 + PP2 pipelines). TP4 and the heterogeneous plan also train from
-the seed and equal the dense reference (``reference_train``). The pure parts (annotations, the
-gradient synchronisation, the reshard between a replicated and a plain layout, TP validity in
-plans and the planner, the one-line errors) are checked alone.
+ranks, shared by both key/value head counts and by the tests that read it (``_hf_worlds``), each
+of these plans loads its slices of the checkpoint and gives transformers' logits and loss within
+1e-10, then trains two steps and equals transformers trained with ``torch.optim.AdamW``: DP2,
+TP2, TP4 (key/value heads replicated on 2 or 4 ranks), PP2, and a heterogeneous plan (TP4 + TP2
++ PP2 pipelines); the TP4 pieces export to a checkpoint transformers loads. TP4 and the
+heterogeneous plan also train from the seed and equal the dense reference (``reference_train``).
+One device is checked in this process. The pure parts (annotations, the gradient
+synchronisation, the reshard between a replicated and a plain layout, TP validity in plans and
+the planner, the one-line errors) are checked alone.
 
 As in test_hf.py, transformers computes RMSNorm and the RoPE angles in float32 whatever the
 model's dtype, so the float64 comparisons run a copy whose RMSNorm and RoPE angles compute in
@@ -26,7 +28,7 @@ import pytest
 import torch
 
 from _hf_peer import cut, float64_peer, hf_logits, max_diff, mean_ce, train_peer
-from _world import run_world
+from _hf_worlds import each_run, run_results, shared_world
 from hspmd_elastic.graph.config import ModelConfig, ModelConfigError, param_specs, tp_problem
 from hspmd_elastic.graph.gradsync import sync_group_members, sync_ops
 from hspmd_elastic.graph.optim import AdamWConfig
@@ -53,6 +55,9 @@ PLANS = {
     "hetero": HETERO,
 }
 SEEDED = ("tp4", "hetero")  # also trained from the seed against the dense reference
+# The shared world (about 35 s on 2 busy cores; a failed run adds its peers' 60 s timeouts) runs
+# in the first test that reads it.
+WORLD_TIMEOUT_S, WORLD_TEST_TIMEOUT_S = 480, 540
 
 
 def config_of(kv: int) -> ModelConfig:
@@ -275,7 +280,14 @@ def test_reshard_between_replicated_kv_and_plain_layouts_moves_exactly_the_eleme
 
 
 # ---------------------------------------------------------------------------- the world
-def _pipeline_logits(model, plan: Plan, rank: int, tokens: torch.Tensor):
+# One world of 8 ranks runs every (key/value head count, plan, start) in turn (``gqa_world``);
+# the tests below each read one run. "hf": from the checkpoint, "seed": from the seed.
+RUNS = [(kv, key, start) for kv in (2, 1)
+        for key, start in [(k, "hf") for k in PLANS] + [(k, "seed") for k in SEEDED]]
+STEPS = {kv: batches(2, seed=20 + kv) for kv in (2, 1)}
+
+
+def _pipeline_logits(model, plan: Plan, rank: int, tokens: torch.Tensor, group):
     """The logits (this rank's vocabulary columns) of its pipeline on ``tokens``; None on a
     stage that is not the last. Multi-stage pipelines here have one device per stage."""
     import torch.distributed as dist
@@ -286,83 +298,124 @@ def _pipeline_logits(model, plan: Plan, rank: int, tokens: torch.Tensor):
     with torch.no_grad():
         if where.stage > 0:
             x = torch.empty(tokens.shape[0], SEQ, model.config.hidden_size, dtype=torch.float64)
-            dist.recv(x, stages[where.stage - 1].devices[0])
+            dist.recv(x, stages[where.stage - 1].devices[0], group=group)
         out = model.module(x)
         if where.stage < len(stages) - 1:
-            dist.send(out.contiguous(), stages[where.stage + 1].devices[0])
+            dist.send(out.contiguous(), stages[where.stage + 1].devices[0], group=group)
             return None
     return out
 
 
-def gqa_world(rank: int, world: int, path: str, config_json: str, steps: list) -> dict:
-    """Every plan of PLANS in turn, on the ranks it uses (every rank creates every plan's
-    groups): logits from the checkpoint, two training steps, the final pieces; then the seeded
-    runs of SEEDED."""
-    import torch.distributed as dist
-
+def gqa_world(rank: int, world: int, paths: dict, config_jsons: dict) -> dict:
+    """Every run of RUNS in turn, each plan on the ranks it uses (every rank creates every
+    plan's groups): logits from the checkpoint ("hf" only), two training steps, the final
+    pieces. Per run, this rank's result or its traceback (``each_run``)."""
     from hspmd_elastic.graph.comm import Comm
     from hspmd_elastic.graph.specialize import SpecializedModel
 
-    config = ModelConfig.from_json(config_json)
-    out: dict = {}
-    runs = [(key, "hf") for key in PLANS] + [(key, "seed") for key in SEEDED]
-    for key, start in runs:
-        plan = PLANS[key]
+    def body(run, group):
+        kv, key, start = run
+        config, plan, steps = ModelConfig.from_json(config_jsons[kv]), PLANS[key], STEPS[kv]
         comm = Comm.create(plan, config, rank, timeout_s=60)
-        if rank in plan.devices:
-            state = initial_state_from_hf(path, config, plan, rank) if start == "hf" else None
-            model = SpecializedModel.build(config, plan, rank, comm=comm, seed=1, state=state)
-            logits = _pipeline_logits(model, plan, rank, steps[0][:, :-1]) \
-                if start == "hf" else None
-            start_col = getattr(model.module, "vocab_start", 0)
-            losses = [model.step(b) for b in steps]
-            ranges = local_param_ranges(config, plan, rank)
-            out[(key, start)] = {"logits": logits, "vocab_start": start_col, "losses": losses,
-                                 "pieces": {n: (ranges[n], t)
-                                            for n, t in model.local_params().items()}}
-        dist.barrier()
-    return out
+        if rank not in plan.devices:
+            return None
+        state = initial_state_from_hf(paths[kv], config, plan, rank) if start == "hf" else None
+        model = SpecializedModel.build(config, plan, rank, comm=comm, seed=1, state=state)
+        logits = _pipeline_logits(model, plan, rank, steps[0][:, :-1], group) \
+            if start == "hf" else None
+        start_col = getattr(model.module, "vocab_start", 0)
+        losses = [model.step(b) for b in steps]
+        ranges = local_param_ranges(config, plan, rank)
+        return {"logits": logits, "vocab_start": start_col, "losses": losses,
+                "pieces": {n: (ranges[n], t) for n, t in model.local_params().items()}}
+
+    return each_run(rank, world, RUNS, body)
+
+
+@pytest.fixture(scope="module")
+def world(saved, tmp_path_factory):
+    """The runs' results, per rank (the world runs once per session)."""
+    return shared_world(tmp_path_factory, "gqa", gqa_world, 8,
+                        ({kv: s.path for kv, s in saved.items()},
+                         {kv: s.config.to_json() for kv, s in saved.items()}),
+                        timeout_s=WORLD_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def expected(saved):
+    """Per key/value head count, what transformers gives: logits and loss of the first batch,
+    the trained peer and its parameters; and the dense reference trained from the seed."""
+    from hspmd_elastic.graph.reference import reference_train
+
+    cache: dict = {}
+
+    def of(kv):
+        if kv not in cache:
+            s, optim = saved[kv], AdamWConfig()
+            logits = hf_logits(s.peer, STEPS[kv][0])
+            trained = train_peer(s.peer, STEPS[kv], optim)
+            ref, ref_losses = reference_train(s.config, 1, STEPS[kv], optim)
+            cache[kv] = types.SimpleNamespace(
+                logits=logits, loss=mean_ce(logits, STEPS[kv][0]).item(), trained=trained,
+                params={n: p.detach() for n, p in trained.named_parameters()},
+                ref=ref, ref_losses=ref_losses)
+        return cache[kv]
+
+    return of
+
+
+def _check_run(world, saved, expected, kv, key, start):
+    e, plan = expected(kv), PLANS[key]
+    names = hf_names(saved[kv].config)
+    results = run_results(world, (kv, key, start), plan.devices)
+    for rank, r in results.items():
+        if r["logits"] is not None:
+            cols = slice(r["vocab_start"], r["vocab_start"] + r["logits"].shape[-1])
+            assert max_diff(r["logits"], e.logits[..., cols]) <= TOL, (key, rank)
+        first = e.loss if start == "hf" else e.ref_losses[0]
+        assert abs(r["losses"][0] - first) <= TOL, (key, start, rank)
+        for name, (ranges, value) in r["pieces"].items():
+            assert bool(torch.isfinite(value).all()), (key, rank, name)
+            full = e.params[names[name]] if start == "hf" else e.ref[name]
+            assert max_diff(value, cut(full, ranges)) <= TOL, (key, start, rank, name)
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("kv", [2, 1])
-def test_every_layout_equals_transformers_with_gqa(saved, kv, tmp_path):
+@pytest.mark.timeout(WORLD_TEST_TIMEOUT_S)
+@pytest.mark.parametrize("kv, key", [(kv, k) for kv in (2, 1) for k in PLANS],
+                         ids=[f"kv{kv}-{k}" for kv in (2, 1) for k in PLANS])
+def test_every_layout_equals_transformers_with_gqa(world, saved, expected, kv, key):
+    """Loaded from the checkpoint: transformers' logits and loss, then its AdamW training."""
+    _check_run(world, saved, expected, kv, key, "hf")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(WORLD_TEST_TIMEOUT_S)
+@pytest.mark.parametrize("kv, key", [(kv, k) for kv in (2, 1) for k in SEEDED],
+                         ids=[f"kv{kv}-{k}" for kv in (2, 1) for k in SEEDED])
+def test_training_from_the_seed_equals_the_reference_with_gqa(world, saved, expected, kv, key):
+    _check_run(world, saved, expected, kv, key, "seed")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(WORLD_TEST_TIMEOUT_S)
+@pytest.mark.parametrize("kv", [2, 1], ids=["kv2", "kv1"])
+def test_export_of_replicated_kv_pieces_equals_transformers(world, saved, expected, kv,
+                                                             tmp_path):
+    """Exported from the TP4 plan's pieces (replicated key/value parts): loads back, the same
+    model as transformers trained."""
     from transformers import LlamaForCausalLM
 
-    from hspmd_elastic.graph.reference import reference_train
-
-    s = saved[kv]
-    steps, optim = batches(2, seed=20 + kv), AdamWConfig()
-    results = run_world(gqa_world, 8, (s.path, s.config.to_json(), steps), timeout_s=280)
-    want = hf_logits(s.peer, steps[0])
-    want_loss = mean_ce(want, steps[0]).item()
-    trained = train_peer(s.peer, steps, optim)
-    theirs = {n: p.detach() for n, p in trained.named_parameters()}
-    names = hf_names(s.config)
-    ref, ref_losses = reference_train(s.config, 1, steps, optim)
-    for key, plan in PLANS.items():
-        for start in ("hf", "seed") if key in SEEDED else ("hf",):
-            for rank in plan.devices:
-                r = results[rank][(key, start)]
-                if r["logits"] is not None:
-                    cols = slice(r["vocab_start"], r["vocab_start"] + r["logits"].shape[-1])
-                    assert max_diff(r["logits"], want[..., cols]) <= TOL, (key, rank)
-                first = want_loss if start == "hf" else ref_losses[0]
-                assert abs(r["losses"][0] - first) <= TOL, (key, start, rank)
-                for name, (ranges, value) in r["pieces"].items():
-                    assert bool(torch.isfinite(value).all()), (key, rank, name)
-                    full = theirs[names[name]] if start == "hf" else ref[name]
-                    assert max_diff(value, cut(full, ranges)) <= TOL, (key, start, rank, name)
-    # export from the TP4 plan's pieces (replicated key/value parts): loads back, same model
+    s, e = saved[kv], expected(kv)
+    pieces = run_results(world, (kv, "tp4", "hf"), range(4))
     out = str(tmp_path / "export")
-    export_hf(out, s.config, [results[r][("tp4", "hf")]["pieces"] for r in range(4)])
+    export_hf(out, s.config, [pieces[r]["pieces"] for r in range(4)])
     back = LlamaForCausalLM.from_pretrained(out).eval()
     assert back.config.num_key_value_heads == kv
     for name, value in back.named_parameters():
-        assert max_diff(value.detach(), theirs[name]) <= TOL, name
+        assert max_diff(value.detach(), e.params[name]) <= TOL, name
     batch = batches(1, seed=3)[0]
-    assert max_diff(hf_logits(float64_peer(back), batch), hf_logits(trained, batch)) <= TOL
+    assert max_diff(hf_logits(float64_peer(back), batch), hf_logits(e.trained, batch)) <= TOL
 
 
 def test_one_device_equals_transformers_with_gqa(saved):

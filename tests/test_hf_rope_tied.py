@@ -11,10 +11,13 @@ saved with ``save_pretrained`` here, one per variant; nothing is downloaded:
 scaling is active: transformers recomputes its frequencies for an 8-token input, and so do we,
 once, for the fixed training length.
 
-In one gloo world of 4 ranks per variant, DP2, TP2, PP2 and a heterogeneous plan (a TP2 pipeline
-beside a PP2 pipeline) load their slices, give transformers' logits and loss within 1e-10, train
-two AdamW steps and equal transformers trained with ``torch.optim.AdamW``. The tied model is also
-exported from the PP2 plan's pieces and loaded back, and resharded from PP2 to another plan by BSR.
+On one device and, for every variant, under DP2, TP2, PP2 and a heterogeneous plan (a TP2
+pipeline beside a PP2 pipeline), the model loads its slices, gives transformers' logits and loss
+within 1e-10, trains two AdamW steps and equals transformers trained with ``torch.optim.AdamW``.
+The tied model is also exported from the PP2 plan's pieces and loaded back, resharded from PP2 to
+another plan by BSR, and trained from the seed under a plan whose two table holders have
+different TP degrees. All these multi-rank runs share one gloo world of 4 ranks, which the tests
+read (``_hf_worlds``).
 
 As in test_hf.py, transformers computes RMSNorm and RoPE in float32; the float64 peer
 (``float64_peer``) runs transformers' own RoPE functions (``ROPE_INIT_FUNCTIONS``) with their
@@ -33,7 +36,7 @@ import torch
 from safetensors import safe_open
 
 from _hf_peer import cut, float64_peer, hf_logits, max_diff, mean_ce, train_peer
-from _world import run_world
+from _hf_worlds import each_run, run_results, shared_world
 from hspmd_elastic.graph.config import ModelConfig, ModelConfigError, param_specs
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.graph.state import state_specs
@@ -75,6 +78,9 @@ PLANS = {
     "pp2": simple_plan(pp=2, num_layers=2, global_batch=ROWS, num_microbatches=2),
     "hetero": HETERO,
 }
+# The shared world (about 25 s on 2 busy cores; a failed run adds its peers' 60 s timeouts) runs
+# in the first test that reads it.
+WORLD_TIMEOUT_S, WORLD_TEST_TIMEOUT_S = 480, 540
 
 
 # ---------------------------------------------------------------------------- the peer
@@ -281,7 +287,15 @@ def test_tied_layouts_hold_the_table_on_both_ends(saved):
 
 
 # ---------------------------------------------------------------------------- the world
-def _pipeline_logits(model, plan: Plan, rank: int, tokens: torch.Tensor):
+# One world of 4 ranks runs, in turn, every variant under every plan of PLANS, the tied model's
+# reshard (``_reshard_run``) and its training under MIXED (``_mixed_run``): ``rope_world``. The
+# tests below each read one run.
+LAYOUT_RUNS = [(variant, key) for variant in VARIANTS for key in PLANS]
+LAYOUT_STEPS, RESHARD_STEPS, MIXED_STEPS = batches(2, seed=11), batches(3, seed=23), \
+    batches(3, seed=29)
+
+
+def _pipeline_logits(model, plan: Plan, rank: int, tokens: torch.Tensor, group):
     """This rank's logits (its vocabulary columns) of its pipeline's rows of ``tokens``; None
     on a stage that is not the last. Activations go to the same TP rank of the next stage."""
     import torch.distributed as dist
@@ -293,75 +307,111 @@ def _pipeline_logits(model, plan: Plan, rank: int, tokens: torch.Tensor):
     with torch.no_grad():
         if where.stage > 0:
             x = torch.empty(hi - lo, SEQ, model.config.hidden_size, dtype=torch.float64)
-            dist.recv(x, stages[where.stage - 1].devices[where.tp_rank])
+            dist.recv(x, stages[where.stage - 1].devices[where.tp_rank], group=group)
         out = model.module(x)
         if where.stage < len(stages) - 1:
-            dist.send(out.contiguous(), stages[where.stage + 1].devices[where.tp_rank])
+            dist.send(out.contiguous(), stages[where.stage + 1].devices[where.tp_rank],
+                      group=group)
             return None
     return (lo, hi), out
 
 
-def layouts_world(rank: int, world: int, path: str, config_json: str, steps: list) -> dict:
-    """Every plan of PLANS in turn on the ranks it uses (every rank creates every plan's
-    groups): logits from the checkpoint, the training steps' losses, the final pieces."""
-    import torch.distributed as dist
-
+def _layout_run(rank: int, path: str, config: ModelConfig, plan: Plan, group):
+    """One plan on the ranks it uses (every rank creates its groups): logits from the
+    checkpoint, the training steps' losses, the final pieces."""
     from hspmd_elastic.graph.comm import Comm
     from hspmd_elastic.graph.specialize import SpecializedModel
 
-    config = ModelConfig.from_json(config_json)
-    out: dict = {}
-    for key, plan in PLANS.items():
-        comm = Comm.create(plan, config, rank, timeout_s=60)
-        if rank in plan.devices:
-            state = initial_state_from_hf(path, config, plan, rank)
-            model = SpecializedModel.build(config, plan, rank, comm=comm, state=state)
-            logits = _pipeline_logits(model, plan, rank, steps[0][:, :-1])
-            losses = [model.step(b) for b in steps]
-            ranges = local_param_ranges(config, plan, rank)
-            out[key] = {"logits": logits, "vocab_start": getattr(model.module, "vocab_start", 0),
-                        "losses": losses, "names": [n for n, _ in model.module.named_parameters()],
-                        "pieces": {n: (ranges[n], t) for n, t in model.local_params().items()}}
-        dist.barrier()
-    return out
+    comm = Comm.create(plan, config, rank, timeout_s=60)
+    if rank not in plan.devices:
+        return None
+    state = initial_state_from_hf(path, config, plan, rank)
+    model = SpecializedModel.build(config, plan, rank, comm=comm, state=state)
+    logits = _pipeline_logits(model, plan, rank, LAYOUT_STEPS[0][:, :-1], group)
+    losses = [model.step(b) for b in LAYOUT_STEPS]
+    ranges = local_param_ranges(config, plan, rank)
+    return {"logits": logits, "vocab_start": getattr(model.module, "vocab_start", 0),
+            "losses": losses, "names": [n for n, _ in model.module.named_parameters()],
+            "pieces": {n: (ranges[n], t) for n, t in model.local_params().items()}}
+
+
+def rope_world(rank: int, world: int, paths: dict, config_jsons: dict) -> dict:
+    """The runs of LAYOUT_RUNS, then "reshard" and "mixed" (the tied model), in turn; per run
+    this rank's result or its traceback (``each_run``)."""
+    configs = {v: ModelConfig.from_json(j) for v, j in config_jsons.items()}
+
+    def body(run, group):
+        if run == "reshard":
+            return _reshard_run(rank, paths["tied"], configs["tied"], group)
+        if run == "mixed":
+            return _mixed_run(rank, configs["tied"])
+        variant, key = run
+        return _layout_run(rank, paths[variant], configs[variant], PLANS[key], group)
+
+    return each_run(rank, world, LAYOUT_RUNS + ["reshard", "mixed"], body)
+
+
+@pytest.fixture(scope="module")
+def world(saved, tmp_path_factory):
+    """The runs' results, per rank (the world runs once per session)."""
+    return shared_world(tmp_path_factory, "hf-rope-tied", rope_world, 4,
+                        ({v: s.path for v, s in saved.items()},
+                         {v: s.config.to_json() for v, s in saved.items()}),
+                        timeout_s=WORLD_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def trained(saved):
+    """Per variant, the peer trained by transformers on LAYOUT_STEPS."""
+    cache: dict = {}
+
+    def of(variant):
+        if variant not in cache:
+            cache[variant] = train_peer(saved[variant].peer, LAYOUT_STEPS, AdamWConfig())
+        return cache[variant]
+
+    return of
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_every_layout_equals_transformers(saved, variant, tmp_path):
-    s = saved[variant]
-    steps, optim = batches(2, seed=11), AdamWConfig()
-    results = run_world(layouts_world, 4, (s.path, s.config.to_json(), steps), timeout_s=280)
-    want = hf_logits(s.peer, steps[0])
-    want_loss = mean_ce(want, steps[0]).item()
-    trained = train_peer(s.peer, steps, optim)
-    theirs = {n: p.detach() for n, p in trained.named_parameters()}
+@pytest.mark.timeout(WORLD_TEST_TIMEOUT_S)
+@pytest.mark.parametrize("variant, key", LAYOUT_RUNS, ids=[f"{v}-{k}" for v, k in LAYOUT_RUNS])
+def test_every_layout_equals_transformers(world, saved, trained, variant, key):
+    s, plan = saved[variant], PLANS[key]
+    results = run_results(world, (variant, key), plan.devices)
+    want = hf_logits(s.peer, LAYOUT_STEPS[0])
+    want_loss = mean_ce(want, LAYOUT_STEPS[0]).item()
+    theirs = {n: p.detach() for n, p in trained(variant).named_parameters()}
     names = hf_names(s.config)
-    for key, plan in PLANS.items():
-        columns = torch.zeros(ROWS, VOCAB, dtype=torch.int64)
-        for rank in plan.devices:
-            r = results[rank][key]
-            if r["logits"] is not None:
-                (lo, hi), logits = r["logits"]
-                cols = slice(r["vocab_start"], r["vocab_start"] + logits.shape[-1])
-                assert max_diff(logits, want[lo:hi, :, cols]) <= TOL, (key, rank)
-                columns[lo:hi, cols] += 1
-            assert abs(r["losses"][0] - want_loss) <= TOL, (key, rank)
-            for name, (ranges, value) in r["pieces"].items():
-                assert bool(torch.isfinite(value).all()), (key, rank, name)
-                assert max_diff(value, cut(theirs[names[name]], ranges)) <= TOL, (key, rank, name)
-        assert bool((columns >= 1).all()), key  # every row and vocabulary column was checked
-    if variant != "tied":
-        return
-    # the last stage of PP2 holds embed.weight as its head; no lm_head anywhere
-    assert results[1]["pp2"]["names"][0] == "embed.weight"
-    assert all("lm_head.weight" not in r[k]["names"] for r in results for k in r)
-    # export from PP2's pieces: no separate lm_head, and transformers ties it on load
+    columns = torch.zeros(ROWS, VOCAB, dtype=torch.int64)
+    for rank, r in results.items():
+        if r["logits"] is not None:
+            (lo, hi), logits = r["logits"]
+            cols = slice(r["vocab_start"], r["vocab_start"] + logits.shape[-1])
+            assert max_diff(logits, want[lo:hi, :, cols]) <= TOL, (key, rank)
+            columns[lo:hi, cols] += 1
+        assert abs(r["losses"][0] - want_loss) <= TOL, (key, rank)
+        for name, (ranges, value) in r["pieces"].items():
+            assert bool(torch.isfinite(value).all()), (key, rank, name)
+            assert max_diff(value, cut(theirs[names[name]], ranges)) <= TOL, (key, rank, name)
+        if variant == "tied":  # no lm_head anywhere
+            assert "lm_head.weight" not in r["names"], (key, rank)
+    assert bool((columns >= 1).all()), key  # every row and vocabulary column was checked
+    if variant == "tied" and key == "pp2":  # the last stage holds embed.weight as its head
+        assert results[1]["names"][0] == "embed.weight"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(WORLD_TEST_TIMEOUT_S)
+def test_tied_export_from_pp2_pieces_loads_back_tied(world, saved, trained, tmp_path):
+    """Exported from PP2's pieces: no separate lm_head, and transformers ties it on load."""
     from transformers import LlamaForCausalLM
 
+    s, peer = saved["tied"], trained("tied")
+    results = run_results(world, ("tied", "pp2"), (0, 1))
+    theirs = {n: p.detach() for n, p in peer.named_parameters()}
     out = str(tmp_path / "export")
-    export_hf(out, s.config, [results[r]["pp2"]["pieces"] for r in (0, 1)], like=s.path)
+    export_hf(out, s.config, [results[r]["pieces"] for r in (0, 1)], like=s.path)
     assert read_json(os.path.join(out, "config.json"))["tie_word_embeddings"] is True
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys())
@@ -370,7 +420,7 @@ def test_every_layout_equals_transformers(saved, variant, tmp_path):
     for name, value in back.named_parameters():
         assert max_diff(value.detach(), theirs[name]) <= TOL, name
     batch = batches(1, seed=17)[0]
-    assert max_diff(hf_logits(float64_peer(back), batch), hf_logits(trained, batch)) <= TOL
+    assert max_diff(hf_logits(float64_peer(back), batch), hf_logits(peer, batch)) <= TOL
     assert config_from_hf(out, seq_len=SEQ) == s.config
 
 
@@ -382,7 +432,7 @@ NEW = Plan((Pipeline((Stage((2, 3), (0, 2)),), 1, 2),
            global_batch=ROWS, num_layers=2)
 
 
-def reshard_world(rank: int, world: int, path: str, config_json: str, steps: list) -> dict:
+def _reshard_run(rank: int, path: str, config: ModelConfig, group) -> dict:
     """Train OLD (PP2) on the first steps, reshard every state tensor to NEW by BSR, train on."""
     import torch.distributed as dist
 
@@ -391,7 +441,7 @@ def reshard_world(rank: int, world: int, path: str, config_json: str, steps: lis
     from hspmd_elastic.reshard import TensorSpec, fused_bsr_schedule
     from hspmd_elastic.reshard.executor import execute_fused
 
-    config = ModelConfig.from_json(config_json)
+    steps = RESHARD_STEPS
     out: dict = {}
     comm = Comm.create(OLD, config, rank, timeout_s=60)
     local: dict = {}
@@ -402,12 +452,12 @@ def reshard_world(rank: int, world: int, path: str, config_json: str, steps: lis
             model.step(b)
         local = {n: t for n, (t, _) in model.state_tensors().items()}
         out["old"] = {n: t.clone() for n, t in local.items()}
-    dist.barrier()
+    dist.barrier(group=group)
     old, new = state_specs(config, OLD), state_specs(config, NEW)
     specs = [TensorSpec(n, old[n].shape, old[n].dtype, old[n].annotation, new[n].annotation)
              for n in old]
     schedule = fused_bsr_schedule(specs, set(OLD.devices), {})
-    received, _ = execute_fused(schedule, rank, local, timeout_s=60)
+    received, _ = execute_fused(schedule, rank, local, timeout_s=60, group=group)
     out["new"] = {n: t.clone() for n, t in received.items()}
     comm = Comm.create(NEW, config, rank, timeout_s=60)
     model = SpecializedModel.build(config, NEW, rank, comm=comm, state=received)
@@ -418,16 +468,16 @@ def reshard_world(rank: int, world: int, path: str, config_json: str, steps: lis
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(200)
-def test_reshard_of_a_tied_model_moves_embed_and_its_moments(saved):
+@pytest.mark.timeout(WORLD_TEST_TIMEOUT_S)
+def test_reshard_of_a_tied_model_moves_embed_and_its_moments(world, saved):
     s = saved["tied"]
-    config, steps = s.config, batches(3, seed=23)
-    results = run_world(reshard_world, 4, (s.path, config.to_json(), steps), timeout_s=180)
+    config, steps = s.config, RESHARD_STEPS
+    results = run_results(world, "reshard")
     # under PP2 both stages hold the whole table, with the same values and moments
     for suffix in ("", ".exp_avg", ".exp_avg_sq"):
         a, b = (results[r]["old"]["embed.weight" + suffix] for r in (0, 1))
         assert torch.equal(a, b) and bool(a.abs().sum() > 0), suffix
-    full = results[0]["old"]
+    full = dict(results[0]["old"])
     full.update({n: t for n, t in results[1]["old"].items() if n not in full})
     new = state_specs(config, NEW)
     for rank in range(4):
@@ -461,34 +511,33 @@ MIXED = Plan((Pipeline((Stage((0,), (0, 1)), Stage((1, 2), (1, 2))), 2, 1),
              global_batch=ROWS, num_layers=2)
 
 
-def seeded_world(rank: int, world: int, config_json: str, steps: list) -> dict:
+def _mixed_run(rank: int, config: ModelConfig) -> dict:
     from hspmd_elastic.graph.specialize import SpecializedModel
 
-    config = ModelConfig.from_json(config_json)
     model = SpecializedModel.build(config, MIXED, rank, seed=5, timeout_s=60)
-    losses = [model.step(b) for b in steps]
+    losses = [model.step(b) for b in MIXED_STEPS]
     ranges = local_param_ranges(config, MIXED, rank)
     return {"losses": losses,
             "pieces": {n: (ranges[n], t) for n, t in model.local_params().items()}}
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(200)
-def test_tied_training_with_different_tp_degrees_on_its_two_ends(saved):
+@pytest.mark.timeout(WORLD_TEST_TIMEOUT_S)
+def test_tied_training_with_different_tp_degrees_on_its_two_ends(world, saved):
     """The first stage holds the whole table, the last stage's TP2 ranks a half each: the sync
     sums each half over its three holders; three steps from the seed equal ``reference_train``."""
     from hspmd_elastic.graph.gradsync import sync_ops
     from hspmd_elastic.graph.reference import reference_train
 
-    config, steps, optim = saved["tied"].config, batches(3, seed=29), AdamWConfig()
+    config, steps, optim = saved["tied"].config, MIXED_STEPS, AdamWConfig()
     layout = MIXED.param_layouts(config)["embed.weight"]
     assert layout.groups == ((0,), (1, 2), (3,))
     assert [(op.members, op.lo, op.hi) for op in sync_ops(MIXED.param_layouts(config), 0)
             if op.name == "embed.weight"] == [((0, 1, 3), 0, 16), ((0, 2, 3), 16, 32)]
-    results = run_world(seeded_world, 4, (config.to_json(), steps), timeout_s=180)
+    results = run_results(world, "mixed")
     ref, losses = reference_train(config, 5, steps, optim)
     assert set(ref) == set(param_specs(config)) and "lm_head.weight" not in ref
-    for rank, r in enumerate(results):
+    for rank, r in results.items():
         assert max(abs(a - b) for a, b in zip(r["losses"], losses)) <= TOL, rank
         for name, (ranges, value) in r["pieces"].items():
             assert bool(torch.isfinite(value).all()), (rank, name)
