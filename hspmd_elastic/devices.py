@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Optional
+from typing import Optional
 
 import torch
 
+from hspmd_elastic.contract.env import DEVICE_ENV, DEVICE_SETTINGS, EnvError, parse_device_setting
+
 log = logging.getLogger(__name__)
 
-DEVICE_ENV = "HSPMD_DEVICE"
-SETTINGS = ("auto", "cuda", "cpu")
+SETTINGS = DEVICE_SETTINGS
 GLOO = "gloo"
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
@@ -60,15 +61,12 @@ def cuda_count() -> int:
 
 
 def parse_setting(value: Optional[str], where: str = DEVICE_ENV) -> str:
-    """``auto``, ``cuda`` or ``cpu`` (case and surrounding blanks ignored; unset: ``auto``)."""
-    text = "auto" if value is None or not str(value).strip() else str(value).strip().lower()
-    if text not in SETTINGS:
-        raise DeviceSettingError(f"{where}={value!r}: use one of {', '.join(SETTINGS)}")
-    return text
-
-
-def setting_from_env(env: Optional[Mapping[str, str]] = None) -> str:
-    return parse_setting((os.environ if env is None else env).get(DEVICE_ENV))
+    """``auto``, ``cuda`` or ``cpu`` (case and surrounding blanks ignored; unset: ``auto``;
+    the rule of ``contract.env.parse_device_setting``)."""
+    try:
+        return parse_device_setting(value, where)
+    except EnvError as exc:
+        raise DeviceSettingError(str(exc)) from None
 
 
 def _no_cuda_reason() -> str:

@@ -1,15 +1,19 @@
 """One line that lets any training script (torchrun's kind too) be watched for hangs.
 
 ``hspmd_elastic.heartbeat(step)`` once per training step: under ``hspmd-launch`` the worker's
-``HSPMD_PROGRESS_FILE`` is set, and the call writes the step there (``coord.contract
+``HSPMD_PROGRESS_FILE`` is set, and the call writes the step there (``contract.progress
 .write_progress``: one JSON object, atomically by rename); the node agent reads the file and
 feeds its hang detector. Outside an agent (no ``HSPMD_PROGRESS_FILE``) the call does nothing.
+The report's plan version is the worker's ``HSPMD_ROUND`` (restart mode) or, under an elastic
+agent, ``HSPMD_PLAN_VERSION`` (the plan it was started for); 0 outside an agent. The worker
+environment is read through ``contract.env.WorkerEnv``; a bad round or plan version is logged
+once and reported as 0 (the heartbeat still reaches the agent).
 
-Promises: torch-free, no etcd and no network (the contract module is imported on the first
-call that writes); a call never raises for an I/O error (a heartbeat must not end training:
-the error is logged once); the file is rewritten only when the step changed, and at most every
-``min_interval_s`` (default 0.1 s), so a tight loop costs almost nothing; a step that repeats
-writes nothing (the agent reads the same step as "no progress").
+Promises: torch-free, no etcd and no network (only ``hspmd_elastic.contract`` is imported);
+a call never raises for an I/O error (a heartbeat must not end training: the error is logged
+once); the file is rewritten only when the step changed, and at most every ``min_interval_s``
+(default 0.1 s), so a tight loop costs almost nothing; a step that repeats writes nothing (the
+agent reads the same step as "no progress").
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import threading
 import time
 from typing import Mapping, Optional
 
+from hspmd_elastic.contract.env import EnvError, WorkerEnv
+from hspmd_elastic.contract.progress import WorkerProgress, write_progress
+
 log = logging.getLogger(__name__)
 
-PROGRESS_FILE_ENV = "HSPMD_PROGRESS_FILE"  # the same name as coord.contract.PROGRESS_FILE_ENV
 DEFAULT_MIN_INTERVAL_S = 0.1
 
 
@@ -39,10 +45,15 @@ class Heartbeat:
     def __init__(self, path: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
                  min_interval_s: float = DEFAULT_MIN_INTERVAL_S):
         env = os.environ if env is None else env
-        self.path = path if path is not None else env.get(PROGRESS_FILE_ENV, "") or None
+        try:
+            worker = WorkerEnv.from_env(env, fields=("progress_file", "round", "plan_version"))
+        except EnvError as exc:
+            log.warning("heartbeat: %s; reporting plan version 0", exc)
+            worker = WorkerEnv.from_env(env, fields=("progress_file",))
+        self.path = path if path is not None else worker.progress_file
         self.rank = _int(env, "RANK")
         self.local_rank = _int(env, "LOCAL_RANK")
-        self.round = _int(env, "HSPMD_ROUND")
+        self.round = next((v for v in (worker.round, worker.plan_version) if v is not None), 0)
         self.min_interval_s = float(min_interval_s)
         self._lock = threading.Lock()
         self._count = -1
@@ -64,8 +75,6 @@ class Heartbeat:
             return self._write(self._count, now)
 
     def _write(self, step: int, now: float) -> bool:
-        from hspmd_elastic.coord.contract import WorkerProgress, write_progress
-
         if self._first is None:
             self._first = (step, now)
         first_step, first_t = self._first

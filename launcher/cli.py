@@ -32,6 +32,8 @@ from typing import Optional, Sequence
 
 import click
 
+from hspmd_elastic.contract.env import HangRule
+from hspmd_elastic.contract.ids import ID_RULE, is_id
 from launcher.api import (
     DEFAULT_ROLE,
     DEFAULT_SIGNALS,
@@ -63,7 +65,6 @@ SUBCOMMANDS: dict[str, str] = {
 ETCD_BACKENDS = ("etcd", "etcd-v2")
 KNOWN_BACKENDS = ("etcd", "etcd-v2", "c10d", "static")
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 RDZV_CONF_FLOATS = {
     "join_timeout": "join_timeout_s",
     "last_call_timeout": "last_call_timeout_s",
@@ -148,8 +149,7 @@ def _opt(*names: str, **kw):
                  "scripted:etcd. In restart mode a GPU with a fatal verdict makes the job "
                  "restart without it (fewer workers, CUDA_VISIBLE_DEVICES and WORLD_SIZE "
                  "follow); a script that calls hspmd_elastic.heartbeat(step) each step is "
-                 "also watched for hangs (HSPMD_HANG_TIMEOUT_S, HSPMD_HANG_MULTIPLE, "
-                 "HSPMD_HANG_STARTUP_S).")
+                 f"also watched for hangs ({', '.join(HangRule.variables())}).")
 @_opt("--hspmd-lease-ttl", type=click.FloatRange(min=1.0), default=None,
             help="TTL of the node's etcd lease in seconds (default 10).")
 @_opt("--hspmd-etcd-outage-limit", type=click.FloatRange(min=1.0), default=None,
@@ -310,11 +310,8 @@ def _entrypoint(params: dict) -> tuple[tuple[str, ...], str]:
 
 
 def _check_id(flag: str, value: str) -> str:
-    if not ID_RE.match(value):
-        raise ConfigError(
-            f"invalid {flag} value {value!r}: use 1-128 characters from [A-Za-z0-9._-], "
-            "starting with a letter or digit"
-        )
+    if not is_id(value):
+        raise ConfigError(f"invalid {flag} value {value!r}: use {ID_RULE}")
     return value
 
 
@@ -452,7 +449,7 @@ def _health_source(value: str) -> str:
     except HealthError as exc:
         raise ConfigError(f"invalid --hspmd-health-source: {exc}") from None
     try:
-        hang_detector_from_env(os.environ)  # HSPMD_HANG_*: refused here, not in the agent
+        hang_detector_from_env(os.environ)  # HangRule: refused here, not in the agent
     except HealthError as exc:
         raise ConfigError(f"invalid hang limit: {exc}") from None
     if kind == "scripted" and target != "etcd" and not os.path.isfile(target):

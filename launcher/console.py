@@ -324,7 +324,7 @@ class ElasticWaits:
 
     def _acks(self, version: int) -> tuple[int, Optional[int]]:
         from hspmd_elastic.coord import schema
-        from hspmd_elastic.coord.contract import node_of
+        from hspmd_elastic.contract.ids import node_of
         from hspmd_elastic.coord.plans import read_plan
 
         from hspmd_elastic.coord.valid import decode_valid

@@ -24,20 +24,19 @@ from typing import Optional
 
 import click
 
-from hspmd_elastic.coord.security import (
-    ENV_CACERT,
-    ENV_CERT,
-    ENV_KEY,
-    ENV_PASSWORD,
-    ENV_PASSWORD_FILE,
-    ENV_USER,
-    EtcdSecurity,
-    EtcdSecurityError,
+from hspmd_elastic.contract.env import (
+    ETCD_CACERT_ENV as ENV_CACERT,
+    ETCD_CERT_ENV as ENV_CERT,
+    ETCD_KEY_ENV as ENV_KEY,
+    ETCD_PASSWORD_ENV as ENV_PASSWORD,
+    ETCD_PASSWORD_FILE_ENV as ENV_PASSWORD_FILE,
+    ETCD_SERVER_CERT_ENV as ENV_SERVER_CERT,
+    ETCD_SERVER_KEY_ENV as ENV_SERVER_KEY,
+    ETCD_USER_ENV as ENV_USER,
 )
+from hspmd_elastic.coord.security import EtcdSecurity, EtcdSecurityError
 from launcher.api import ConfigError, EtcdServerTLS
 
-ENV_SERVER_CERT = "HSPMD_ETCD_SERVER_CERT"
-ENV_SERVER_KEY = "HSPMD_ETCD_SERVER_KEY"
 # EtcdSecurity field -> (option suffix, environment variable, help)
 _CLIENT = {
     "ca_file": ("cacert", ENV_CACERT, "CA file (PEM) that verifies etcd's server certificate; "

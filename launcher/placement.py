@@ -1,9 +1,10 @@
 """``--hspmd-device auto|cuda|cpu``: where elastic workers compute, parsed for the worker
 environment.
 
-The setting reaches each elastic worker as ``HSPMD_DEVICE`` (``launcher.node.env.DEVICE_ENV``;
-without the flag a worker keeps the agent's own ``HSPMD_DEVICE``, if any), and the worker turns it into its device (``hspmd_elastic.devices.select_device``: ``auto`` is
-``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU). Restart mode runs any script, which
+The setting reaches each elastic worker as ``HSPMD_DEVICE`` (``contract.env.DEVICE_ENV``;
+without the flag a worker keeps the agent's own ``HSPMD_DEVICE``, if any), and the worker turns
+it into its device (``hspmd_elastic.devices.select_device``: ``auto`` is ``cuda:<LOCAL_RANK>``
+when CUDA is available, else the CPU). Restart mode runs any script, which
 places itself: the flag is refused there. ``cuda`` on a node where torch cannot use CUDA is
 refused here, before any worker starts. Bad values raise ``ConfigError`` with one line naming
 them.
@@ -13,10 +14,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from hspmd_elastic.contract.env import DEVICE_ENV, DEVICE_SETTINGS
 from launcher.api import ConfigError
-from launcher.node.env import DEVICE_ENV
-
-DEVICE_SETTINGS = ("auto", "cuda", "cpu")
 
 
 def _cuda_missing() -> Optional[str]:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import click
 
-from hspmd_elastic.coord.contract import parse_device_id
+from hspmd_elastic.contract.ids import parse_device_id
 from hspmd_elastic.plan import Plan, PlanError
 from hspmd_elastic.planner import (Inventory, PlanInfeasibleError, PlannerError, PlannerOptions,
                                    inventory_from_dict, inventory_from_nodes, parse_bytes,

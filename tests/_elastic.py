@@ -30,6 +30,8 @@ import time
 import traceback
 from typing import Optional
 
+from _wait import wait_for
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 JOB = "elastic-test"
@@ -40,18 +42,6 @@ TIMEOUTS = dict(plan_wait_s=40.0, comm_s=30.0, regroup_s=30.0, finish_s=40.0)
 
 class HarnessError(AssertionError):
     pass
-
-
-def wait_until(predicate, timeout: float, what: str, poll: float = 0.02):
-    """Poll ``predicate`` until it returns a truthy value; HarnessError at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise HarnessError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(poll)
 
 
 class ElasticJob:
@@ -125,7 +115,7 @@ class ElasticJob:
                     raise HarnessError(f"{d} exited ({self.procs[d].returncode}):\n{self.log(d)}")
             return all((self.progress(d) or {}).get("step", -1) >= step for d in devices)
 
-        wait_until(reached, timeout, f"{list(devices)} to reach step {step}")
+        wait_for(reached, timeout, f"{list(devices)} to reach step {step}")
 
     def release(self) -> None:
         open(self.payload["release"], "w").close()
@@ -294,10 +284,10 @@ def main(payload_path: str) -> int:
 
     def on_step(info):
         if payload.get("pause_at") == info.step + 1:
-            wait_until(lambda: os.path.exists(payload["release"]), 60.0, "the release file")
+            wait_for(lambda: os.path.exists(payload["release"]), 60.0, "the release file")
         if info.step + 1 <= payload.get("hold_steps", 0):  # every step up to it: <release>-<k>
-            wait_until(lambda: os.path.exists(f"{payload['release']}-{info.step + 1}"), 60.0,
-                       f"the release file of step {info.step + 1}")
+            wait_for(lambda: os.path.exists(f"{payload['release']}-{info.step + 1}"), 60.0,
+                     f"the release file of step {info.step + 1}")
 
     resources: list[dict] = []  # process_resources() after every switch
 

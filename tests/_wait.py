@@ -1,7 +1,11 @@
-"""Bounded waits for the tests: a polling ``wait_for`` and a ``Recorder`` that callbacks append to.
+"""Bounded waits for the tests: ``wait_for`` (poll until a condition holds, or fail), ``never``
+(a condition that must not hold during a while) and a ``Recorder`` that callbacks append to.
 
-Both return whether the condition held in time (False at the deadline), so a test can assert
-that something happens (``assert wait_for(...)``) or that it does not (``assert not ...``).
+``wait_for`` is the one polling wait of the suite (``tests/_elastic.py``, the launch tests and
+the elastic-job harness all use it): it returns the predicate's truthy value, so a wait can
+also fetch (``pids = wait_for(paused, 60, "the workers at step 3")``), and it fails with an
+``AssertionError`` that names what it waited for, at the deadline or as soon as the process
+it watches (``proc``) has exited.
 """
 
 from __future__ import annotations
@@ -9,21 +13,52 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, TypeVar, Union
+
+T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` seconds pass (monotonic deadline).
+class WaitTimeout(AssertionError):
+    """A ``wait_for`` ran out of time, or the process it watched exited first."""
 
-    Returns the last value of the predicate: True when it held in time.
+
+def _describe(what: Union[str, Callable[[], str]]) -> str:
+    return what() if callable(what) else what
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: Union[str, Callable[[], str]], *,
+             interval: float = 0.02, proc=None) -> T:
+    """Poll ``predicate`` until it returns a truthy value, and return that value.
+
+    ``timeout``: seconds, on a monotonic deadline; the predicate is checked at least once, and
+    once more at the deadline. ``what`` names the condition in the failure (a string, or a
+    callable that returns one, evaluated when the wait fails: to report the state then).
+    ``proc`` (a ``subprocess.Popen``): fail at once when it has exited. A failure is a
+    ``WaitTimeout`` (an ``AssertionError``); an exception of the predicate propagates.
     """
     deadline = time.monotonic() + timeout
     while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(min(interval, max(deadline - time.monotonic(), 0)))
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise WaitTimeout(f"process {proc.pid} exited with {proc.returncode} while waiting "
+                              f"for {_describe(what)}")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WaitTimeout(f"timed out after {timeout:g}s waiting for {_describe(what)}")
+        time.sleep(min(interval, left))
+
+
+def never(predicate: Callable[[], object], duration: float, what: str, *,
+          interval: float = 0.02) -> None:
+    """Poll ``predicate`` for ``duration`` seconds; ``AssertionError`` naming ``what`` (the thing
+    that must not happen) if it returns a truthy value meanwhile."""
+    try:
+        value = wait_for(predicate, duration, what, interval=interval)
+    except WaitTimeout:
+        return
+    raise AssertionError(f"{what} within {duration:g}s (it must not): {value!r}")
 
 
 class Recorder:

@@ -148,7 +148,7 @@ def test_a_frozen_etcd_gives_a_timeout_not_a_hang(etcd_server, client):
     pid = etcd_server.members[0].proc.pid
     os.kill(pid, signal.SIGSTOP)  # alive, connected, silent: like a hung member
     try:
-        assert wait_for(lambda: all_threads_stopped(pid), 5.0)
+        wait_for(lambda: all_threads_stopped(pid), 5.0, "etcd's threads stopped")
         t0 = time.monotonic()
         with pytest.raises(EtcdTimeoutError, match="did not answer"):
             client.get("/t/a", timeout=0.5)

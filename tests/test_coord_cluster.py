@@ -15,7 +15,7 @@ from hspmd_elastic.coord import (
     PrefixWatch,
     schema,
 )
-from _wait import Recorder, all_threads_stopped, wait_for
+from _wait import Recorder, all_threads_stopped, never, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -49,7 +49,7 @@ def test_member_loss_keeps_lease_watch_and_election(etcd_cluster3):
         assert c1.current_endpoint != used
         assert events.wait_for(lambda ev: any(e.key.endswith("/x") for e in ev), WAIT)
         # The lease outlives several TTLs on the surviving members, without a loss.
-        assert not wait_for(lambda: lost.items or c1.get(node_a) is None, 2.5)
+        never(lambda: lost.items or c1.get(node_a) is None, 2.5, "node a's lease lost")
         assert c1.get(node_a).lease == s1.lease_id
         assert a.is_leader and not b.is_leader
 
@@ -110,7 +110,8 @@ def test_watch_leaves_a_frozen_member(etcd_cluster3):
         frozen = next(m for m in etcd_cluster3.members if m.endpoint == used)
         others = [m.endpoint for m in etcd_cluster3.members if m is not frozen]
         os.kill(frozen.proc.pid, signal.SIGSTOP)  # connected but silent: a hung or cut-off member
-        assert wait_for(lambda: all_threads_stopped(frozen.proc.pid), 5.0)
+        wait_for(lambda: all_threads_stopped(frozen.proc.pid), 5.0,
+                 "the frozen member's threads stopped")
         with EtcdClient(others, timeout=2.0) as writer:
             for i in range(5):
                 writer.put(f"/f/k{i}", b"v")
@@ -118,7 +119,7 @@ def test_watch_leaves_a_frozen_member(etcd_cluster3):
         assert [e.key for e in events.items] == [f"/f/k{i}" for i in range(5)]
         assert watcher.current_endpoint != used
         # The lease is refreshed through the other members: it outlives more than a TTL.
-        assert not wait_for(lambda: lost.items, 2.5)
+        never(lambda: lost.items, 2.5, "the lease lost")
         assert watcher.get("/g/node").lease == session.lease_id
     finally:
         if frozen is not None and frozen.proc is not None:

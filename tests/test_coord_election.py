@@ -77,10 +77,10 @@ def test_two_then_three_candidates_hand_over_and_fence(client, candidates):
     a_key, a_term = a.candidate_key, a.term
     client.revoke(candidates.session("a").lease_id)
     assert b.campaign(WAIT)
-    assert wait_for(lambda: not a.is_leader, WAIT)
+    wait_for(lambda: not a.is_leader, WAIT, "a to see it is deposed")
     assert candidates.leaders() == ["b"]
     assert candidates.changes("a")[:2] == [True, False]
-    assert wait_for(lambda: b.leader() == "b", WAIT)
+    wait_for(lambda: b.leader() == "b", WAIT, "b to see itself leader")
     rec = schema.decode(schema.leader_key(JOB), client.get(schema.leader_key(JOB)).value)
     assert rec.node == "b" and rec.term == b.term > a_term
 
@@ -97,7 +97,7 @@ def test_two_then_three_candidates_hand_over_and_fence(client, candidates):
     b.resign()
     assert c.campaign(WAIT)
     assert candidates.leaders() == ["c"]
-    assert wait_for(lambda: a.leader() == "c", WAIT)
+    wait_for(lambda: a.leader() == "c", WAIT, "a to see c leading")
 
 
 def test_exactly_one_leader_among_three_through_resignations(candidates):
@@ -110,7 +110,7 @@ def test_exactly_one_leader_among_three_through_resignations(candidates):
         elections[i].resign()
         assert elections[i + 1].campaign(WAIT)
     assert candidates.leaders() == ["n3"]
-    assert wait_for(lambda: elections[0].leader() == "n3", WAIT)
+    wait_for(lambda: elections[0].leader() == "n3", WAIT, "n1 to see n3 leading")
 
 
 def test_publish_plan_is_fenced_and_compare_and_set(client, candidates):

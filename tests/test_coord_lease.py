@@ -14,7 +14,7 @@ from hspmd_elastic.coord import (
     PrefixWatch,
     schema,
 )
-from _wait import Recorder, wait_for
+from _wait import Recorder, never, wait_for
 
 JOB = "ljob"
 WAIT = 6.0
@@ -51,7 +51,8 @@ def test_keepalive_holds_a_key_for_many_ttls(client):
     ka = KeepAlive(client, lease, ttl=1, on_lost=lost).start()
     try:
         # Bounded check: still present after 3 TTLs (without refreshes it is gone after ~1).
-        assert not wait_for(lambda: client.get("/l/k") is None or lost.items, 3.0)
+        never(lambda: client.get("/l/k") is None or lost.items, 3.0,
+              "the leased key or the lease lost")
     finally:
         ka.stop()
     assert client.get("/l/k") is not None and not lost.items
@@ -125,7 +126,8 @@ def test_etcd_away_longer_than_ttl_loses_and_regrants(etcd_server, client):
         etcd_server.members[0].launch()
         etcd_server.members[0].wait_healthy()
         assert regranted.wait_len(1, WAIT)
-        assert wait_for(lambda: (kv := client.get(key)) is not None and kv.lease != old, WAIT)
+        wait_for(lambda: (kv := client.get(key)) is not None and kv.lease != old, WAIT,
+                 "the key re-created under the new lease")
         assert client.get(key).lease == session.lease_id
     finally:
         session.stop()

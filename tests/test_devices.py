@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hspmd_elastic import devices
+from hspmd_elastic.contract.env import DEVICE_ENV
 from hspmd_elastic.elastic.api import ConfigurationError, WorkerIdentity
 from hspmd_elastic.planner import inventory_from_nodes, spec_for_device
 from launch_harness import SCRIPTS
@@ -19,7 +20,6 @@ from launcher.api import ConfigError
 from launcher.health.fake_nvml import FakeGpu, FakeNvml
 from launcher.health.nvml import NvmlHealthSource
 from launcher.node.devices import device_table, inventory_lines
-from launcher.node.env import DEVICE_ENV
 
 SCRIPT = str(SCRIPTS / "sleeper.py")
 ELASTIC = ["--hspmd-elastic", "--hspmd-model", "llama-7b", "--hspmd-global-batch", "4"]

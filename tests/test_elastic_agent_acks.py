@@ -20,7 +20,8 @@ from hspmd_elastic.coord import EtcdClient, LeasedSession, schema
 from hspmd_elastic.coord.api import CoordinationError, EtcdUnavailableError, PutOp
 from hspmd_elastic.coord.plans import plan_head
 from _wait import wait_for
-from hspmd_elastic.coord.contract import (
+from hspmd_elastic.coord.contract import worker_record
+from hspmd_elastic.contract.progress import (
     TRAINED_STATES,
     WorkerProgress,
     read_progress,
@@ -90,7 +91,7 @@ def test_progress_reports_carry_the_worker_state(tmp_path):
     path.write_text(json.dumps(report))
     got = read_progress(str(path), 1)
     assert got.state == "regrouping" and (got.pid, got.plan_version) == (7, 2)
-    assert got.to_worker_record() == schema.WorkerRecord(
+    assert worker_record(got) == schema.WorkerRecord(
         pid=7, global_rank=4, local_rank=1, plan_version=2, step=12, last_progress_at=1.5e9,
         steps_per_s=3.0)
     path.write_text(json.dumps({k: v for k, v in report.items() if k != "state"}))
@@ -255,7 +256,7 @@ def test_a_worker_exiting_mid_switch_fails_the_ack_and_an_etcd_error_loses_nothi
         return 1 in h.node.slots.failed()
 
     h.exit(1, 3)
-    assert wait_for(tick_despite_errors, WAIT, interval=0.05)
+    wait_for(tick_despite_errors, WAIT, "slot 1 failed despite the etcd errors", interval=0.05)
     assert errors and all("injected" in str(e) for e in errors)
     verdict = schema.decode(schema.device_key(JOB, "n", 1),
                             h.client.get(schema.device_key(JOB, "n", 1)).value)

@@ -14,155 +14,37 @@ agents acked the first plan and the recovery plan ``done`` in ``switch/<version>
 no checkpoint ends the job: exit 1 on every node, torchrun's failure summary, the root cause in
 one line. Workers pause at step ``PAUSE`` until the test creates the release file, so every
 fault hits a known state. The agent's pure decision (``judge``) and the elastic flags are checked
-at the end.
+at the end. The job harness (agents, waits, reference checks) is ``tests/_elastic_job.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-import uuid
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-import _elastic
+from _elastic_job import BATCH, STEPS, TINY, ElasticLaunchJob, write_tiny
+from _wait import wait_for
+from launch_harness import SCRIPTS
 
-from launch_harness import SCRIPTS, Launcher, base_env, wait_for
-
-from hspmd_elastic.coord import PrefixWatch, read_events, schema
-from hspmd_elastic.coord.api import EventType
-from hspmd_elastic.coord.client import EtcdClient
+from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.plans import read_plan
-from _wait import Recorder
-from hspmd_elastic.graph.config import ModelConfig
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
-
-CONFIG = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
-                     seq_len=8, dtype="float64")
-STEPS, BATCH, SEED, DATA_SEED, PAUSE = 6, 4, 3, 7, 3
-REFERENCE = _elastic.reference_payload(CONFIG, steps=STEPS, global_batch=BATCH, seed=SEED,
-                                       data_seed=DATA_SEED)
-
-
-class Job:
-    """Agents of one elastic job, its files and an etcd client to watch it."""
-
-    def __init__(self, etcd, tmp: Path, marker: str):
-        self.etcd, self.tmp, self.name = etcd, tmp, f"el-{uuid.uuid4().hex[:8]}"
-        self.config = tmp / "model.json"
-        self.config.write_text(CONFIG.to_json())
-        self.out, self.release, self.samples = tmp / "out", tmp / "release", tmp / "samples"
-        self.env = base_env(marker)
-        self.agents: dict[str, Launcher] = {}
-        self.client = EtcdClient(etcd.endpoints, timeout=5.0)
-        self.acks = Recorder()  # every switch-ack write seen by watch_acks()
-        self._ack_watch: PrefixWatch | None = None
-
-    def watch_acks(self) -> None:
-        """Record every switch ack the agents write. A watch, not a read: an agent's acks are
-        leased, so they vanish when it exits at the job's end, before the test could read them."""
-        self._ack_watch = PrefixWatch(self.client, schema.switch_prefix(self.name), self.acks,
-                                      decode=True, name="switch acks").start()
-
-    def ack_states(self, version: int, node: str) -> list[str]:
-        """The states ``node`` wrote for plan ``version``, in order."""
-        return [e.record.state for e in self.acks.items
-                if e.type is EventType.PUT and e.record is not None
-                and (e.record.plan_version, e.record.node) == (version, node)]
-
-    def start(self, node: str, nnodes: str = "2", batch: int = BATCH, nproc: int = 2,
-              log_samples: bool = False, extra: tuple[str, ...] = ()) -> Launcher:
-        args = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "etcd",
-                "--rdzv-endpoint", self.etcd.endpoint_str, "--rdzv-id", self.name,
-                "--hspmd-node-id", node, "--hspmd-lease-ttl", "2", "--shutdown-timeout", "5",
-                "--rdzv-conf", "join_timeout=60", "--hspmd-elastic",
-                "--hspmd-model", str(self.config), "--hspmd-global-batch", str(batch),
-                str(SCRIPTS / "elastic_train.py"), "--config", str(self.config),
-                "--steps", str(STEPS), "--global-batch", str(batch), "--seed", str(SEED),
-                "--data-seed", str(DATA_SEED), "--out", str(self.out),
-                "--pause-at", str(PAUSE), "--release", str(self.release), "--timeout", "30"]
-        if log_samples:
-            args += ["--sample-log", str(self.samples)]
-        args += list(extra)
-        self.agents[node] = Launcher(args, self.env, self.tmp, node)
-        return self.agents[node]
-
-    def workers(self) -> dict[str, schema.WorkerRecord]:
-        prefix = schema.workers_prefix(self.name)
-        out = {}
-        for kv in self.client.get_prefix(prefix):
-            node, lr = kv.key[len(prefix):].split("/")
-            out[f"{node}:{lr}"] = schema.decode(kv.key, kv.value)
-        return out
-
-    def wait_paused(self, devices: list[str], timeout: float = 60.0) -> dict[str, int]:
-        """Wait until ``devices`` report step PAUSE (where they wait); their pids."""
-        def paused():
-            self.check_agents()
-            recs = self.workers()
-            if all(d in recs and recs[d].step >= PAUSE for d in devices):
-                return {d: recs[d].pid for d in devices}
-            return None
-
-        return wait_for(paused, timeout, f"{devices} at step {PAUSE}")
-
-    def check_agents(self) -> None:
-        for node, agent in self.agents.items():
-            if agent.proc.poll() is not None:
-                raise AssertionError(f"agent {node} exited {agent.proc.returncode} early:\n"
-                                     + agent.stderr()[-4000:])
-
-    def results(self) -> dict[str, dict]:
-        import torch
-
-        return {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
-                for p in sorted(self.out.glob("*.pt"))}
-
-    def events(self):
-        return read_events(self.client, self.name)
-
-    def sample_log(self) -> list[dict]:
-        """Every worker's per-step lines (``--sample-log``); a line cut short by a kill is
-        dropped (a line is written whole before the worker can be paused, so none should be)."""
-        rows = []
-        for path in sorted(self.samples.glob("*.jsonl")):
-            lines = path.read_text().split("\n")
-            rows += [dict(json.loads(ln), device=path.stem.replace("_", ":"))
-                     for ln in lines[:-1] if ln]
-        return rows
-
-    def close(self) -> None:
-        for a in self.agents.values():
-            if a.proc.poll() is None:
-                a.proc.kill()
-                a.proc.wait(timeout=10)
-        if self._ack_watch is not None:
-            self._ack_watch.stop()
-        self.client.close()
 
 
 @pytest.fixture
 def job(etcd_server, tmp_path, marker):
-    j = Job(etcd_server, tmp_path, marker)
-    yield j
-    j.close()
+    with ElasticLaunchJob(etcd_server, tmp_path, marker, prefix="el") as j:
+        yield j
 
 
-def finish(job: Job, timeout: float = 60.0) -> None:
-    for node, agent in job.agents.items():
-        code = agent.wait(timeout)
-        assert code == 0, f"{node} exited {code}:\n{agent.stderr()[-6000:]}"
-
-
-def check_recovered(job: Job, survivors: dict[str, int]) -> dict[str, dict]:
+def check_recovered(job: ElasticLaunchJob, survivors: dict[str, int]) -> dict[str, dict]:
     """Survivors finished every step in the same processes, without a checkpoint."""
-    results = job.results()
-    _elastic.assert_recovered_in_memory(results, survivors, REFERENCE)
+    results = job.assert_recovered(survivors)
     for dev in survivors:
         assert results[dev]["plan_version"] >= 2 and len(results[dev]["switches"]) >= 2
     types = [e.type for e in job.events()]
@@ -192,7 +74,7 @@ def committed_samples(rows: list[dict]) -> dict[int, list[int]]:
     return out
 
 
-def check_samples_once(job: Job) -> dict[int, list[int]]:
+def check_samples_once(job: ElasticLaunchJob) -> dict[int, list[int]]:
     """Every sample id 0..STEPS*BATCH-1 consumed exactly once by the committed trajectory, each in
     its own step's global batch ``[s*B, (s+1)*B)``."""
     final = committed_samples(job.sample_log())
@@ -207,7 +89,7 @@ def check_samples_once(job: Job) -> dict[int, list[int]]:
     return final
 
 
-def switch_seconds(job: Job, since: float) -> float:
+def switch_seconds(job: ElasticLaunchJob, since: float) -> float:
     """From ``since`` (the kill, wall clock) to the first switch-done event after it."""
     done = [e for e in job.events() if e.type == "switch-done" and e.at > since]
     assert done, [e.type for e in job.events()]
@@ -233,7 +115,7 @@ def test_worker_sigkill_survivors_switch_in_memory(job):
     killed_at = time.time()
     os.kill(pids["node-b:1"], signal.SIGKILL)
     job.release.touch()
-    finish(job)
+    job.finish()
     survivors = {d: p for d, p in pids.items() if d != "node-b:1"}
     results = check_recovered(job, survivors)
     assert "node-b:1" not in results
@@ -266,12 +148,12 @@ def test_a_switch_that_fails_on_every_rank_is_published_again(job):
     (the rank a step ahead rolls back) and finish equal to the reference."""
     job.release.touch()  # no pause: the fault is the injected one
     a = job.start("node-a", nnodes="1", nproc=2,
-                  extra=("--abandon", "node-a:1:2", "--comm-timeout", "3"))
+                  train=("--abandon", "node-a:1:2", "--comm-timeout", "3"))
     devices = ["node-a:0", "node-a:1"]
     pids = wait_for(lambda: (lambda r: {d: r[d].pid for d in devices}
                              if set(devices) <= set(r) else None)(job.workers()),
                     60, "both workers' records")
-    finish(job, timeout=80)
+    job.finish(timeout=80)
     results = check_recovered(job, pids)
     events = job.events()
     retry = [e for e in events if e.type == "retry"]
@@ -293,8 +175,7 @@ def test_node_loss_of_the_leader_job_continues_on_the_other_node(job):
     job.start("node-b")
     devices = ["node-a:0", "node-a:1", "node-b:0", "node-b:1"]
     pids = job.wait_paused(devices)
-    kv = job.client.get(schema.leader_key(job.name))
-    lost = schema.decode(kv.key, kv.value).node
+    lost = job.leader()
     plan = next(e for e in job.events() if e.type == "replan")
     assert plan.detail["store_endpoint"] and plan.node == lost
     other = "node-b" if lost == "node-a" else "node-a"
@@ -303,7 +184,7 @@ def test_node_loss_of_the_leader_job_continues_on_the_other_node(job):
     victim.proc.send_signal(signal.SIGKILL)  # the agent and, with it, its workers
     assert victim.wait(10) == -signal.SIGKILL
     job.release.touch()
-    finish(job)
+    job.finish()
     check_recovered(job, {d: p for d, p in pids.items() if d.startswith(other)})
     events = job.events()
     assert any(e.type == "leave" and e.node == lost for e in events)
@@ -321,7 +202,7 @@ def test_agent_sigterm_leaves_and_the_job_continues(job):
     assert b.wait(30) == 1
     assert "hspmd-launch: error: process" in b.stderr() and "(SIGTERM)" in b.stderr()
     job.release.touch()
-    finish(job)
+    job.finish()
     check_recovered(job, {d: p for d, p in pids.items() if d.startswith("node-a")})
     assert any(e.type == "leave" and e.node == "node-b" for e in job.events())
 
@@ -350,9 +231,8 @@ def test_an_etcd_stall_of_three_lease_ttls_switches_nothing(job):
 
     wait_for(re_registered, 30, "both nodes re-registered under new leases")
     job.release.touch()
-    finish(job)
-    results = job.results()
-    _elastic.assert_recovered_in_memory(results, pids, REFERENCE)
+    job.finish()
+    results = job.assert_recovered(pids)
     assert all(r["plan_version"] == 1 and len(r["switches"]) == 1 for r in results.values()), \
         {d: (r["plan_version"], len(r["switches"])) for d, r in results.items()}
     types = [e.type for e in job.events()]
@@ -372,7 +252,7 @@ def test_join_mid_run_receives_state(job):
                                                for d in ("node-c:0", "node-c:1")),
              60, "node-c's workers to start")
     job.release.touch()
-    finish(job)
+    job.finish()
     results = check_recovered(job, pids)
     assert {"node-c:0", "node-c:1"} <= set(results)
     joined = results["node-c:0"]["switches"]
@@ -399,8 +279,7 @@ def test_a_spare_beyond_nnodes_max_replaces_a_lost_node(job):
     plan, _ = read_plan(job.client, job.name)
     assert plan.version == 1 and sorted(plan.devices) == ["node-a:0", "node-b:0"]
     assert "node-c:0" not in job.workers() and "started pid" not in spare.stderr()
-    kv = job.client.get(schema.leader_key(job.name))
-    leader = schema.decode(kv.key, kv.value).node
+    leader = job.leader()
     lost = "node-b" if leader == "node-a" else "node-a"
     victim = job.agents.pop(lost)
     victim.proc.send_signal(signal.SIGKILL)  # the agent and, with it, its worker
@@ -408,7 +287,7 @@ def test_a_spare_beyond_nnodes_max_replaces_a_lost_node(job):
     wait_for(lambda: job.check_agents() or "node-c:0" in job.workers(), 60,
              "the spare's worker to start")
     job.release.touch()
-    finish(job)
+    job.finish()
     results = check_recovered(job, {f"{leader}:0": pids[f"{leader}:0"]})
     assert set(results) == {f"{leader}:0", "node-c:0"}
     joined = results["node-c:0"]["switches"]
@@ -430,9 +309,7 @@ def test_lost_shard_without_checkpoint_fails_the_job_with_summary(job):
     assert plan.detail["devices"] == 4
     os.kill(pids["node-b:1"], signal.SIGKILL)
     job.release.touch()
-    codes = {n: ag.wait(60) for n, ag in job.agents.items()}
-    assert codes == {"node-a": 1, "node-b": 1}, {n: ag.stderr()[-3000:] for n, ag in
-                                                 job.agents.items()}
+    job.finish(code=1)
     err_b = b.stderr()
     assert "elastic_train.py FAILED" in err_b and "Root Cause (first observed failure):" in err_b
     root = err_b.split("Root Cause (first observed failure):", 1)[1]
@@ -486,11 +363,10 @@ def test_elastic_flags_bad_values_get_one_line(args, message, capsys):
 def test_elastic_flags_build_the_planner_input(tmp_path, monkeypatch):
     from launcher.cli import build_config, launch_command
 
-    model = tmp_path / "m.json"
-    model.write_text(CONFIG.to_json())
+    model = write_tiny(tmp_path / "m.json")
     monkeypatch.setenv("PET_HSPMD_ELASTIC", "1")
     ctx = launch_command.make_context("hspmd-launch", [
         "--hspmd-model", str(model), "--hspmd-global-batch", "4", str(SCRIPTS / "sleeper.py")])
     elastic = build_config(ctx.params).elastic
-    assert elastic.global_batch == 4 and elastic.model_profile.config == CONFIG
-    assert elastic.model_profile.num_layers == CONFIG.num_layers
+    assert elastic.global_batch == 4 and elastic.model_profile.config == TINY
+    assert elastic.model_profile.num_layers == TINY.num_layers

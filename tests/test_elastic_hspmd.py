@@ -13,105 +13,32 @@ are in its ``drained`` event), then its worker leaves and the device stays out. 
 ``--hspmd-redundancy 2`` ("every parameter slice on both nodes", a hard constraint) and no plan
 that can keep it, nothing is published and the job fails on every agent with one line naming
 the shortfall (the same judge ends a job whose fault leaves no such plan, and the planner never
-returns a plan that breaks it: ``tests/test_planner_capacity.py``).
+returns a plan that breaks it: ``tests/test_planner_capacity.py``). The job harness is
+``tests/_elastic_job.py`` (its agents pass ``--hspmd-redundancy 2`` unless a test says otherwise).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import uuid
-from pathlib import Path
 
 import pytest
 
-import _elastic
+from _elastic_job import STEPS, ElasticLaunchJob
+from _wait import wait_for
 
-from launch_harness import SCRIPTS, Launcher, base_env, wait_for
-
-from hspmd_elastic.coord import read_events, schema
-from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.contract import plan_of
-from hspmd_elastic.graph.config import ModelConfig
+from hspmd_elastic.coord import schema
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
 
-CONFIG = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
-                     seq_len=8, dtype="float64")
-STEPS, BATCH, SEED, DATA_SEED, PAUSE = 6, 4, 3, 7, 3
-REFERENCE = _elastic.reference_payload(CONFIG, steps=STEPS, global_batch=BATCH, seed=SEED,
-                                       data_seed=DATA_SEED)
 MEMORY = "150KiB"  # one replica needs about 235 KiB (weights, gradients, AdamW, activations)
 NODES = ("node-a", "node-b")
 
 
-class Job:
-    def __init__(self, etcd, tmp: Path, marker: str):
-        self.etcd, self.tmp, self.name = etcd, tmp, f"hs-{uuid.uuid4().hex[:8]}"
-        self.config = tmp / "model.json"
-        self.config.write_text(CONFIG.to_json())
-        self.out, self.release = tmp / "out", tmp / "release"
-        self.env = base_env(marker)
-        self.agents: dict[str, Launcher] = {}
-        self.client = EtcdClient(etcd.endpoints, timeout=5.0)
-
-    def start(self, node: str, nproc: int, *flags: str, nnodes: int = 2,
-              redundancy: int = 2) -> Launcher:
-        args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "etcd",
-                "--rdzv-endpoint", self.etcd.endpoint_str, "--rdzv-id", self.name,
-                "--hspmd-node-id", node, "--hspmd-lease-ttl", "2", "--shutdown-timeout", "5",
-                "--rdzv-conf", "join_timeout=60", "--hspmd-elastic",
-                "--hspmd-model", str(self.config), "--hspmd-global-batch", str(BATCH),
-                "--hspmd-redundancy", str(redundancy), *flags,
-                str(SCRIPTS / "elastic_train.py"), "--config", str(self.config),
-                "--steps", str(STEPS), "--global-batch", str(BATCH), "--seed", str(SEED),
-                "--data-seed", str(DATA_SEED), "--out", str(self.out),
-                "--pause-at", str(PAUSE), "--release", str(self.release), "--timeout", "30"]
-        self.agents[node] = Launcher(args, self.env, self.tmp, node)
-        return self.agents[node]
-
-    def paused(self, devices: list[str], timeout: float = 60.0) -> dict[str, int]:
-        """Wait until ``devices`` report step PAUSE (where they wait); their pids."""
-        prefix = schema.workers_prefix(self.name)
-
-        def ready():
-            for node, agent in self.agents.items():
-                assert agent.proc.poll() is None, f"{node} exited early:\n{agent.stderr()}"
-            recs = {kv.key[len(prefix):].replace("/", ":"): schema.decode(kv.key, kv.value)
-                    for kv in self.client.get_prefix(prefix)}
-            if all(d in recs and recs[d].step >= PAUSE for d in devices):
-                return {d: recs[d].pid for d in devices}
-            return None
-
-        return wait_for(ready, timeout, f"{devices} at step {PAUSE}")
-
-    def plans(self) -> dict[int, tuple]:
-        """Every published plan: version -> (Plan, device ids)."""
-        out = {}
-        for kv in self.client.get_prefix(schema.plan_history_prefix(self.name)):
-            rec = schema.decode(kv.key, kv.value)
-            out[rec.version] = (plan_of(rec), list(rec.devices))
-        return out
-
-    def results(self) -> dict[str, dict]:
-        import torch
-
-        return {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
-                for p in sorted(self.out.glob("*.pt"))}
-
-    def close(self) -> None:
-        for agent in self.agents.values():
-            if agent.proc.poll() is None:
-                agent.proc.kill()
-                agent.proc.wait(timeout=10)
-        self.client.close()
-
-
 @pytest.fixture
 def job(etcd_server, tmp_path, marker):
-    j = Job(etcd_server, tmp_path, marker)
-    yield j
-    j.close()
+    with ElasticLaunchJob(etcd_server, tmp_path, marker, prefix="hs", redundancy=2) as j:
+        yield j
 
 
 def specialization(plan) -> list:
@@ -125,32 +52,6 @@ def roles(plan, devices: list[str]) -> dict[str, tuple]:
             for r, d in enumerate(s.devices)}
 
 
-def check_replicas_and_reference(results: dict[str, dict]) -> float:
-    """Every element of every parameter is held (no NaN), every DP replica holds the same
-    values, and they equal the fault-free reference; the largest difference from it."""
-    import torch
-
-    from hspmd_elastic.graph.config import param_specs
-
-    full = _elastic.assemble(list(results.values()), REFERENCE)
-    ref = _elastic.reference_params(REFERENCE)
-    assert set(full) == set(ref) == set(param_specs(CONFIG))
-    for name, tensor in full.items():
-        missing = int(torch.isnan(tensor).sum())
-        assert not missing, f"{name}: {missing} element(s) held by no rank"
-        for dev, res in results.items():
-            if name in res["final_state"]:
-                ranges, part = res["final_state"][name]
-                mine = part.to(torch.float64)
-                held = tensor[tuple(slice(lo, hi) for lo, hi in ranges)]
-                gap = float((mine - held).abs().max())
-                assert gap <= 1e-12, f"{name}: {dev}'s replica differs by {gap:g}"
-    diffs = {n: float((full[n] - ref[n].to(torch.float64)).abs().max()) for n in ref}
-    worst = max(diffs, key=diffs.get)
-    assert all(d <= 1e-9 for d in diffs.values()), f"{worst}: {diffs[worst]:g} from the reference"
-    return diffs[worst]
-
-
 def test_a_worker_kill_reshards_into_a_differently_specialized_plan(job):
     """One node, 5 workers declared at 200 KiB (one replica needs about 235 KiB): plan v1 shards
     the model (TP and/or PP) over two replicas; SIGKILLing node-a:4 forces a plan with another
@@ -158,15 +59,14 @@ def test_a_worker_kill_reshards_into_a_differently_specialized_plan(job):
     replica ends equal, and the result equals the fault-free reference."""
     job.start("node-a", 5, "--hspmd-device-memory", "200KiB", nnodes=1, redundancy=1)
     devices = [f"node-a:{i}" for i in range(5)]
-    pids = job.paused(devices)
+    pids = job.wait_paused(devices)
     v1, names1 = job.plans()[1]
     assert any(s.tp > 1 for p in v1.pipelines for s in p.stages) or \
         any(len(p.stages) > 1 for p in v1.pipelines), v1
     victim = "node-a:4"
     os.kill(pids[victim], signal.SIGKILL)
     job.release.touch()
-    code = job.agents["node-a"].wait(60)
-    assert code == 0, job.agents["node-a"].stderr()[-6000:]
+    job.finish()
     plans = job.plans()
     last = max(plans)
     v2, names2 = plans[last]
@@ -174,7 +74,7 @@ def test_a_worker_kill_reshards_into_a_differently_specialized_plan(job):
     assert specialization(v2) != specialization(v1), (v1, v2)
     before, after = roles(v1, names1), roles(v2, names2)
     assert any(before[d] != after[d] for d in after), (before, after)
-    events = read_events(job.client, job.name)
+    events = job.events()
     done = [e for e in events if e.type == "switch-done"
             and e.detail.get("plan_version") == last]
     assert done and done[0].timings["bsr_bytes_total"] > 0, [(e.type, e.detail) for e in events]
@@ -186,7 +86,7 @@ def test_a_worker_kill_reshards_into_a_differently_specialized_plan(job):
         assert res["pid"] == pids[dev], f"{dev} was restarted"
         assert all(s["source"] in ("init", "bsr") for s in res["switches"]), res["switches"]
     assert len(v2.pipelines) >= 2, v2  # replicas to compare
-    diff = check_replicas_and_reference(results)
+    diff = job.assert_replicas_match_reference(results)
     print(f"v1 {specialization(v1)} -> v{last} {specialization(v2)}: "
           f"{int(done[0].timings['bsr_bytes_total'])} B moved, max diff {diff:.1e}")
 
@@ -197,9 +97,7 @@ def test_no_plan_keeps_the_redundancy_the_job_fails_naming_the_shortfall(job):
     and both agents exit 1 with one line naming the shortfall."""
     for node in NODES:
         job.start(node, 1, "--hspmd-device-memory", "200KiB")
-    codes = {n: a.wait(60) for n, a in job.agents.items()}
-    assert codes == {"node-a": 1, "node-b": 1}, {n: a.stderr()[-3000:]
-                                                for n, a in job.agents.items()}
+    job.finish(code=1)
     for node, agent in job.agents.items():
         lines = [ln for ln in agent.stderr().splitlines()
                  if ln.startswith("hspmd-launch: error:")]
@@ -220,7 +118,7 @@ def test_a_suspect_gpu_is_drained_its_state_leaves_by_network_then_it_is_release
     job.start("node-a", 3, "--hspmd-device-memory", MEMORY, "--hspmd-health-source",
               "scripted:etcd", nnodes=1, redundancy=1)
     devices = [f"node-a:{i}" for i in range(3)]
-    pids = job.paused(devices)
+    pids = job.wait_paused(devices)
     assert sorted(job.plans()[1][1]) == devices
     suspect = "node-a:2"
     job.client.put(schema.fault_script_key(job.name, "node-a"), encode_fault_script(
@@ -237,9 +135,8 @@ def test_a_suspect_gpu_is_drained_its_state_leaves_by_network_then_it_is_release
         schema.plan_history_key(job.name, version)).value)
     assert suspect not in names and rec.drain == [suspect], rec
     job.release.touch()
-    code = job.agents["node-a"].wait(60)
-    assert code == 0, job.agents["node-a"].stderr()[-6000:]
-    events = read_events(job.client, job.name)
+    job.finish()
+    events = job.events()
     drained = [e for e in events if e.type == "drained"]
     assert [e.detail["device"] for e in drained] == [suspect], [(e.type, e.detail)
                                                                 for e in events]
@@ -256,6 +153,6 @@ def test_a_suspect_gpu_is_drained_its_state_leaves_by_network_then_it_is_release
         assert res["switches"][-1]["source"] == "bsr"
     received = sum(r["switches"][-1]["bsr_bytes_received"] for r in results.values())
     assert received >= sent
-    diff = check_replicas_and_reference(results)
+    diff = job.assert_replicas_match_reference(results)
     print(f"drained {suspect}: sent {int(sent)} B by BSR; max diff {diff:.1e}")
 

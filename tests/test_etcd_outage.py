@@ -18,7 +18,9 @@ import uuid
 import pytest
 
 from _clock import FakeClock
-from launch_harness import SCRIPTS, Launcher, base_env, wait_for
+from _elastic_job import write_tiny
+from _wait import wait_for
+from launch_harness import SCRIPTS, Launcher, base_env
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.client import EtcdClient
@@ -163,12 +165,8 @@ def test_an_outage_past_the_limit_ends_the_agent_with_one_line(tmp_path, marker,
 @pytest.mark.timeout(120)
 def test_elastic_mode_past_the_outage_limit_ends_with_one_line_and_no_worker_left(
         tmp_path, marker, etcd_server):
-    from hspmd_elastic.graph.config import ModelConfig
-
     job = f"out-{uuid.uuid4().hex[:8]}"
-    config = tmp_path / "model.json"
-    config.write_text(ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2,
-                                  ffn_size=32, seq_len=8, dtype="float64").to_json())
+    config = write_tiny(tmp_path / "model.json")
     agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
                       "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
                       "--hspmd-node-id", "solo", "--hspmd-lease-ttl", str(TTL),

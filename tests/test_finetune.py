@@ -29,7 +29,8 @@ import uuid
 import pytest
 import torch
 
-from launch_harness import REPO, SCRIPTS, Launcher, base_env, wait_for
+from _wait import wait_for
+from launch_harness import REPO, SCRIPTS, Launcher, base_env
 from test_hf import VOCAB, float64_peer, hf_logits, tiny_llama, train_peer
 
 from hspmd_elastic.coord import read_events, schema

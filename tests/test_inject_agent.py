@@ -15,13 +15,12 @@ from launch_harness import (
     Launcher,
     base_env,
     pid_alive,
-    wait_for,
 )
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import EventType
 from hspmd_elastic.coord.client import EtcdClient
-from _wait import Recorder
+from _wait import Recorder, wait_for
 from hspmd_elastic.coord.watch import PrefixWatch
 from launcher.inject.api import NOT_DETECTED
 from launcher.inject.detect import JobObserver

@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launch_harness import SCRIPTS, Launcher, base_env, run_launch, wait_for
+from _wait import wait_for
+from launch_harness import SCRIPTS, Launcher, base_env, run_launch
 
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.inject.api import NOT_INJECTED, NOT_RECOVERED, SURVIVED, NotOwnedError

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from hspmd_elastic.contract.progress import WorkerProgress, write_progress
 from hspmd_elastic.coord.schema import EventRecord
 from launcher.inject.api import (
     NOT_DETECTED,
@@ -172,13 +173,12 @@ def test_file_progress_reads_appended_lines_and_rewritten_objects(tmp_path):
     with open(lines, "a") as fh:  # the line being written is completed
         fh.write('ep": 2, "t": 6.0}\n')
     assert [p.step for p in source.poll()] == [1, 2]
-    latest = tmp_path / "latest.json"  # HSPMD_PROGRESS_FILE: one object, replaced by rename
+    latest = tmp_path / "latest.json"  # HSPMD_PROGRESS_FILE: one report, replaced by rename
     runtime = FileProgress(str(latest))
     for step in (3, 4):
-        tmp = tmp_path / "latest.tmp"
-        tmp.write_text(f'{{"global_rank": 1, "plan_version": 2, "step": {step}, '
-                       f'"last_progress_at": {step}.5}}')
-        tmp.replace(latest)
+        write_progress(str(latest), WorkerProgress(pid=9, global_rank=1, local_rank=0,
+                                                   plan_version=2, step=step,
+                                                   last_progress_at=step + 0.5, steps_per_s=1.0))
         runtime.poll()
     assert runtime.poll() == [ProgressPoint(1, 2, 3, 3.5), ProgressPoint(1, 2, 4, 4.5)]
     assert default_progress(None) is None

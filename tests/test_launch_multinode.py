@@ -16,8 +16,8 @@ from launch_harness import (
     base_env,
     pid_alive,
     read_json_files,
-    wait_for,
 )
+from _wait import wait_for
 
 from hspmd_elastic.coord import schema
 from launcher.standalone import free_ports

@@ -18,8 +18,8 @@ from launch_harness import (
     pid_alive,
     read_json_files,
     run_launch,
-    wait_for,
 )
+from _wait import wait_for
 
 pytestmark = pytest.mark.multiproc
 

@@ -117,15 +117,15 @@ def cluster(etcd_server):
     c.close()
 
 
-def _ticks_then(leader: Leader, state: LeaderState, timeout: float = WAIT) -> bool:
-    return wait_for(lambda: leader.state is state, timeout)
+def _ticks_then(leader: Leader, state: LeaderState, timeout: float = WAIT) -> None:
+    wait_for(lambda: leader.state is state, timeout, f"the leader {state.name}")
 
 
 # ------------------------------------------------------------------------------------------------
 def test_initial_plan_once_all_expected_nodes_are_there(cluster):
     a = cluster.agent("a").up()
     leader = a.lead(min_nodes=2)
-    assert _ticks_then(leader, LeaderState.WATCHING)
+    _ticks_then(leader, LeaderState.WATCHING)
     assert leader.pending is None and read_plan(cluster.client, JOB)[0] is None
     cluster.agent("b").up()
     v1 = cluster.wait_plan(1)
@@ -134,8 +134,8 @@ def test_initial_plan_once_all_expected_nodes_are_there(cluster):
     assert v1.inventory == {d: 1.0 for d in v1.devices}
     assert sorted(d for p in v1.strategy["pipelines"] for s in p["stages"]
                   for d in s["devices"]) == [0, 1, 2, 3]
-    assert wait_for(lambda: [e.type for e in cluster.events()] == ["join", "join", "replan"],
-                    WAIT)
+    wait_for(lambda: [e.type for e in cluster.events()] == ["join", "join", "replan"],
+             WAIT, "the events join, join, replan")
     replan = cluster.events()[-1]
     assert replan.node == "a" and replan.detail["version"] == 1
     assert replan.detail["planner"] == "plan_for"
@@ -161,7 +161,8 @@ def test_lease_expiry_replans_without_the_node(cluster):
     b.crash()
     v2 = cluster.wait_plan(2)
     assert v2.devices == ["a:0", "a:1"] and v2.reason == "leave b"
-    assert wait_for(lambda: [e.type for e in cluster.events()][-2:] == ["leave", "replan"], WAIT)
+    wait_for(lambda: [e.type for e in cluster.events()][-2:] == ["leave", "replan"],
+             WAIT, "the events leave, replan")
     leave = cluster.events()[-2]
     assert leave.node == "b" and leave.detail["devices"] == ["b:0", "b:1"]
     assert cluster.versions() == [1, 2]
@@ -177,22 +178,25 @@ def test_a_replan_waits_while_held_and_is_decided_again_after(cluster):
     b = cluster.agent("b").up()
     leader = a.lead(min_nodes=2, hold=held.is_set)
     # The first plan is held back as well: the hold is about any replan.
-    assert wait_for(lambda: leader.state is LeaderState.DEBOUNCING and leader._held, WAIT)
+    wait_for(lambda: leader.state is LeaderState.DEBOUNCING and leader._held,
+             WAIT, "the first plan held while debouncing")
     held.clear()
     cluster.wait_plan(1)
     held.set()
     cluster.client.delete(schema.node_key(JOB, "b"))  # as if b's lease expired in an outage
-    assert wait_for(lambda: leader.pending is not None and leader._held, WAIT)
+    wait_for(lambda: leader.pending is not None and leader._held,
+             WAIT, "b's leave pending and held")
     assert leader.pending.reason == "leave b"
     b.up()  # b's agent re-creates its record under its lease
-    assert wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT)
+    wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT, "the leader watching again")
     held.clear()
     leader.poke()
-    assert wait_for(lambda: leader.state is LeaderState.WATCHING and leader.pending is None,
-                    WAIT)
+    wait_for(lambda: leader.state is LeaderState.WATCHING and leader.pending is None,
+             WAIT, "the leader watching with nothing pending")
     held.set()
     cluster.client.delete(schema.node_key(JOB, "b"))
-    assert wait_for(lambda: leader.pending is not None and leader._held, WAIT)
+    wait_for(lambda: leader.pending is not None and leader._held,
+             WAIT, "b's leave pending and held")
     assert read_plan(cluster.client, JOB)[0].version == 1
     held.clear()  # b stayed gone: now it is a node that left
     v2 = cluster.wait_plan(2)
@@ -223,8 +227,9 @@ def test_failed_verdict_is_excluded_and_degraded_reaches_the_planner(cluster):
     assert len(slow) == 1 and slow[0].slowdown == 2.0
     assert [d.usable for d in inventories[1].devices] == [True, False, True, True]  # a:1 lost
     assert len(inventories[-1].devices) == 3  # a:1 is in neither v2 nor the cluster
-    assert wait_for(lambda: [e.type for e in cluster.events()] == [
-        "join", "join", "replan", "failure", "replan", "degrade", "replan"], WAIT)
+    wait_for(lambda: [e.type for e in cluster.events()] == [
+        "join", "join", "replan", "failure", "replan", "degrade", "replan"], WAIT,
+        "the failure, degrade and replan events")
 
 
 def test_a_join_gives_a_bigger_plan(cluster):
@@ -234,8 +239,8 @@ def test_a_join_gives_a_bigger_plan(cluster):
     cluster.agent("c", slots=3).up()
     v2 = cluster.wait_plan(2)
     assert v2.devices == ["a:0", "a:1", "c:0", "c:1", "c:2"] and v2.reason == "join c"
-    assert wait_for(lambda: any(e.type == "join" and e.node == "c" for e in cluster.events()),
-                    WAIT)
+    wait_for(lambda: any(e.type == "join" and e.node == "c" for e in cluster.events()),
+             WAIT, "c's join event")
 
 
 def test_two_failures_in_quick_succession_make_one_publication(cluster):
@@ -243,26 +248,28 @@ def test_two_failures_in_quick_succession_make_one_publication(cluster):
     a = cluster.agent("a", slots=3).up()
     b = cluster.agent("b", slots=3).up()
     leader = a.lead(debounce_s=1.0, clock=clock, min_nodes=2, max_debounce_s=5.0)
-    assert wait_for(lambda: leader.state is LeaderState.DEBOUNCING, WAIT)
+    wait_for(lambda: leader.state is LeaderState.DEBOUNCING, WAIT, "the leader debouncing")
     clock.advance(1.5)
     leader.poke()
     cluster.wait_plan(1)
-    assert wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT)
+    wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT, "the leader watching")
     a.verdict(2, "failed", "ecc")
-    assert wait_for(lambda: leader.pending is not None and "a:2" in leader.pending.reason, WAIT)
+    wait_for(lambda: leader.pending is not None and "a:2" in leader.pending.reason,
+             WAIT, "a:2's failure pending")
     clock.advance(0.5)  # within the window: the second failure restarts it
     b.verdict(0, "failed", "Xid 48")
-    assert wait_for(lambda: leader.pending is not None and "b:0" in leader.pending.reason, WAIT)
+    wait_for(lambda: leader.pending is not None and "b:0" in leader.pending.reason,
+             WAIT, "b:0's failure pending")
     clock.advance(0.6)  # 1.1s since the first, 0.6s since the second: still waiting
     leader.poke()
-    assert wait_for(lambda: leader.state is LeaderState.DEBOUNCING, WAIT)
+    wait_for(lambda: leader.state is LeaderState.DEBOUNCING, WAIT, "the leader debouncing")
     assert read_plan(cluster.client, JOB)[0].version == 1
     clock.advance(0.5)
     leader.poke()
     v2 = cluster.wait_plan(2)
     assert v2.devices == ["a:0", "a:1", "b:1", "b:2"]
     assert v2.reason == "failure a:2: ecc; failure b:0: Xid 48"
-    assert wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT)
+    wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT, "the leader watching")
     replan = [e for e in cluster.events() if e.type == "replan"][-1]
     assert replan.timings["detect_to_publish_s"] == pytest.approx(1.6)
     history = cluster.client.get_prefix(schema.plan_history_prefix(JOB))
@@ -274,15 +281,15 @@ def test_a_storm_stops_at_the_debounce_bound_and_versions_stay_consecutive(clust
     clock = FakeClock(1000.0)
     a = cluster.agent("a", slots=4).up()
     leader = a.lead(debounce_s=1.0, clock=clock, max_debounce_s=2.0)
-    assert wait_for(lambda: leader.state is LeaderState.DEBOUNCING, WAIT)
+    wait_for(lambda: leader.state is LeaderState.DEBOUNCING, WAIT, "the leader debouncing")
     clock.advance(1.0)
     leader.poke()
     cluster.wait_plan(1)
-    assert wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT)
+    wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT, "the leader watching")
     for i in (0, 1, 2):  # a failure every 0.8 s keeps the window open until the bound
         a.verdict(i, "failed", f"ecc {i}")
-        assert wait_for(lambda i=i: leader.pending is not None
-                        and f"a:{i}" in leader.pending.reason, WAIT)
+        wait_for(lambda i=i: leader.pending is not None
+                 and f"a:{i}" in leader.pending.reason, WAIT, f"a:{i}'s failure pending")
         clock.advance(0.8)
         leader.poke()
     v2 = cluster.wait_plan(2)
@@ -306,12 +313,13 @@ def test_a_publication_that_loses_a_race_re_reads_and_converges(cluster):
     a = cluster.agent("a").up()
     leader = a.lead(planner_fn=racing_planner)
     cluster.wait_plan(1)
-    assert wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT)
+    wait_for(lambda: leader.state is LeaderState.WATCHING, WAIT, "the leader watching")
     raced["armed"] = True
     a.verdict(1, "failed", "ecc")
     v3 = cluster.wait_plan(3)
     assert v3.devices == ["a:0"] and v3.reason == "failure a:1: ecc"
-    assert wait_for(lambda: [p.version for p in leader.publications] == [1, 3], WAIT)
+    wait_for(lambda: [p.version for p in leader.publications] == [1, 3],
+             WAIT, "publications v1 and v3")
     assert Outcome.CONFLICT in leader.outcomes
     assert cluster.versions() == [1, 2, 3]
 
@@ -344,10 +352,11 @@ def test_a_deposed_leaders_publish_is_rejected(cluster):
         cluster.client.revoke(a_leader_session.lease_id)  # a's term ends under it
         v2 = cluster.wait_plan(2)
         assert v2.devices == ["a:0", "a:1", "b:0"]
-        assert wait_for(lambda: [p.version for p in b.publications] == [2], WAIT)
+        wait_for(lambda: [p.version for p in b.publications] == [2], WAIT, "b's publication of v2")
         gate.set()
-        assert wait_for(lambda: Outcome.DEPOSED in a.outcomes, WAIT), a.outcomes
-        assert wait_for(lambda: a.state is LeaderState.FOLLOWER, WAIT)
+        wait_for(lambda: Outcome.DEPOSED in a.outcomes,
+                 WAIT, lambda: f"a deposed (outcomes: {a.outcomes})")
+        wait_for(lambda: a.state is LeaderState.FOLLOWER, WAIT, "a to follow")
         assert [p.version for p in a.publications] == [1]
         assert read_plan(cluster.client, JOB)[0].reason == v2.reason == "failure b:1: ecc"
         assert cluster.versions() == [1, 2]
@@ -365,16 +374,17 @@ def test_the_leaders_agent_dies_mid_replan_and_another_takes_over(etcd_cluster3)
         b = cluster.agent("b").up()
         held = FakeClock(1000.0)  # a's debounce clock: never advanced once v1 is out
         leader_a = a.lead(debounce_s=0.5, clock=held, min_nodes=2)
-        assert wait_for(lambda: leader_a.state is LeaderState.DEBOUNCING, WAIT)
+        wait_for(lambda: leader_a.state is LeaderState.DEBOUNCING, WAIT, "leader a debouncing")
         held.advance(1.0)
         leader_a.poke()
         v1 = cluster.wait_plan(1)
         assert v1.devices == ["a:0", "a:1", "b:0", "b:1"] and v1.store_endpoint.endswith(":29097")
         leader_b = b.lead(debounce_s=0.1, min_nodes=2)
-        assert wait_for(lambda: leader_a.state is LeaderState.WATCHING, WAIT)
+        wait_for(lambda: leader_a.state is LeaderState.WATCHING, WAIT, "leader a watching")
 
         b.verdict(1, "failed", "ecc")
-        assert wait_for(lambda: leader_a.pending is not None, WAIT)  # a is mid-replan
+        # a is mid-replan:
+        wait_for(lambda: leader_a.pending is not None, WAIT, "leader a's replan pending")
         used = a.client.current_endpoint
         a.crash()
         next(m for m in etcd_cluster3.members if m.endpoint == used).kill()
@@ -383,12 +393,13 @@ def test_the_leaders_agent_dies_mid_replan_and_another_takes_over(etcd_cluster3)
         assert v2.devices == ["b:0"]
         assert v2.reason == "leave a; failure b:1: ecc; store 127.0.0.1:29097 -> 127.0.0.1:29098"
         assert v2.store_endpoint.endswith(":29098")  # a's store died with it
-        assert wait_for(lambda: [p.version for p in leader_b.publications] == [2], WAIT)
+        wait_for(lambda: [p.version for p in leader_b.publications] == [2],
+                 WAIT, "b's publication of v2")
         assert [p.version for p in leader_a.publications] == [1]
         assert Outcome.PUBLISHED not in leader_a.outcomes[1:]
         assert leader_a.state is LeaderState.FOLLOWER
         assert cluster.versions() == [1, 2]
-        assert wait_for(lambda: [e.type for e in cluster.events()][-3:] ==
-                        ["leave", "failure", "replan"], WAIT)
+        wait_for(lambda: [e.type for e in cluster.events()][-3:] ==
+                 ["leave", "failure", "replan"], WAIT, "the events leave, failure, replan")
     finally:
         cluster.close()

@@ -15,7 +15,7 @@ import pytest
 from hspmd_elastic.coord import EtcdClient, LeasedSession, read_events, read_plan, schema
 from _wait import wait_for
 from hspmd_elastic.planner import ModelProfile, plan_for
-from hspmd_elastic.coord.contract import read_progress
+from hspmd_elastic.contract.progress import read_progress
 from launcher.node.devices import device_table
 from launcher.node.elastic_node import ElasticNode
 from launcher.node.elastic_workers import ElasticWorkers, new_local_ranks, plan_rank
@@ -168,7 +168,8 @@ def test_elastic_workers_start_new_slots_only_and_report_each_exit_once(tmp_path
         assert started[1].env["LOCAL_RANK"] == "1" and started[1].global_rank == 1
         assert started[1].env["HSPMD_PROGRESS_FILE"] == workers.progress_file(1)
         exits = []
-        assert wait_for(lambda: exits.extend(workers.poll()) or len(exits) == 2, WAIT)
+        wait_for(lambda: exits.extend(workers.poll()) or len(exits) == 2, WAIT,
+                 "two workers' exits")
         assert sorted((e.local_rank, e.exitcode) for e in exits) == [(1, 3), (3, 0)]
         assert workers.poll() == []
         survivor = workers.running()[0]
@@ -185,7 +186,7 @@ def test_elastic_workers_start_new_slots_only_and_report_each_exit_once(tmp_path
 # interpreter's teardown after leaving would).
 EXCLUDED_WORKER = (
     "import os, signal, time\n"
-    "from hspmd_elastic.coord.contract import WorkerProgress, write_progress\n"
+    "from hspmd_elastic.contract.progress import WorkerProgress, write_progress\n"
     "write_progress(os.environ['HSPMD_PROGRESS_FILE'], WorkerProgress(\n"
     "    pid=os.getpid(), global_rank=0, local_rank=int(os.environ['LOCAL_RANK']),\n"
     "    plan_version=int(os.environ['HSPMD_PLAN_VERSION']), step=2,\n"
@@ -203,8 +204,8 @@ def test_a_worker_that_left_an_excluding_plan_is_no_failure_and_its_slot_comes_b
     try:
         node.start()
         client.put(schema.plan_current_key(JOB), plan(1, ["n:0"]).to_json())
-        assert wait_for(lambda: node.tick() or (node.plan_version == 1
-                                                and workers.exits), WAIT, 0.05)
+        wait_for(lambda: node.tick() or (node.plan_version == 1 and workers.exits), WAIT,
+                 "plan v1 applied and its worker's exit", interval=0.05)
         ex, _, final = workers.exits[0]
         assert (ex.signal, final) == (signal.SIGABRT, "excluded")
         node.tick()
@@ -214,7 +215,8 @@ def test_a_worker_that_left_an_excluding_plan_is_no_failure_and_its_slot_comes_b
         assert verdict is None or schema.decode(verdict.key, verdict.value).state == "healthy"
         # A later plan that uses the device again (a healed partition) starts a new worker.
         client.put(schema.plan_current_key(JOB), plan(2, ["n:0"]).to_json())
-        assert wait_for(lambda: node.tick() or len(workers.exits) == 2, WAIT, 0.05)
+        wait_for(lambda: node.tick() or len(workers.exits) == 2, WAIT, "the second worker's exit",
+                 interval=0.05)
         assert workers.exits[1][0].pid != ex.pid
     finally:
         node.stop(grace_s=2.0, timeout=3.0)
@@ -235,25 +237,27 @@ def test_a_node_runs_its_plan_and_reports_an_exit_and_a_hang(etcd_server, tmp_pa
     node = ElasticNode(client, session, JOB, "n", "127.0.0.1", device_table("n", 3), workers,
                        leader=leader, monitor=monitor, clock=mono, wall_clock=wall)
 
-    def ticked_until(predicate) -> bool:
-        return wait_for(lambda: node.tick() or predicate(), WAIT, interval=0.05)
+    def ticked_until(predicate, what: str) -> None:
+        wait_for(lambda: node.tick() or predicate(), WAIT, what, interval=0.05)
 
     try:
         node.start()
         rec = schema.decode(schema.node_key(JOB, "n"), client.get(schema.node_key(JOB, "n")).value)
         assert rec.store_endpoint == node.store.endpoint != "" and len(rec.devices) == 3
-        assert ticked_until(lambda: node.plan_version == 1)
+        ticked_until(lambda: node.plan_version == 1, "plan v1 applied")
         rec = schema.decode(schema.node_key(JOB, "n"), client.get(schema.node_key(JOB, "n")).value)
         assert rec.state == "running"
-        assert wait_for(lambda: node.tick() or 1 not in workers.running(), WAIT, 0.05)
+        wait_for(lambda: node.tick() or 1 not in workers.running(), WAIT, "worker 1's exit",
+                 interval=0.05)
         pids = workers.running()
         assert sorted(pids) == [0, 2]
 
-        assert ticked_until(lambda: (read_plan(client, JOB)[0] or plan(0, [])).version == 2)
+        ticked_until(lambda: (read_plan(client, JOB)[0] or plan(0, [])).version == 2,
+                     "plan v2 published")
         v2 = read_plan(client, JOB)[0]
         assert v2.devices == ["n:0", "n:2"] and v2.store_endpoint == node.store.endpoint
         assert v2.reason.startswith("failure n:1: worker pid ") and "code 3" in v2.reason
-        assert ticked_until(lambda: node.plan_version == 2)
+        ticked_until(lambda: node.plan_version == 2, "plan v2 applied")
         assert workers.running() == pids  # survivors were not restarted
         assert client.get(schema.worker_key(JOB, "n", 1)) is None
 
@@ -263,7 +267,7 @@ def test_a_node_runs_its_plan_and_reports_an_exit_and_a_hang(etcd_server, tmp_pa
                   "step": 1, "last_progress_at": wall.now, "steps_per_s": 1.0, "state": "training"}
         with open(workers.progress_file(2), "w") as f:
             json.dump(report, f)
-        assert ticked_until(lambda: read_plan(client, JOB)[0].version == 3)
+        ticked_until(lambda: read_plan(client, JOB)[0].version == 3, "plan v3 published")
         v3 = read_plan(client, JOB)[0]
         relayed = schema.decode(schema.worker_key(JOB, "n", 2),
                                 client.get(schema.worker_key(JOB, "n", 2)).value)
@@ -272,8 +276,8 @@ def test_a_node_runs_its_plan_and_reports_an_exit_and_a_hang(etcd_server, tmp_pa
         verdict = schema.decode(schema.device_key(JOB, "n", 0),
                                 client.get(schema.device_key(JOB, "n", 0)).value)
         assert verdict.state == "failed" and verdict.reason.startswith(STALL_PREFIX)
-        assert wait_for(lambda: [e.type for e in read_events(client, JOB)] == [
-            "join", "replan", "failure", "replan", "stall", "replan"], WAIT)
+        wait_for(lambda: [e.type for e in read_events(client, JOB)] == [
+            "join", "replan", "failure", "replan", "stall", "replan"], WAIT, "the six events")
         failure = read_events(client, JOB)[2]
         assert failure.detail["exitcode"] == 3 and failure.detail["device"] == "n:1"
         assert failure.detail["plan_version"] == 1 and failure.detail["signal"] is None

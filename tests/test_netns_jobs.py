@@ -13,17 +13,16 @@ from __future__ import annotations
 import pytest
 
 import _elastic
+from _elastic_job import TINY, elastic_argv, write_tiny
 from _netns import NetnsJob
 from launch_harness import SCRIPTS, base_env, read_json_files
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.plans import read_plan
-from hspmd_elastic.graph.config import ModelConfig
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
-CONFIG = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
-                     seq_len=8, dtype="float64")
+CONFIG = TINY
 STEPS, BATCH, SEED, DATA_SEED = 4, 4, 3, 7
 REFERENCE = _elastic.reference_payload(CONFIG, steps=STEPS, global_batch=BATCH, seed=SEED,
                                        data_seed=DATA_SEED)
@@ -52,13 +51,10 @@ def test_restart_mode_two_hosts_meet_over_their_own_addresses(netns, tmp_path, m
 
 def elastic_args(job: NetnsJob, node: str, out, *gates: str, nnodes: str = "2",
                  timeout: float = 30.0, extra: tuple = ()) -> list[str]:
-    config = job.topo.tmp / "model.json"
-    config.write_text(CONFIG.to_json())
-    args = job.args(node, nnodes, 1, "--hspmd-elastic", "--hspmd-model", str(config),
-                    "--hspmd-global-batch", str(BATCH), *extra,
-                    str(SCRIPTS / "elastic_train.py"), "--config", str(config),
-                    "--steps", str(STEPS), "--global-batch", str(BATCH), "--seed", str(SEED),
-                    "--data-seed", str(DATA_SEED), "--out", str(out), "--timeout", str(timeout))
+    config = write_tiny(job.topo.tmp / "model.json")
+    args = job.args(node, nnodes, 1, *elastic_argv(
+        config, BATCH, *extra, steps=STEPS, out=out, seed=SEED, data_seed=DATA_SEED,
+        train=("--timeout", str(timeout))))
     for g in gates:
         args += ["--gate", g]
     return args

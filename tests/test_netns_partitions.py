@@ -36,17 +36,16 @@ import time
 import pytest
 
 import _elastic
+from _elastic_job import TINY, elastic_argv, write_tiny
 from _netns import NetnsJob
+from _wait import wait_for
 from launch_harness import SCRIPTS, base_env
-from launch_harness import wait_for as wait_until
 
 from hspmd_elastic.coord.plans import read_plan
-from hspmd_elastic.graph.config import ModelConfig
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
-CONFIG = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
-                     seq_len=8, dtype="float64")
+CONFIG = TINY
 STEPS, BATCH, SEED, DATA_SEED, TTL = 6, 4, 3, 7, 2.0
 REFERENCE = _elastic.reference_payload(CONFIG, steps=STEPS, global_batch=BATCH, seed=SEED,
                                        data_seed=DATA_SEED)
@@ -54,14 +53,10 @@ REFERENCE = _elastic.reference_payload(CONFIG, steps=STEPS, global_batch=BATCH, 
 
 def elastic_args(job: NetnsJob, node: str, gates: dict[int, str], nnodes: str = "2",
                  comm_timeout: float = 10.0, timeout: float = 30.0) -> list[str]:
-    config = job.topo.tmp / "model.json"
-    config.write_text(CONFIG.to_json())
-    args = job.args(node, nnodes, 1, "--hspmd-elastic", "--hspmd-model", str(config),
-                    "--hspmd-global-batch", str(BATCH),
-                    str(SCRIPTS / "elastic_train.py"), "--config", str(config),
-                    "--steps", str(STEPS), "--global-batch", str(BATCH), "--seed", str(SEED),
-                    "--data-seed", str(DATA_SEED), "--out", str(job.topo.tmp / "out"),
-                    "--timeout", f"{timeout:g}", "--comm-timeout", f"{comm_timeout:g}")
+    config = write_tiny(job.topo.tmp / "model.json")
+    args = job.args(node, nnodes, 1, *elastic_argv(
+        config, BATCH, steps=STEPS, out=job.topo.tmp / "out", seed=SEED, data_seed=DATA_SEED,
+        train=("--timeout", f"{timeout:g}", "--comm-timeout", f"{comm_timeout:g}")))
     for step, path in gates.items():
         args += ["--gate", f"{step}:{path}"]
     return args
@@ -75,11 +70,11 @@ def at_step(job: NetnsJob, devices: list[str], step: int, timeout: float = 90.0)
             return {d: recs[d] for d in devices}
         return None
 
-    return wait_until(reached, timeout, f"{devices} at step {step}", interval=0.1)
+    return wait_for(reached, timeout, f"{devices} at step {step}", interval=0.1)
 
 
 def plan_where(job: NetnsJob, pred, newer_than: int):
-    """A poll for ``wait_until``: the current plan once it is newer than ``newer_than`` and
+    """A poll for ``wait_for``: the current plan once it is newer than ``newer_than`` and
     ``pred`` holds (the agents must still run)."""
     def check():
         job.check_agents()
@@ -142,8 +137,8 @@ def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the
     topo.cut(cut)  # control and data: etcd and the peer are both gone
     open(gates[2], "w").close()
 
-    away = wait_until(plan_where(job, lambda p: f"{cut}:0" not in p.devices, first.version), 30,
-                      f"a plan without {cut}", interval=0.05)
+    away = wait_for(plan_where(job, lambda p: f"{cut}:0" not in p.devices, first.version), 30,
+                    f"a plan without {cut}", interval=0.05)
     replan_s = away.created_at - cut_at
     print(f"leader's node cut off (TTL {TTL:g}s, debounce 1s): the new leader published after "
           f"{replan_s:.2f}s")
@@ -157,8 +152,8 @@ def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the
                               [PutOp(schema.plan_current_key(job.name), b"{}")])
     at_step(job, [f"{kept}:0"], 4)  # the survivor trains on in the same process, then waits
     topo.heal(cut)
-    back = wait_until(plan_where(job, lambda p: f"{cut}:0" in p.devices, away.version), 90,
-                      f"a plan with {cut} again", interval=0.05)
+    back = wait_for(plan_where(job, lambda p: f"{cut}:0" in p.devices, away.version), 90,
+                    f"a plan with {cut} again", interval=0.05)
     open(gates[4], "w").close()
     job.finish(90)
     res = results(job)
@@ -199,16 +194,16 @@ def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(n
         topo.cut("node-c", "data")  # etcd stays reachable: node-c keeps its lease
         open(gates[2], "w").close()
 
-        away = wait_until(plan_where(job, lambda p: "node-c:0" not in p.devices, first.version),
-                          60, "a plan without node-c", interval=0.05)
+        away = wait_for(plan_where(job, lambda p: "node-c:0" not in p.devices, first.version),
+                        60, "a plan without node-c", interval=0.05)
         replan_s = away.created_at - cut_at
         print(f"data link cut: replanned away after {replan_s:.2f}s "
               f"(collective timeout {comm_timeout:g}s)")
         assert replan_s < comm_timeout + 15, replan_s  # generous: timing is in benchmarks
         assert sorted(away.devices) == ["node-a:0", "node-b:0"]
-        replan = wait_until(lambda: [e for e in job.events() if e.type == "replan"
-                                     and e.detail["version"] == away.version], 10,
-                            "the replan's journal")
+        replan = wait_for(lambda: [e for e in job.events() if e.type == "replan"
+                                   and e.detail["version"] == away.version], 10,
+                          "the replan's journal")
         assert replan[0].detail["changes"][0].startswith("unreachable node-c:0: unreachable "
                                                          "over the data network from node-a, "
                                                          "node-b"), replan[0].detail
@@ -216,8 +211,8 @@ def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(n
         assert changes == [("unreachable", "node-c")], changes
         at_step(job, ["node-a:0", "node-b:0"], 4)  # the survivors trained on, then wait
         topo.heal("node-c", "data")
-        back = wait_until(plan_where(job, lambda p: "node-c:0" in p.devices, away.version), 60,
-                          "a plan with node-c again", interval=0.05)
+        back = wait_for(plan_where(job, lambda p: "node-c:0" in p.devices, away.version), 60,
+                        "a plan with node-c again", interval=0.05)
         open(gates[4], "w").close()
         job.finish(90)
         res = results(job)
@@ -343,8 +338,8 @@ def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_h
             return [ln for ln in lines() if pred(ln)] or None
         return check
 
-    both = wait_until(reached(lambda ln: ln["rank"] == 1 and ln["step"] >= 3), 90,
-                      "both nodes training", interval=0.1)
+    both = wait_for(reached(lambda ln: ln["rank"] == 1 and ln["step"] >= 3), 90,
+                    "both nodes training", interval=0.1)
     r0 = both[0]["round"]
     cut_at = time.time()
     topo.cut("node-b")
@@ -354,23 +349,23 @@ def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_h
         st = schema.decode(kv.key, kv.value) if kv is not None else None
         return st if st is not None and st.round > r0 and st.state == "closed" else None
 
-    closed = wait_until(round_without_b, 60, "a round without node-b", interval=0.05)
+    closed = wait_for(round_without_b, 60, "a round without node-b", interval=0.05)
     assert [p.node for p in closed.participants] == ["node-a"], closed
     r1 = closed.round
-    first = wait_until(reached(lambda ln: ln["round"] == r1), 60, "training in that round",
-                       interval=0.05)
+    first = wait_for(reached(lambda ln: ln["round"] == r1), 60, "training in that round",
+                     interval=0.05)
     print(f"restart mode, node cut off (TTL {TTL:g}s): round {r1} without it closed "
           f"{closed.at - cut_at:.2f}s after the cut, first step {first[0]['t'] - cut_at:.2f}s")
     assert closed.at - cut_at < 4 * TTL + 10  # generous: timing belongs in benchmarks
     assert all(ln["rank"] == 0 for ln in lines() if ln["round"] == r1)  # without node-b
     # The cut node's agent must have seen the outage (an etcd call that failed, not one still
     # blocked in its timeout) before the heal, or the heal would hide it.
-    wait_until(lambda: "etcd unreachable, workers keep running" in
-               job.agents["node-b"].stderr(), 60, "node-b's agent seeing the outage",
-               interval=0.1)
+    wait_for(lambda: "etcd unreachable, workers keep running" in
+             job.agents["node-b"].stderr(), 60, "node-b's agent seeing the outage",
+             interval=0.1)
     topo.heal("node-b")
-    wait_until(reached(lambda ln: ln["round"] > r1 and ln["rank"] == 1), 90,
-               "node-b back in a later round", interval=0.1)
+    wait_for(reached(lambda ln: ln["round"] > r1 and ln["rank"] == 1), 90,
+             "node-b back in a later round", interval=0.1)
     job.finish(120)
     late = [ln for ln in lines() if ln["round"] == r0 and ln["t"] > cut_at + 0.5]
     assert not late, late  # the cut node's worker completed no step after the cut

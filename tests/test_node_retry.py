@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hspmd_elastic.coord.contract import WorkerProgress
+from hspmd_elastic.contract.progress import WorkerProgress
 from launcher.node.retry import StuckSwitches, retry_after_s
 
 

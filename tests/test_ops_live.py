@@ -34,8 +34,8 @@ from launch_harness import (
     SCRIPTS,
     Launcher,
     base_env,
-    wait_for,
 )
+from _wait import wait_for
 
 from hspmd_elastic.coord import EtcdClient, append_event, schema
 from hspmd_elastic.plan import simple_plan

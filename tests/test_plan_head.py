@@ -110,7 +110,7 @@ def test_an_agent_follows_the_head_through_its_watch(etcd_server, tmp_path):
         def seen(version: int) -> bool:
             node.tick()
             return node.plan_version == version
-        assert wait_for(lambda: seen(1), WAIT)
+        wait_for(lambda: seen(1), WAIT, "plan v1 applied")
         assert node.slot_plan == [1] and node.plan_nodes == {"m", "n"}
         assert node.records[1].global_rank == 1 and sorted(workers.running()) == [1]
         ack = client.get(schema.switch_ack_key(JOB, 1, "n"))
@@ -118,7 +118,7 @@ def test_an_agent_follows_the_head_through_its_watch(etcd_server, tmp_path):
 
         rev = client.get(schema.plan_current_key(JOB)).mod_revision
         publish_plan(election, _plan(2, ["m:0", "n:1", "n:0"]), rev, 1)
-        assert wait_for(lambda: seen(2), WAIT)
+        wait_for(lambda: seen(2), WAIT, "plan v2 applied")
         assert node.slot_plan == [0, 1] and node.records[0].global_rank == 2
         assert sorted(workers.running()) == [0, 1]  # the survivor kept, slot 0 added
     finally:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from hspmd_elastic.graph.config import ModelConfig
+from _elastic_job import TINY
+
 from hspmd_elastic.plan import Pipeline, Plan, Stage
 from hspmd_elastic.planner import (BUILTIN_SPECS, Device, Inventory, PlannerError,
                                    PlannerOptions, RedundancyError, estimate_plan, fmt_bytes,
@@ -32,8 +33,7 @@ pytestmark = pytest.mark.timeout(60)
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "sleeper.py")
 
-CONFIG = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
-                     seq_len=8, dtype="float64")
+CONFIG = TINY
 PROFILE = profile_from_config(CONFIG)
 KiB = 1 << 10
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from _wait import wait_for
+from _wait import never, wait_for
 from launcher.node.reach import ReachProbe, split_endpoint
 
 pytestmark = pytest.mark.timeout(30)
@@ -34,16 +34,16 @@ def test_unreachable_peers_are_reported_while_armed_and_until_they_answer_again(
         probe.update(False, peers)
         assert probe.rounds == 0 and probe.unreachable() == frozenset()  # not armed: silent
         probe.update(True, peers)
-        assert wait_for(lambda: probe.unreachable() == {"c"}, 10)
+        wait_for(lambda: probe.unreachable() == {"c"}, 10, "c unreachable")
         probe.update(False, peers)  # the worker got a plan: only c is still probed
         rounds = probe.rounds
-        assert wait_for(lambda: probe.rounds >= rounds + 3, 10)
+        wait_for(lambda: probe.rounds >= rounds + 3, 10, "three more probe rounds")
         assert probe.unreachable() == {"c"}
         healed = listener(dead_port)  # the link is back
         try:
-            assert wait_for(lambda: probe.unreachable() == frozenset(), 10)
+            wait_for(lambda: probe.unreachable() == frozenset(), 10, "every peer reachable")
             rounds = probe.rounds
-            assert not wait_for(lambda: probe.rounds > rounds + 1, 0.5)  # steady: no probing
+            never(lambda: probe.rounds > rounds + 1, 0.5, "more probe rounds")  # steady: no probing
         finally:
             healed.close()
     finally:

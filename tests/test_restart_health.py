@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from launch_harness import Launcher, base_env, read_json_files, wait_for
+from _wait import wait_for
+from launch_harness import Launcher, base_env, read_json_files
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.contract import PROGRESS_FILE_ENV, read_progress
+from hspmd_elastic.contract.env import PROGRESS_FILE_ENV
+from hspmd_elastic.contract.progress import read_progress
 from hspmd_elastic.coord.journal import read_events
 from hspmd_elastic.heartbeats import Heartbeat
 from launcher.health.api import DeviceInfo
@@ -57,7 +59,7 @@ elif mode == "hang":
         if restart == 0 and lr == 1 and step == 5:
             time.sleep(120)  # alive, no progress: a hang
         hspmd_elastic.heartbeat(step)
-        time.sleep(0.05)
+        time.sleep(0.12)  # past the heartbeat's 0.1 s write interval: every step is written
 elif mode == "silent":
     if lr == 1:
         time.sleep(3)  # longer than every hang limit, but no heartbeat: no hang rule

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from hspmd_elastic.coord.contract import worker_record
 from hspmd_elastic.elastic import agree
 from hspmd_elastic.elastic.agree import Holding, decide
 from hspmd_elastic.elastic.api import (ConfigurationError, FileReporter, IllegalTransition,
@@ -60,7 +61,7 @@ def test_file_reporter_writes_a_worker_record_compatible_report(tmp_path):
                               last_progress_at=1.5, steps_per_s=2.0)
     FileReporter(str(path)).report(progress)
     assert json.loads(path.read_text())["step"] == 11
-    record = progress.to_worker_record()
+    record = worker_record(progress)
     assert (record.plan_version, record.global_rank) == (3, 2)
 
 

@@ -18,19 +18,18 @@ import uuid
 import pytest
 import torch
 
-from launch_harness import SCRIPTS, Launcher, base_env, wait_for
+from _elastic_job import elastic_argv, write_tiny
+from _wait import wait_for
+from launch_harness import Launcher, base_env
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.graph.config import ModelConfig
 from launcher.ops.commands import main as ops_main
 from launcher.ops.dashboard import DashboardServer
 from launcher.ops.state import JobStateCache
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
-CONFIG = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
-                     seq_len=8, dtype="float64")
 STEPS, BATCH, SEED, DATA_SEED, PAUSE = 4, 4, 3, 7, 2
 NODE = "node-f"
 MARKUP = "[/bold][red]\x1b[2J\x1b]0;owned\x07<script>alert(1)</script>\u202e"
@@ -96,15 +95,14 @@ def test_job_and_tools_survive_hostile_records(etcd_server, tmp_path, marker, ca
                                                monkeypatch):
     job = f"fz-{uuid.uuid4().hex[:8]}"
     model, out, release = tmp_path / "model.json", tmp_path / "out", tmp_path / "release"
-    model.write_text(CONFIG.to_json())
+    write_tiny(model)
     agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
                       "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
-                      "--hspmd-node-id", NODE, "--shutdown-timeout", "5", "--hspmd-elastic",
-                      "--hspmd-model", str(model), "--hspmd-global-batch", str(BATCH),
-                      str(SCRIPTS / "elastic_train.py"), "--config", str(model),
-                      "--steps", str(STEPS), "--global-batch", str(BATCH), "--seed", str(SEED),
-                      "--data-seed", str(DATA_SEED), "--out", str(out), "--pause-at",
-                      str(PAUSE), "--release", str(release), "--timeout", "30"],
+                      "--hspmd-node-id", NODE, "--shutdown-timeout", "5",
+                      *elastic_argv(model, BATCH, steps=STEPS, out=out, seed=SEED,
+                                    data_seed=DATA_SEED,
+                                    train=("--pause-at", str(PAUSE), "--release", str(release),
+                                           "--timeout", "30"))],
                      base_env(marker), tmp_path, NODE)
     client = EtcdClient(etcd_server.endpoints, timeout=5.0)
     cache = JobStateCache(client, job)

@@ -12,7 +12,8 @@ import uuid
 
 import pytest
 
-from launch_harness import SCRIPTS, Launcher, base_env, pid_alive, wait_for
+from _wait import wait_for
+from launch_harness import SCRIPTS, Launcher, base_env, pid_alive
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.client import EtcdClient

@@ -30,10 +30,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-import _elastic
+from _elastic_job import ElasticLaunchJob
 from _security import PASSWORDS, Pki, SecureEtcd, clean_env
-from launch_harness import LAUNCH, REPO, wait_for
-from test_elastic_e2e import REFERENCE, Job, finish
+from _wait import wait_for
+from launch_harness import LAUNCH, REPO
 
 from hspmd_elastic.coord import LeasedSession, PrefixWatch, append_event, schema
 from hspmd_elastic.coord.api import EtcdAuthError
@@ -106,7 +106,7 @@ def test_elastic_job_with_a_worker_kill_over_tls_and_auth(secure, pki, tmp_path,
     """2 agents x 1 worker as the job user (TLS, client certificate, password from a file);
     node-b's worker SIGKILLed at the pause step; the survivor switches in memory and matches the
     reference."""
-    job = Job(secure.cluster, tmp_path, marker)
+    job = ElasticLaunchJob(secure.cluster, tmp_path, marker)
     job.client.close()
     job.client = EtcdClient(secure.endpoint, timeout=5.0, security=pki.security("job"))
     job.name = JOB  # the job the RBAC role grants
@@ -127,9 +127,8 @@ def test_elastic_job_with_a_worker_kill_over_tls_and_auth(secure, pki, tmp_path,
         assert worker_env["HSPMD_ETCD_PASSWORD_FILE"] == str(password_file)
         os.kill(pids["node-b:0"], signal.SIGKILL)
         job.release.touch()
-        finish(job)
-        results = job.results()
-        _elastic.assert_recovered_in_memory(results, {"node-a:0": pids["node-a:0"]}, REFERENCE)
+        job.finish()
+        results = job.assert_recovered({"node-a:0": pids["node-a:0"]})
         assert results["node-a:0"]["plan_version"] >= 2, results["node-a:0"]["switches"]
         failure = next(e for e in job.events() if e.type == "failure")
         assert failure.detail["device"] == "node-b:0"

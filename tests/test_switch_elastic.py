@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from _elastic import JOB, assert_matches_reference, hetero_plan, payload, wait_until
+from _elastic import JOB, assert_matches_reference, hetero_plan, payload
+from _wait import wait_for
 from hspmd_elastic.coord import read_events
 from hspmd_elastic.elastic.checkpoint import latest_complete
 from hspmd_elastic.plan import Pipeline, Plan, Stage, simple_plan
@@ -55,8 +56,8 @@ def test_failure_noticed_mid_step_then_plan(elastic_job):
     job.kill("n1:0")
     survivors = ["n0:0", "n2:0"]
     job.release()
-    wait_until(lambda: any((job.progress(d) or {}).get("state") == "waiting_plan"
-                           for d in survivors), 40, "a survivor to notice the dead peer")
+    wait_for(lambda: any((job.progress(d) or {}).get("state") == "waiting_plan"
+                         for d in survivors), 40, "a survivor to notice the dead peer")
     job.publish(simple_plan(dp=2, num_layers=2, global_batch=6), survivors, reason="failure")
     results = job.join(survivors, timeout=60)
     for d in survivors:
@@ -108,7 +109,7 @@ def test_lost_stage_falls_back_to_checkpoint(elastic_job, tmp_path):
     pl = payload(checkpoint_dir=ckpt, checkpoint_every=1)
     job = elastic_job(pl)
     _lose_a_stage(job)
-    wait_until(lambda: latest_complete(ckpt) >= 2, 30, "the checkpoint of step 2")
+    wait_for(lambda: latest_complete(ckpt) >= 2, 30, "the checkpoint of step 2")
     job.kill("n1:0")  # the only holder of layer 1 and the head
     job.publish(simple_plan(num_layers=2, global_batch=4), ["n0:0"], reason="failure")
     job.release()
@@ -163,7 +164,7 @@ def test_double_failure_goes_back_to_the_checkpoint_each_rank_reading_its_own_sh
     procs = {d: job.spawn(d) for d in devices}
     job.publish(hetero_plan(), devices, reason="start")
     job.wait_step(devices, 3)
-    wait_until(lambda: latest_complete(ckpt) >= 2, 30, "the checkpoint of step 2")
+    wait_for(lambda: latest_complete(ckpt) >= 2, 30, "the checkpoint of step 2")
     job.kill("n0:1")
     job.kill("n1:0")
     job.spawn("n2:0")
@@ -244,8 +245,8 @@ def test_rank_one_step_ahead_rolls_back(elastic_job):
     for d in devices:
         job.spawn(d, fail_last_wait_of_step=3 if d == "n0:1" else None)
     job.publish(simple_plan(dp=3, num_layers=2, global_batch=6), devices, reason="start")
-    wait_until(lambda: (job.progress("n0:1") or {}).get("state") == "waiting_plan", 60,
-               "n0:1 to abandon step 3")
+    wait_for(lambda: (job.progress("n0:1") or {}).get("state") == "waiting_plan", 60,
+             "n0:1 to abandon step 3")
     job.wait_step(["n0:0"], 4)  # n0:0 committed step 3 before the failure: it is one step ahead
     job.kill("n1:0")
     survivors = ["n0:0", "n0:1"]
@@ -273,9 +274,9 @@ def test_plan_with_a_dead_device_is_superseded_during_regroup(elastic_job):
     job.kill("n2:0")
     job.publish(simple_plan(dp=3, num_layers=2, global_batch=6), devices, reason="stale")
     job.release()
-    wait_until(lambda: all((job.progress(d) or {}).get("state") == "regrouping"
-                           and job.progress(d)["plan_version"] == 2 for d in devices[:2]),
-               40, "the survivors to wait for the dead device at the v2 barrier")
+    wait_for(lambda: all((job.progress(d) or {}).get("state") == "regrouping"
+                         and job.progress(d)["plan_version"] == 2 for d in devices[:2]),
+             40, "the survivors to wait for the dead device at the v2 barrier")
     job.publish(simple_plan(dp=1, num_layers=2, global_batch=6), ["n0:0"], reason="failure")
     results = job.join(devices[:2], timeout=60)
     r = results["n0:0"]
@@ -300,8 +301,8 @@ def test_without_undo_copies_the_rank_one_step_ahead_is_refilled_from_its_peer(e
     for d in devices:
         job.spawn(d, fail_last_wait_of_step=3 if d == "n0:1" else None)
     job.publish(simple_plan(dp=3, num_layers=2, global_batch=6), devices, reason="start")
-    wait_until(lambda: (job.progress("n0:1") or {}).get("state") == "waiting_plan", 60,
-               "n0:1 to abandon step 3")
+    wait_for(lambda: (job.progress("n0:1") or {}).get("state") == "waiting_plan", 60,
+             "n0:1 to abandon step 3")
     job.wait_step(["n0:0"], 4)
     job.kill("n1:0")
     survivors = ["n0:0", "n0:1"]

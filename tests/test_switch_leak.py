@@ -26,7 +26,8 @@ from collections import Counter
 
 import pytest
 
-from _elastic import HERE, assert_recovered_in_memory, payload, wait_until
+from _elastic import HERE, assert_recovered_in_memory, payload
+from _wait import wait_for
 from hspmd_elastic.plan import simple_plan
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -88,7 +89,7 @@ def test_twenty_switches_leak_no_process_group_thread_or_socket(elastic_job):
             return all((job.progress(d) or {}).get("step", -1) >= k
                        and (job.progress(d) or {}).get("plan_version") == k for d in DEVICES)
 
-        wait_until(holding, 60, f"both workers holding after step {k} in plan v{k}")
+        wait_for(holding, 60, f"both workers holding after step {k} in plan v{k}")
         if k <= SWITCHES:
             job.publish(plans[k % len(plans)], DEVICES, reason="test", step=k)
         open(f"{job.payload['release']}-{k}", "w").close()

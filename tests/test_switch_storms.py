@@ -28,8 +28,8 @@ from _elastic import (
     assert_matches_reference,
     hetero_plan,
     payload,
-    wait_until,
 )
+from _wait import wait_for
 from hspmd_elastic.plan import Pipeline, Plan, Stage, simple_plan
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
@@ -74,7 +74,7 @@ def test_two_failures_in_quick_succession(elastic_job):
     j.publish(hetero_plan(), DEVICES[:3], reason="failure of n1:1")
     j.release()
     # The second failure: as soon as n1:0 has started switching to v2.
-    wait_until(lambda: state_of(j, "n1:0")[0] == 2, 30, "n1:0 to start switching to v2")
+    wait_for(lambda: state_of(j, "n1:0")[0] == 2, 30, "n1:0 to start switching to v2")
     j.kill("n1:0")
     survivors = DEVICES[:2]
     j.publish(simple_plan(dp=2, num_layers=2, global_batch=4), survivors,
@@ -99,8 +99,8 @@ def test_failure_during_a_switch(elastic_job):
     assert procs["n1:0"].returncode == -signal.SIGKILL, j.log("n1:0")
     assert state_of(j, "n1:0") == (2, "building")
     survivors = DEVICES[:2]
-    wait_until(lambda: all(state_of(j, d) == (2, "building") for d in survivors), 30,
-               "the survivors to wait for n1:0 in v2's building phase")
+    wait_for(lambda: all(state_of(j, d) == (2, "building") for d in survivors), 30,
+             "the survivors to wait for n1:0 in v2's building phase")
     j.publish(simple_plan(dp=2, num_layers=2, global_batch=4), survivors,
               reason="failure of n1:0")
     results = j.join(survivors, timeout=50)  # far below the 600 s communication timeouts
@@ -121,8 +121,8 @@ def test_hung_peer_during_the_bsr(elastic_job):
     j.release()
     want = {"n0:1": (2, "resharding"), "n0:0": (2, "resharding"), "n1:0": (2, "building"),
             "n1:1": (2, "building")}
-    wait_until(lambda: all(state_of(j, d) == s for d, s in want.items()), 30,
-               f"the v2 switch to stall on the stopped n0:1 as {want}")
+    wait_for(lambda: all(state_of(j, d) == s for d, s in want.items()), 30,
+             f"the v2 switch to stall on the stopped n0:1 as {want}")
     survivors = ["n0:0", "n1:0", "n1:1"]
     j.publish(dp_plan([2, 1, 1]), survivors, reason="n0:1 hangs")
     results = j.join(survivors, timeout=50)  # far below the 600 s communication timeouts

@@ -8,6 +8,8 @@ A reader learns ``hspmd_elastic.coord`` from this file. Promises:
   ``WatchEvent``), independent of the etcd3 library's types;
 * transaction operations (``Compare``, ``PutOp``, ``DeleteOp``) are plain data; the client
   translates them.
+* a ``RecordError`` shows the bad key and problem with ``contract.text.bounded`` (cut, control
+  and format characters escaped): what anyone can write to etcd never reaches a log whole.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
+
+from hspmd_elastic.contract.text import bounded
 
 Clock = Callable[[], float]
 """A monotonic clock in seconds (``time.monotonic`` in production, a fake in unit tests)."""
@@ -75,18 +79,9 @@ class RecordError(CoordinationError):
 
     def __init__(self, key: str, problem: str):
         self.key = key
-        self.problem = _bounded(problem, 300)  # values come from etcd: never echo them whole
-        super().__init__(f"bad record at {_bounded(repr(key), 200)}: {self.problem}")
-
-
-_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}
-
-
-def _bounded(text: str, limit: int) -> str:
-    """``text`` at most about ``limit`` characters, control characters escaped (no terminal
-    escape sequence from etcd reaches a log)."""
-    text = text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} chars)"
-    return text.translate(_CONTROLS)
+        # values come from etcd: never echo them whole, nor a terminal escape sequence
+        self.problem = bounded(problem, 300)
+        super().__init__(f"bad record at {bounded(repr(key), 200)}: {self.problem}")
 
 
 class WatchCompactedError(CoordinationError):

@@ -1,27 +1,23 @@
 """Key builders of the etcd schema: every key a job writes, under ``/hspmd/v1/jobs/<job_id>/``.
 
-Pure string functions, no I/O. Node ids and job ids are checked (1-128 characters from
-``[A-Za-z0-9._-]``, starting with a letter or digit); versions, sequence numbers and rounds are
+Pure string functions, no I/O. Node ids and job ids are checked (the id rule of
+``hspmd_elastic.contract.ids``: 1-128 characters from ``[A-Za-z0-9._-]``, starting with a
+letter or digit); versions, sequence numbers and rounds are
 zero-padded to ``PAD`` digits, so keys sort in numeric order. ``coord.schema`` re-exports them.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Optional
+
+from hspmd_elastic.contract.ids import ID_RE, check_id  # noqa: F401 (ID_RE: re-exported)
 
 ROOT = "/hspmd/v1/jobs/"
 PAD = 12  # digits of zero-padded versions and sequence numbers in keys
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def _ident(what: str, value: str) -> str:
-    if not isinstance(value, str) or not ID_RE.match(value):
-        raise ValueError(
-            f"{what} {value!r} is not valid: use 1-128 characters from [A-Za-z0-9._-], "
-            "starting with a letter or digit"
-        )
-    return value
+    return check_id(value, what)
 
 
 def _number(what: str, value: int) -> int:

@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Union
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, ConflictError, GetOp, PutOp
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.contract import device_id, parse_device_id
+from hspmd_elastic.contract.ids import device_id, parse_device_id
 from hspmd_elastic.coord.election import Election
 
 AnyPlan = Union[schema.PlanRecord, schema.PlanHeadRecord]

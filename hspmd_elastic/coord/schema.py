@@ -25,6 +25,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
+from hspmd_elastic.contract.ids import ID_PATTERN
 from hspmd_elastic.coord.api import RecordError
 from hspmd_elastic.coord.keys import (  # noqa: F401 (re-exported: the schema's key builders)
     PAD,
@@ -346,7 +347,7 @@ NESTED_TYPES: tuple[type, ...] = (DeviceInfo, RdzvParticipant)
 
 # ---------------------------------------------------------------------------------------- registry
 _PARAM_RE = {
-    "node_id": r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}",
+    "node_id": ID_PATTERN,
     "index": r"\d+",
     "local_rank": r"\d+",
     "lease_hex": r"[0-9a-f]{16}",

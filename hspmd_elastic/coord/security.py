@@ -25,13 +25,15 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
-ENV_CACERT = "HSPMD_ETCD_CACERT"
-ENV_CERT = "HSPMD_ETCD_CERT"
-ENV_KEY = "HSPMD_ETCD_KEY"
-ENV_USER = "HSPMD_ETCD_USER"
-ENV_PASSWORD = "HSPMD_ETCD_PASSWORD"
-ENV_PASSWORD_FILE = "HSPMD_ETCD_PASSWORD_FILE"
-ENV_TLS = "HSPMD_ETCD_TLS"  # "1": TLS with the system's roots (https:// endpoints, no CA file)
+from hspmd_elastic.contract.env import (  # the variables' names: defined in the contract
+    ETCD_CACERT_ENV as ENV_CACERT,
+    ETCD_CERT_ENV as ENV_CERT,
+    ETCD_KEY_ENV as ENV_KEY,
+    ETCD_PASSWORD_ENV as ENV_PASSWORD,
+    ETCD_PASSWORD_FILE_ENV as ENV_PASSWORD_FILE,
+    ETCD_TLS_ENV as ENV_TLS,  # "1": TLS with the system's roots (https:// endpoints, no CA file)
+    ETCD_USER_ENV as ENV_USER,
+)
 
 # field -> the environment variable it travels in (also the default name in error messages)
 ENV_NAMES: dict[str, str] = {
@@ -42,7 +44,6 @@ ENV_NAMES: dict[str, str] = {
     "password": ENV_PASSWORD,
     "password_file": ENV_PASSWORD_FILE,
 }
-SECRET_ENV = (ENV_PASSWORD, ENV_PASSWORD_FILE)
 _MAX_FILE_BYTES = 1 << 20
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hspmd_elastic.annotations import DUPLICATE, DGUnion, DSUnion, TensorAnnotation
-from hspmd_elastic.coord.contract import node_of
+from hspmd_elastic.contract.ids import node_of
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.state import state_specs
 from hspmd_elastic.plan import Plan

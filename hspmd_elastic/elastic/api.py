@@ -5,12 +5,14 @@ A reader learns ``hspmd_elastic.elastic`` (and ``runtime.py`` / ``switch.py`` bu
 this file. Promises:
 
 * every failure the runtime raises is an ``ElasticError`` subclass naming the root cause;
-* the worker's lifecycle is the ``WorkerState`` machine (``hspmd_elastic.coord.contract``, shared
-  with the agent) run by ``Lifecycle`` on the one ``coord.lifecycle.StateMachine``, with the
+* the worker's lifecycle is the ``WorkerState`` machine (``hspmd_elastic.contract.progress``,
+  shared with the agent) run by ``Lifecycle`` on the one ``coord.lifecycle.StateMachine``, with the
   table of allowed transitions below; an illegal transition is a bug and raises at once;
 * progress reports are the contract's ``WorkerProgress`` handed to a ``ProgressReporter``; the
   ``FileReporter`` writes the progress file the node agent reads (``HSPMD_PROGRESS_FILE``); the
-  agent owns the etcd key ``workers/<node>/<local_rank>``, the worker never writes it.
+  agent owns the etcd key ``workers/<node>/<local_rank>``, the worker never writes it;
+* the worker environment is read through ``contract.env.WorkerEnv`` (``WorkerIdentity.from_env``,
+  ``reporter_from_env``): a bad value is a ``ConfigurationError`` naming the variable.
 """
 
 from __future__ import annotations
@@ -18,18 +20,18 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Mapping, Optional, Protocol
 
-from hspmd_elastic.coord.contract import (  # noqa: F401 - the worker's vocabulary, re-exported
-    PROGRESS_FILE_ENV,
+from hspmd_elastic.contract.env import (ETCD_ENDPOINTS_ENV, JOB_ID_ENV, NODE_ID_ENV, EnvError,
+                                        WorkerEnv)
+from hspmd_elastic.contract.ids import device_id
+from hspmd_elastic.contract.progress import (  # noqa: F401 - the worker's vocabulary, re-exported
     WorkerProgress,
     WorkerState,
-    device_id,
     write_progress,
 )
 from hspmd_elastic.coord.lifecycle import IllegalTransition, StateMachine  # noqa: F401
 from hspmd_elastic.coord.security import EtcdSecurity, EtcdSecurityError
-from hspmd_elastic.devices import DeviceSettingError, setting_from_env
 from hspmd_elastic.graph.comm import CommTimeoutError
 
 
@@ -95,6 +97,9 @@ class Lifecycle(StateMachine[WorkerState]):
 
 
 # ------------------------------------------------------------------------------- identity
+LOCAL_RANK_ENV = "LOCAL_RANK"  # torchrun's name; both agents set it for each worker
+
+
 @dataclass(frozen=True)
 class WorkerIdentity:
     """Who this worker is: a device (worker slot) ``<node_id>:<local_rank>`` of a job, how it
@@ -114,28 +119,32 @@ class WorkerIdentity:
         return device_id(self.node, self.local_rank)
 
     @classmethod
-    def from_env(cls, env: Optional[dict] = None) -> "WorkerIdentity":
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "WorkerIdentity":
+        """The identity the worker environment ``env`` (default ``os.environ``) gives;
+        ``ConfigurationError`` naming what is missing or bad."""
         env = os.environ if env is None else env
-        missing = [k for k in ("HSPMD_ETCD_ENDPOINTS", "HSPMD_JOB_ID", "HSPMD_NODE_ID",
-                               "LOCAL_RANK") if not env.get(k)]
+        try:
+            worker = WorkerEnv.from_env(env)
+        except EnvError as exc:
+            raise ConfigurationError(f"worker environment: {exc}") from None
+        missing = [name for name, value in ((ETCD_ENDPOINTS_ENV, worker.etcd_endpoints),
+                                            (JOB_ID_ENV, worker.job), (NODE_ID_ENV, worker.node),
+                                            (LOCAL_RANK_ENV, env.get(LOCAL_RANK_ENV)))
+                   if not value]
         if missing:
             raise ConfigurationError(f"worker environment lacks {missing}; an hspmd-aware script "
                                      "must run under hspmd-launch (or set them)")
         try:
-            local_rank = int(env["LOCAL_RANK"])
+            local_rank = int(env[LOCAL_RANK_ENV])
         except ValueError as exc:
             raise ConfigurationError(
-                f"LOCAL_RANK={env['LOCAL_RANK']!r} must be an integer") from exc
+                f"{LOCAL_RANK_ENV}={env[LOCAL_RANK_ENV]!r} must be an integer") from exc
         try:
             security = EtcdSecurity.from_env(env).checked()
         except EtcdSecurityError as exc:
             raise ConfigurationError(f"worker environment: {exc}") from exc
-        try:
-            setting = setting_from_env(env)
-        except DeviceSettingError as exc:
-            raise ConfigurationError(f"worker environment: {exc}") from None
-        return cls(env["HSPMD_JOB_ID"], env["HSPMD_NODE_ID"], local_rank,
-                   env["HSPMD_ETCD_ENDPOINTS"], security, setting)
+        return cls(worker.job, worker.node, local_rank, worker.etcd_endpoints, security,
+                   worker.device or "auto")
 
 
 # ------------------------------------------------------------------------------- progress
@@ -158,9 +167,9 @@ class FileReporter:
         write_progress(self.path, progress)
 
 
-def reporter_from_env(env: Optional[dict] = None) -> ProgressReporter:
+def reporter_from_env(env: Optional[Mapping[str, str]] = None) -> ProgressReporter:
     """``HSPMD_PROGRESS_FILE`` set: a ``FileReporter`` there; otherwise a no-op."""
-    path = (os.environ if env is None else env).get(PROGRESS_FILE_ENV)
+    path = WorkerEnv.from_env(env, fields=("progress_file",)).progress_file
     return FileReporter(path) if path else NullReporter()
 
 

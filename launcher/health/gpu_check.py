@@ -52,6 +52,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+from hspmd_elastic.contract.env import GPU_CHECK_WHEELS_ENV
 from launcher.health.gpu_check_job import (CheckFailed, run_worker, switches_in_process,
                                            worker_kill_switch)
 
@@ -63,7 +64,6 @@ STEPS = ("nvml", "mfu", "comm", "unit", "switches", "kill")
 CAPS_S = {"nvml": 10.0, "mfu": 120.0, "comm": 25.0, "unit": 50.0, "switches": 45.0, "kill": 40.0}
 KILL_COMM_TIMEOUT_S = 30.0  # the kill step's worker communication timeout
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WHEELS_ENV = "HSPMD_GPU_CHECK_WHEELS"  # set by scripts/gpu_check: the wheel folder, or empty
 
 # module -> the wheel of .gpu-wheels that provides it, or None: the machine's Python must.
 ORIGIN: dict[str, Optional[str]] = {
@@ -135,7 +135,7 @@ def _wheel_hint(wheel: Optional[str], module: str = "") -> str:
     if wheel is None:
         return (f"not among the wheels: the GPU machine's Python must provide "
                 f"{module.split('.')[0]}; see docs/gpu.md")
-    folder = os.environ.get(WHEELS_ENV)  # None: not started by scripts/gpu_check
+    folder = os.environ.get(GPU_CHECK_WHEELS_ENV)  # None: not started by scripts/gpu_check
     if not folder:
         return f"wheel {wheel} missing: no .gpu-wheels folder was installed; see docs/gpu.md"
     shown = os.path.relpath(folder, ROOT) if folder.startswith(ROOT + os.sep) else folder

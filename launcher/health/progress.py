@@ -14,7 +14,8 @@ injected) and promises:
 * a hung worker's device is treated as failed: ``Hang.verdict()``;
 * ``hang_detector_from_env`` reads the limits from ``HSPMD_HANG_MULTIPLE``,
   ``HSPMD_HANG_TIMEOUT_S`` (``min_timeout_s``) and ``HSPMD_HANG_STARTUP_S``
-  (``startup_grace_s``); a bad value raises ``HealthConfigError`` naming it.
+  (``startup_grace_s``) with the one parser, ``hspmd_elastic.contract.env.HangRule``; a bad value
+  (not a finite number > 0) raises ``HealthConfigError`` naming the variable and the value.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Optional
 
+from hspmd_elastic.contract.env import EnvError, HangRule
 from launcher.health.api import Clock, HealthConfigError, Verdict
 
 
@@ -127,22 +129,11 @@ class HangDetector:
         return out
 
 
-HANG_ENV = {"HSPMD_HANG_MULTIPLE": "multiple", "HSPMD_HANG_TIMEOUT_S": "min_timeout_s",
-            "HSPMD_HANG_STARTUP_S": "startup_grace_s"}
-
-
 def hang_detector_from_env(env: Mapping[str, str], clock: Clock = time.monotonic) -> HangDetector:
-    """A ``HangDetector`` with the limits the environment sets (the defaults otherwise)."""
-    limits = {}
-    for name, param in HANG_ENV.items():
-        raw = env.get(name, "").strip()
-        if not raw:
-            continue
-        try:
-            limits[param] = float(raw)
-        except ValueError:
-            raise HealthConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    """A ``HangDetector`` with the limits the environment sets (``HangRule``; the detector's
+    defaults for the others); ``HealthConfigError`` naming a bad variable and its value."""
     try:
-        return HangDetector(clock=clock, **limits)
-    except HealthConfigError as exc:
-        raise HealthConfigError(f"{exc} (from {', '.join(sorted(HANG_ENV))})") from None
+        rule = HangRule.from_env(env)
+    except EnvError as exc:
+        raise HealthConfigError(str(exc)) from None
+    return HangDetector(clock=clock, **rule.limits())

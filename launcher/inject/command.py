@@ -34,6 +34,8 @@ from typing import Optional
 
 import click
 
+from hspmd_elastic.contract.env import (ETCD_DOWN_S_ENV, ETCD_ENDPOINT_ENV, ETCD_ENDPOINTS_ENV,
+                                        ETCD_HOW_ENV)
 from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.schema import job_prefix
@@ -64,7 +66,7 @@ def _check_job(job: str) -> str:
 @click.option("--scenario", "scenario_path", required=True,
               help="Scenario file (JSON, see examples/scenarios/).")
 @click.option("--job", required=True, help="The job's id (its --rdzv-id).")
-@click.option("--etcd-endpoints", required=True, envvar="HSPMD_ETCD_ENDPOINTS",
+@click.option("--etcd-endpoints", required=True, envvar=ETCD_ENDPOINTS_ENV,
               help="The job's etcd: host:port[,host:port...].")
 @click.option("--report", "report_path", default=None, help="Write the JSON report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -73,8 +75,8 @@ def _check_job(job: str) -> str:
 @click.option("--log-dir", default=None, help="Where started agents (join) write their output.")
 @click.option("--etcd-restart-cmd", default=None,
               help="Shell command that restarts the job's etcd for etcd-restart faults "
-                   "(env: HSPMD_ETCD_ENDPOINT, HSPMD_ETCD_HOW, HSPMD_ETCD_DOWN_S, ...); "
-                   "etcd-stall runs it for every member at once with HSPMD_ETCD_HOW=stop. "
+                   f"(env: {ETCD_ENDPOINT_ENV}, {ETCD_HOW_ENV}, {ETCD_DOWN_S_ENV}, ...); "
+                   f"etcd-stall runs it for every member at once with {ETCD_HOW_ENV}=stop. "
                    "Default: act on the etcd process serving the job's endpoint on this "
                    "host, once proven to be the job's.")
 @click.option("--etcd-restart-timeout", type=click.FloatRange(min=0.0, min_open=True),

@@ -40,7 +40,7 @@ from typing import Any, Optional, Sequence
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.contract import device_id, parse_device_id
+from hspmd_elastic.contract.ids import device_id, parse_device_id
 from hspmd_elastic.coord.watch import PrefixWatch
 from launcher.health.rules import classify_xid
 from launcher.inject.api import (

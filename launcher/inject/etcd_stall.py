@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from hspmd_elastic.contract.env import ETCD_HOW_ENV, EtcdRestartEnv
 from launcher.inject import etcd_restart as er
 from launcher.inject.api import InjectError, NotOwnedError
 
@@ -38,16 +39,16 @@ def _stall_by_command(ctx: Any, duration: float) -> dict[str, Any]:
     endpoints = list(ctx.client.endpoints)
 
     def one(i: int) -> dict[str, Any]:
-        env = dict(ctx.env, HSPMD_ETCD_ENDPOINT=endpoints[i], HSPMD_ETCD_ENDPOINTS=ctx.endpoints,
-                   HSPMD_ETCD_MEMBER=str(i), HSPMD_ETCD_HOW="stop",
-                   HSPMD_ETCD_DOWN_S=f"{duration:g}", HSPMD_JOB_ID=ctx.job)
+        env = dict(ctx.env, **EtcdRestartEnv(endpoint=endpoints[i], endpoints=ctx.endpoints,
+                                             member=str(i), how="stop", down_s=duration,
+                                             job=ctx.job).to_env())
         return er.run_restart_command(ctx.etcd_restart_cmd, ctx.etcd_restart_timeout_s, env)
 
     with ThreadPoolExecutor(max_workers=len(endpoints)) as pool:
         done = list(pool.map(one, range(len(endpoints))))
     took = max(d["took_s"] for d in done)
     return {"by": "command", "members": endpoints, "command": ctx.etcd_restart_cmd,
-            "done_by": f"--etcd-restart-cmd with HSPMD_ETCD_HOW=stop for each of "
+            "done_by": f"--etcd-restart-cmd with {ETCD_HOW_ENV}=stop for each of "
                        f"{len(endpoints)} members at once (longest {took:.1f}s)"}
 
 

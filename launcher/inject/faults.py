@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import psutil
 
+from hspmd_elastic.contract.env import EtcdRestartEnv
 from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.health.scripted import Fault, encode_fault_script, parse_faults
@@ -323,9 +324,10 @@ class EtcdRestart(FaultAction):
         endpoint = er.target_endpoint(list(ctx.client.endpoints),
                                       self.spec.target.get("member"))
         if ctx.etcd_restart_cmd:
-            env = dict(ctx.env, HSPMD_ETCD_ENDPOINT=endpoint, HSPMD_ETCD_ENDPOINTS=ctx.endpoints,
-                       HSPMD_ETCD_MEMBER=str(self.spec.target.get("member", "")),
-                       HSPMD_ETCD_HOW=how, HSPMD_ETCD_DOWN_S=f"{down:g}", HSPMD_JOB_ID=ctx.job)
+            env = dict(ctx.env, **EtcdRestartEnv(
+                endpoint=endpoint, endpoints=ctx.endpoints,
+                member=str(self.spec.target.get("member", "")), how=how, down_s=down,
+                job=ctx.job).to_env())
             detail = er.run_restart_command(ctx.etcd_restart_cmd, ctx.etcd_restart_timeout_s,
                                             env)
         else:

@@ -4,6 +4,9 @@ records (``EtcdProgress``, fed by ``JobObserver``'s watch).
 
 Promises: ``poll`` never raises and returns every point seen so far, oldest first; a line still
 being written is read on a later poll; a point without a step, or with step 0, is no progress.
+A file can hold a worker's progress report (``HSPMD_PROGRESS_FILE``), read by that format's one
+reader, ``hspmd_elastic.contract.progress.progress_from_dict``; any other object is a harness
+line (``step``, ``round``, ``rank``, ``t``, optional ``batch``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import threading
 import time
 from typing import Optional, Protocol
 
+from hspmd_elastic.contract.progress import progress_from_dict
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import EventType, WatchEvent
 from launcher.inject.api import ProgressPoint
@@ -26,11 +30,15 @@ class ProgressSource(Protocol):
 
 
 def _point(body: dict, default_t: float) -> Optional[ProgressPoint]:
-    try:
-        rank = int(body.get("rank", body.get("global_rank", 0)))
-        rnd = int(body.get("round", body.get("plan_version", 0)))
+    report = progress_from_dict(body, 0)
+    if report is not None:  # a worker's progress report (the progress file's format)
+        return ProgressPoint(report.global_rank, report.plan_version, report.step,
+                             report.last_progress_at)
+    try:  # a harness line
+        rank = int(body.get("rank", 0))
+        rnd = int(body.get("round", 0))
         step = int(body["step"])
-        t = float(body.get("t", body.get("last_progress_at", default_t)))
+        t = float(body.get("t", default_t))
         batch = body.get("batch")
         return ProgressPoint(rank, rnd, step, t, int(batch) if batch is not None else None)
     except (KeyError, TypeError, ValueError):
@@ -38,11 +46,11 @@ def _point(body: dict, default_t: float) -> Optional[ProgressPoint]:
 
 
 class FileProgress:
-    """Progress from files matching a glob: JSON lines (one object per completed step) or one
-    JSON object rewritten in place (``HSPMD_PROGRESS_FILE``). Fields: ``step`` (steps
-    completed), ``round``/``plan_version``, ``rank``/``global_rank``, ``t``/``last_progress_at``,
-    optional ``batch``. Each poll reads only what was appended since the last one (a file
-    replaced by a rename is read again from its start)."""
+    """Progress from files matching a glob: JSON lines (one object per completed step: ``step``
+    completed, ``round``, ``rank``, ``t``, optional ``batch``) or a worker's progress file
+    (``HSPMD_PROGRESS_FILE``: one report rewritten by rename, ``contract.progress``). Each poll
+    reads only what was appended since the last one (a file replaced by a rename is read again
+    from its start)."""
 
     def __init__(self, pattern: str):
         self.pattern = pattern

@@ -53,10 +53,10 @@ the file, the entry (index and fault) and the bad value with what would be valid
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hspmd_elastic.contract.ids import ID_RULE, is_id
 from launcher.inject.api import (
     AGENT_FAULTS,
     NETWORK_FAULTS,
@@ -77,7 +77,6 @@ DEFAULT_PARTITION_S = 10.0
 DEFAULT_ETCD_STALL_S = 10.0
 PARTITION_LINKS = ("all", "control", "data")
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # node ids, as in coord.schema
 _TOP_FIELDS = {"schema", "kind", "name", "description", "defaults", "faults"}
 _DEFAULT_FIELDS = {"detect_timeout_s", "recover_timeout_s", "trigger_timeout_s"}
 _COMMON = {"at", "fault", "target", "detect_timeout_s", "recover_timeout_s", "comment"}
@@ -165,9 +164,8 @@ def _integer(value: Any, what: str, where: str, minimum: int = 0) -> int:
 
 
 def _ident(value: Any, what: str, where: str) -> str:
-    if not isinstance(value, str) or not _ID_RE.match(value):
-        raise ScenarioError(where, f"{what} must be an id of 1-128 characters from "
-                                   f"[A-Za-z0-9._-], got {value!r}")
+    if not is_id(value):
+        raise ScenarioError(where, f"{what} must be an id of {ID_RULE}, got {value!r}")
     return value
 
 

@@ -32,13 +32,15 @@ from typing import Any, Optional
 
 import psutil
 
+from hspmd_elastic.contract.env import JOB_ID_ENV, NODE_ID_ENV
+from hspmd_elastic.contract.text import bounded
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.valid import decode_or_none, decode_valid
 from launcher.inject.api import TargetNotFound
 
 log = logging.getLogger(__name__)
 
-WORKER_JOB_ENV = ("HSPMD_JOB_ID", "TORCHELASTIC_RUN_ID")
+WORKER_JOB_ENV = (JOB_ID_ENV, "TORCHELASTIC_RUN_ID")
 AGENT_JOB_ENV = ("PET_RDZV_ID", *WORKER_JOB_ENV)
 AGENT_JOB_FLAGS = ("--rdzv-id", "--rdzv_id")
 AGENT_NODE_FLAGS = ("--hspmd-node-id", "--hspmd_node_id")
@@ -93,10 +95,10 @@ def check_worker(pid: Any, job: str, node: str, local_rank: int) -> psutil.Proce
     if not any(env.get(k) == job for k in WORKER_JOB_ENV):
         raise Refused(f"{what}: pid {pid} does not carry job {job!r} in its environment "
                       f"({' or '.join(WORKER_JOB_ENV)}); not signalled")
-    if env.get("HSPMD_NODE_ID") != node or env.get("LOCAL_RANK") != str(local_rank):
+    if env.get(NODE_ID_ENV) != node or env.get("LOCAL_RANK") != str(local_rank):
         raise Refused(f"{what}: pid {pid} is not that worker (its environment says node "
-                      f"{env.get('HSPMD_NODE_ID')!r}, local rank {env.get('LOCAL_RANK')!r}); "
-                      "not signalled")
+                      f"{bounded(repr(env.get(NODE_ID_ENV)), 140)}, local rank "
+                      f"{bounded(repr(env.get('LOCAL_RANK')), 40)}); not signalled")
     return proc
 
 

@@ -12,8 +12,8 @@ Package map (pure parts first; only ``loop`` does I/O):
 * ``loop``: the effect loop: ``Leader`` (election, watches, debounce, fenced publication) and
   its state machine ``LeaderState`` / ``TRANSITIONS``.
 
-Device ids, ``plan_of`` and the state-machine helper are the shared contract in
-``hspmd_elastic.coord.contract`` and ``hspmd_elastic.coord.lifecycle``.
+Device ids are the shared contract in ``hspmd_elastic.contract.ids``; ``plan_of`` is in
+``hspmd_elastic.coord.contract`` and the state-machine helper in ``hspmd_elastic.coord.lifecycle``.
 """
 
 from launcher.leader.decide import (

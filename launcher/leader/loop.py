@@ -51,7 +51,7 @@ from hspmd_elastic.coord.api import (
     WatchEvent,
 )
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.contract import node_of
+from hspmd_elastic.contract.ids import node_of
 from hspmd_elastic.coord.election import Election
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.lifecycle import StateMachine, Transition

@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 from hspmd_elastic.coord import schema
-from hspmd_elastic.coord.contract import device_sort_key, node_of, plan_of
+from hspmd_elastic.contract.ids import device_sort_key, node_of
+from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.plan import Plan, PlanError
 from launcher.leader.decide import PlanDecision
 from launcher.leader.snapshot import DeviceView

@@ -4,7 +4,7 @@ Promises:
 
 * ``build_snapshot`` turns node records, device-health verdicts and worker progress into a
   ``ClusterSnapshot``: per node its devices (ids ``"<node_id>:<index>"``, made by
-  ``coord.contract.device_id``) with type, memory, state and speed relative to nominal (the
+  ``contract.ids.device_id``) with type, memory, state and speed relative to nominal (the
   health verdict's), and the speed the node declared for it (``--hspmd-device-speed``);
   failed devices have speed 0 and are not ``usable``; suspect devices (warning signs before a
   fatal fault) are not ``usable`` either, but they still work: ``decide`` drains the ones that
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from hspmd_elastic.coord import schema
-from hspmd_elastic.coord.contract import device_id, node_of
+from hspmd_elastic.contract.ids import device_id, node_of
 from launcher.health.verdicts import summarize_device_health
 
 EXIT_PREFIX = "worker exit: "  # verdict reason of a slot whose worker died (agent journaled it)

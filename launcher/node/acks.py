@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from hspmd_elastic.coord.contract import TRAINED_STATES, WorkerProgress
+from hspmd_elastic.contract.progress import TRAINED_STATES, WorkerProgress
 
 ACK_ORDER = ("joined", "ready", "done")  # the forward path; ``failed`` ends it from any of them
 ACK_KEEP = 4  # writing the ack of version v deletes this node's acks of versions below v - 4

@@ -21,7 +21,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from hspmd_elastic.coord import schema
-from hspmd_elastic.coord.contract import device_id
+from hspmd_elastic.contract.ids import device_id
 
 CPU_TYPE = "CPU"
 log = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from typing import Optional
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp, RecordError
-from hspmd_elastic.coord.contract import DONE_STATES, LEFT_STATES
+from hspmd_elastic.contract.progress import DONE_STATES, LEFT_STATES
 from hspmd_elastic.coord.lifecycle import StateMachine
 from hspmd_elastic.coord.plans import plan_nodes, read_plan_head
 from hspmd_elastic.coord.valid import decode_or_none, decode_valid
@@ -226,8 +226,7 @@ class ElasticMode:
         os.makedirs(progress_dir, exist_ok=True)
         gpus = (health.devices()[:cfg.nproc_per_node] if isinstance(health, NvmlHealthSource)
                 else None)
-        base = dict(os.environ, HSPMD_HEALTH_SOURCE=cfg.health_source,
-                    **node_address_env(cfg.local_addr, os.environ))
+        base = dict(os.environ, **node_address_env(cfg.local_addr, os.environ))
         base.update(cfg.extra_env)
         workers = ElasticWorkers(self.job, self.node_id, cfg.entrypoint, self.client.endpoints,
                                    lambda version, lr: attempts(version)[lr], base_env=base,

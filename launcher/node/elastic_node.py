@@ -11,7 +11,7 @@ workers can switch. ``ElasticNode`` bundles the small pieces beside it into one 
   (every device's strategy and inventory: its workers read that) unless the head is missing or
   older than ``plan/current`` (a plan published by a leader without heads);
 * the agent owns ``workers/<node>/<local_rank>``: written when it starts a worker, updated from
-  the worker's progress file (``coord.contract.read_progress``) when it changed, all changed
+  the worker's progress file (``contract.progress.read_progress``) when it changed, all changed
   slots in one transaction and at most once per ``PROGRESS_WRITE_S`` (at once when a worker
   moved to another plan version), deleted when the worker exits;
 * a worker exit is reported once (``exits.py``): a ``failure`` event and a sticky failed
@@ -46,10 +46,12 @@ import threading
 import time
 from typing import Callable, Optional
 
+from hspmd_elastic.contract.ids import device_id
+from hspmd_elastic.contract.progress import (LEFT_STATES, WorkerProgress, WorkerState,
+                                            read_progress)
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.contract import (LEFT_STATES, WorkerProgress, WorkerState, device_id,
-                                          read_progress)
+from hspmd_elastic.coord.contract import worker_record
 from hspmd_elastic.coord.journal import append_event
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.api import EventType, WatchEvent
@@ -307,7 +309,7 @@ class ElasticNode:
             if report is None or report.pid != pid:
                 continue
             self.reports[lr] = report  # before the etcd write: the acks need it either way
-            record, old = report.to_worker_record(), self.records.get(lr)
+            record, old = worker_record(report), self.records.get(lr)
             if record != old:
                 changed[lr] = record
                 urgent = urgent or old is None or old.plan_version != record.plan_version

@@ -18,7 +18,7 @@ import signal
 import tempfile
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-from hspmd_elastic.coord.contract import LEFT_STATES, read_progress
+from hspmd_elastic.contract.progress import LEFT_STATES, read_progress
 from hspmd_elastic.coord.plans import AnyPlan, node_ranks
 from launcher.logs import WorkerLogPaths
 from launcher.node.env import elastic_worker_env, worker_argv

@@ -1,17 +1,17 @@
 """The worker environment: what a node agent puts in each worker's environment.
 
-This is one of the contracts between the planes (with the etcd schema, ``coord.contract`` and
-the progress file). Restart mode gives torchrun's variables (``worker_env``: ``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of the store node 0's agent hosts, ...) plus
-ours, among them ``HSPMD_PROGRESS_FILE`` (the opt-in to hang detection) and, once the health
-source failed a device, ``CUDA_VISIBLE_DEVICES`` naming the usable ones. Elastic mode gives
-no rank (the plan gives it, and it changes per plan), only who the worker is and where etcd
-is (``elastic_worker_env``): ``HSPMD_ETCD_ENDPOINTS``, ``HSPMD_JOB_ID``, ``HSPMD_NODE_ID``,
-``LOCAL_RANK``, ``HSPMD_PLAN_VERSION`` (the plan that started it) and
+Our variables are ``hspmd_elastic.contract.env.WorkerEnv`` (written with ``to_env``, read back
+with ``from_env``: each ``HSPMD_*`` name is defined there once). Restart mode gives torchrun's
+variables (``worker_env``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of the store
+node 0's agent hosts, ...) plus ours: ``HSPMD_ETCD_ENDPOINTS``, ``HSPMD_JOB_ID``,
+``HSPMD_NODE_ID``, ``HSPMD_ROUND`` and ``HSPMD_PROGRESS_FILE`` (the opt-in to hang detection)
+and, once the health source failed a device, ``CUDA_VISIBLE_DEVICES`` naming the usable ones.
+Elastic mode gives no rank (the plan gives it, and it changes per plan), only who the worker is
+and where etcd is (``elastic_worker_env``): ``HSPMD_ETCD_ENDPOINTS``, ``HSPMD_JOB_ID``,
+``HSPMD_NODE_ID``, ``LOCAL_RANK``, ``HSPMD_PLAN_VERSION`` (the plan that started it) and
 ``HSPMD_PROGRESS_FILE``; the agent adds ``TORCHELASTIC_ERROR_FILE`` for the failure summary,
-and ``HSPMD_DEVICE`` (``DEVICE_ENV``: ``--hspmd-device``, auto, cuda or cpu, through
-``LaunchConfig.extra_env``; ``hspmd_elastic.devices`` reads it under the same name).
-``hspmd_elastic.elastic.api.WorkerIdentity.from_env`` reads it back.
+and ``HSPMD_DEVICE`` (``contract.env.DEVICE_ENV``: ``--hspmd-device``, auto, cuda or cpu, through
+``LaunchConfig.extra_env``). ``hspmd_elastic.elastic.api.WorkerIdentity.from_env`` reads it back.
 
 etcd's TLS and auth settings reach elastic workers as the agent has them
 (``EtcdSecurity.to_env``: ``HSPMD_ETCD_CACERT``, ``HSPMD_ETCD_CERT``, ``HSPMD_ETCD_KEY``,
@@ -32,13 +32,11 @@ from typing import Mapping, Optional, Sequence
 
 import psutil
 
-from hspmd_elastic.coord.contract import PROGRESS_FILE_ENV
-from hspmd_elastic.coord.security import SECRET_ENV
+from hspmd_elastic.contract.env import SECRET_ENV, WorkerEnv
 from launcher.api import LaunchConfig
 from launcher.node.rendezvous import RoundInfo
 
 LOCAL_RANK_MACRO = "${local_rank}"
-DEVICE_ENV = "HSPMD_DEVICE"  # hspmd_elastic.devices.DEVICE_ENV: where an elastic worker computes
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
 
@@ -97,16 +95,12 @@ def worker_env(base: dict[str, str], config: LaunchConfig, info: RoundInfo, loca
         "TORCHELASTIC_ERROR_FILE": error_file,
         "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(config.signals),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "HSPMD_ETCD_ENDPOINTS": ",".join(endpoints),
-        "HSPMD_JOB_ID": config.rdzv.run_id,
-        "HSPMD_NODE_ID": config.node_id,
-        "HSPMD_ROUND": str(info.round),
-        "HSPMD_HEALTH_SOURCE": config.health_source,
     })
+    env.update(WorkerEnv(job=config.rdzv.run_id, node=config.node_id,
+                         etcd_endpoints=",".join(endpoints), round=info.round,
+                         progress_file=progress_file).to_env())
     if "OMP_NUM_THREADS" in base:
         env["OMP_NUM_THREADS"] = base["OMP_NUM_THREADS"]
-    if progress_file:
-        env[PROGRESS_FILE_ENV] = progress_file
     if visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
     env.update(node_address_env(config.local_addr, base))
@@ -121,9 +115,7 @@ def elastic_worker_env(base: Mapping[str, str], endpoints: Sequence[str], job: s
                        progress_file: Optional[str] = None) -> dict[str, str]:
     """The environment of one elastic-mode worker (see the module docstring)."""
     env = dict(base)
-    env.update({"HSPMD_ETCD_ENDPOINTS": ",".join(endpoints), "HSPMD_JOB_ID": job,
-                "HSPMD_NODE_ID": node, "LOCAL_RANK": str(local_rank),
-                "HSPMD_PLAN_VERSION": str(plan_version)})
-    if progress_file:
-        env[PROGRESS_FILE_ENV] = progress_file
+    env["LOCAL_RANK"] = str(local_rank)
+    env.update(WorkerEnv(job=job, node=node, etcd_endpoints=",".join(endpoints),
+                         plan_version=plan_version, progress_file=progress_file).to_env())
     return env

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.contract import device_id
+from hspmd_elastic.contract.ids import device_id
 from hspmd_elastic.coord.journal import append_event
 from launcher.health.api import DeviceState, Verdict
 from launcher.leader import EXIT_PREFIX

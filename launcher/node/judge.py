@@ -4,7 +4,8 @@
 ``SUCCEEDED`` or ``FAILED`` with a one-line reason; a recorded end (``rdzv/state``) always wins,
 so every agent ends the same way. A worker that finished the job, or every node of the plan
 done, is success; a ``switch-failed`` event, no usable device left, or (this agent leading) no
-plan that keeps the ``--hspmd-redundancy`` guarantee, is failure.
+plan that keeps the ``--hspmd-redundancy`` guarantee, is failure. A cause that came from etcd
+is shown by its first line, escaped and cut (``contract.text.first_line``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from hspmd_elastic.contract.text import first_line
 from launcher.node.rendezvous import FAILED, SUCCEEDED, RoundState
 
 MAX_REASON = 300  # characters of a root cause shown in the one-line error
@@ -39,20 +41,11 @@ def judge(view: JobView) -> tuple[str, str]:
     if view.nodes_done:
         return SUCCEEDED, "every node of the plan finished its workers"
     if view.switch_failed:
-        return FAILED, "switch failed: " + one_line(view.switch_failed)
+        return FAILED, "switch failed: " + first_line(view.switch_failed, MAX_REASON)
     if view.nodes and view.usable_devices == 0:
         return FAILED, "no usable device left in the job"
     if view.plan_shortfall:
-        return FAILED, "no plan keeps the redundancy guarantee: " + one_line(view.plan_shortfall)
+        return FAILED, ("no plan keeps the redundancy guarantee: "
+                        + first_line(view.plan_shortfall, MAX_REASON))
     return "running", ""
 
-
-_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}
-
-
-def one_line(text: str, limit: int = MAX_REASON) -> str:
-    """The first line of ``text``, cut to ``limit`` characters, control characters escaped (it
-    may come from etcd and is printed on a terminal)."""
-    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
-    line = line if len(line) <= limit else line[:limit - 3] + "..."
-    return line.translate(_CONTROLS)

@@ -43,7 +43,7 @@ from typing import Optional
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import CoordinationError, LeaseLostError
-from hspmd_elastic.coord.contract import device_id
+from hspmd_elastic.contract.ids import device_id
 from hspmd_elastic.coord.lifecycle import StateMachine
 from launcher.api import LaunchError, RendezvousConnectionError
 from launcher.health.api import HealthConfigError, HealthSource

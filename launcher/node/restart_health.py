@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-from hspmd_elastic.coord.contract import read_progress
+from hspmd_elastic.contract.progress import read_progress
+from hspmd_elastic.coord.contract import worker_record
 from launcher.health.api import DeviceInfo, HealthSource, Verdict
 from launcher.health.progress import Hang
 from launcher.node.hangs import ProgressMonitor
@@ -137,6 +138,6 @@ class HeartbeatWatch:
         for lr, pid in pids.items():
             report = read_progress(self.paths[lr], lr) if lr in self.paths else None
             if report is not None and report.pid == pid:
-                records[lr] = report.to_worker_record()
+                records[lr] = worker_record(report)
         self.monitor.observe(records)
         return self.monitor.new_hangs()

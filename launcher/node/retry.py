@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Mapping, Optional
 
-from hspmd_elastic.coord.contract import WorkerState
+from hspmd_elastic.contract.progress import WorkerState
 
 MIN_RETRY_AFTER_S = 5.0
 

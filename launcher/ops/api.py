@@ -8,11 +8,13 @@ a version, never renamed or removed (docs/operations.md lists them).
 
 from __future__ import annotations
 
+from hspmd_elastic.contract.env import ETCD_ENDPOINTS_ENV, JOB_ID_ENV
+
 STATUS_FORMAT = "hspmd-job-status"
 STATUS_VERSION = 1
 
-ENV_ENDPOINTS = "HSPMD_ETCD_ENDPOINTS"
-ENV_JOB = "HSPMD_JOB_ID"
+ENV_ENDPOINTS = ETCD_ENDPOINTS_ENV  # the default of --etcd-endpoints (a worker has it)
+ENV_JOB = JOB_ID_ENV  # the default of --job
 DEFAULT_HOST = "127.0.0.1"
 
 # Health of a device as the ops views show it: the verdict states plus what a verdict cannot say.

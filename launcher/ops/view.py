@@ -24,7 +24,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import RecordError
-from hspmd_elastic.coord.contract import parse_device_id, plan_of
+from hspmd_elastic.contract.ids import parse_device_id
+from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.plan import PlanError
 
 from launcher.ops.api import HEALTH_STATES, RECENT_EVENTS, STATUS_FORMAT, STATUS_VERSION

@@ -1,4 +1,6 @@
-"""Test harness for hspmd-launch: run the real console script, wait on files/exits, sweep orphans.
+"""Test harness for hspmd-launch: run the real console script, read its files, sweep orphans.
+
+The polling wait the launch tests use is ``tests/_wait.py``'s ``wait_for``.
 
 Every launcher started here carries ``HSPMD_TEST_MARKER=<unique>`` in its environment, which its
 workers and its embedded etcd inherit; ``assert_no_leftovers`` finds any process still carrying
@@ -14,7 +16,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Optional
 
 import click
 import psutil
@@ -79,20 +80,6 @@ def run_launch(args: list[str], env: dict[str, str], out_dir: Path, timeout: flo
     launcher = Launcher(args, env, out_dir, name)
     code = launcher.wait(timeout)
     return code, launcher.stdout(), launcher.stderr()
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str,
-             interval: float = 0.05, proc: Optional[subprocess.Popen] = None):
-    """Poll ``predicate`` until truthy (returned) or the deadline (AssertionError)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.returncode} while waiting for {what}")
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def read_json_files(directory: Path, pattern: str) -> dict[str, dict]:

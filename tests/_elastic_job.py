@@ -1,0 +1,248 @@
+"""The elastic-job harness of the end-to-end tests, and the tiny model the elastic tests train.
+
+``ElasticLaunchJob`` is one job of real ``hspmd-launch --hspmd-elastic`` agents, started as
+separate nodes of this host (``--hspmd-node-id``) against a real etcd, each running
+``tests/scripts/elastic_train.py`` workers over gloo. It holds the job's files (the model
+config, the workers' results, the release file, the sample logs), the agents by node, and an
+etcd client to watch the job: worker records, the journal, plans, switch acks. ``start`` builds
+an agent's argv, in one place; the waits (``wait_paused``, ``wait_at_step``, ``finish``) fail
+with the agents' stderr as soon as one exits early; ``assert_recovered`` and
+``assert_replicas_match_reference`` check the final parameters against the dense reference
+trained on the same global batches (float64, 1e-9).
+
+Every job trains ``TINY`` for ``STEPS`` steps of ``BATCH`` rows (seeds ``SEED``, ``DATA_SEED``);
+its workers pause after step ``PAUSE`` until the test creates ``job.release``, so a fault hits a
+known state. What the tests of a file do differently is a parameter: the job-name prefix, the
+``--hspmd-redundancy`` of every agent, launcher flags (``--hspmd-device-memory`` ...) and
+training flags per agent.
+
+``TINY``, ``write_tiny`` and ``elastic_argv`` serve the other elastic tests too (the netns and
+security ones), which build their agents' argv around their own launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import _elastic
+from _wait import Recorder, wait_for
+from launch_harness import SCRIPTS, Launcher, base_env
+
+from hspmd_elastic.coord import PrefixWatch, read_events, schema
+from hspmd_elastic.coord.api import EventType
+from hspmd_elastic.coord.client import EtcdClient
+from hspmd_elastic.coord.contract import plan_of
+from hspmd_elastic.graph.config import ModelConfig
+
+# The tiny model of the elastic tests: two layers, float64 (exact comparisons at 1e-9).
+TINY = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
+                   seq_len=8, dtype="float64")
+TRAIN_SCRIPT = SCRIPTS / "elastic_train.py"
+STEPS, BATCH, SEED, DATA_SEED, PAUSE = 6, 4, 3, 7, 3
+REFERENCE = _elastic.reference_payload(TINY, steps=STEPS, global_batch=BATCH, seed=SEED,
+                                       data_seed=DATA_SEED)
+
+
+def write_tiny(path: Union[str, Path]) -> Path:
+    """``TINY`` as the JSON file ``--hspmd-model`` and ``elastic_train.py --config`` read."""
+    path = Path(path)
+    path.write_text(TINY.to_json())
+    return path
+
+
+def elastic_argv(model: Union[str, Path], batch: int, *flags: str, steps: int,
+                 out: Union[str, Path], seed: int = SEED, data_seed: int = DATA_SEED,
+                 train: Sequence[str] = ()) -> list[str]:
+    """The elastic part of an agent's argv, after its rendezvous flags: ``--hspmd-elastic`` on
+    ``model`` (a JSON file) and global batch ``batch``, more launcher ``flags``, then
+    ``elastic_train.py`` on the same model and batch, writing its results to ``out``; ``train``:
+    its further arguments."""
+    return ["--hspmd-elastic", "--hspmd-model", str(model), "--hspmd-global-batch", str(batch),
+            *flags, str(TRAIN_SCRIPT), "--config", str(model), "--steps", str(steps),
+            "--global-batch", str(batch), "--seed", str(seed), "--data-seed", str(data_seed),
+            "--out", str(out), *train]
+
+
+class ElasticLaunchJob:
+    """Agents of one elastic job, its files and an etcd client to watch it."""
+
+    def __init__(self, etcd, tmp: Path, marker: str, *, prefix: str = "el",
+                 redundancy: Optional[int] = None):
+        """``etcd``: the ``etcd_server`` fixture; ``marker``: the ``marker`` fixture (the
+        leftover check finds what the agents leave); ``prefix``: of the job's name;
+        ``redundancy``: every agent's ``--hspmd-redundancy`` (None: not passed)."""
+        self.etcd, self.tmp, self.name = etcd, Path(tmp), f"{prefix}-{uuid.uuid4().hex[:8]}"
+        self.config = write_tiny(self.tmp / "model.json")
+        self.out, self.release = self.tmp / "out", self.tmp / "release"
+        self.samples = self.tmp / "samples"
+        self.redundancy = redundancy
+        self.env = base_env(marker)
+        self.agents: dict[str, Launcher] = {}
+        self.client = EtcdClient(etcd.endpoints, timeout=5.0)
+        self.acks = Recorder()  # every switch-ack write seen by watch_acks()
+        self._ack_watch: Optional[PrefixWatch] = None
+
+    def __enter__(self) -> "ElasticLaunchJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ agents
+    def start(self, node: str, nproc: int = 2, *flags: str, nnodes: Union[int, str] = 2,
+              batch: int = BATCH, redundancy: Optional[int] = None, log_samples: bool = False,
+              train: Sequence[str] = ()) -> Launcher:
+        """Start ``node``'s agent with ``nproc`` workers. ``flags``: more launcher flags;
+        ``nnodes``: ``--nnodes`` ("2:3" allows a third node); ``batch``: the global batch;
+        ``redundancy``: this agent's ``--hspmd-redundancy`` (default: the job's);
+        ``log_samples``: the workers log the sample ids of every step (``sample_log``);
+        ``train``: more ``elastic_train.py`` arguments."""
+        redundancy = self.redundancy if redundancy is None else redundancy
+        if redundancy is not None:
+            flags = ("--hspmd-redundancy", str(redundancy), *flags)
+        script = ["--pause-at", str(PAUSE), "--release", str(self.release), "--timeout", "30"]
+        if log_samples:
+            script += ["--sample-log", str(self.samples)]
+        args = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "etcd",
+                "--rdzv-endpoint", self.etcd.endpoint_str, "--rdzv-id", self.name,
+                "--hspmd-node-id", node, "--hspmd-lease-ttl", "2", "--shutdown-timeout", "5",
+                "--rdzv-conf", "join_timeout=60",
+                *elastic_argv(self.config, batch, *flags, steps=STEPS, out=self.out,
+                              train=(*script, *train))]
+        self.agents[node] = Launcher(args, self.env, self.tmp, node)
+        return self.agents[node]
+
+    def check_agents(self) -> None:
+        """AssertionError, with its stderr, if an agent has exited."""
+        for node, agent in self.agents.items():
+            if agent.proc.poll() is not None:
+                raise AssertionError(f"agent {node} exited {agent.proc.returncode} early:\n"
+                                     + agent.stderr()[-4000:])
+
+    def finish(self, timeout: float = 60.0, code: int = 0) -> None:
+        """Wait for every agent to exit (``timeout`` each); each must exit with ``code``."""
+        codes = {node: agent.wait(timeout) for node, agent in self.agents.items()}
+        assert codes == {node: code for node in self.agents}, (codes, {
+            node: agent.stderr()[-6000:] for node, agent in self.agents.items()
+            if codes[node] != code})
+
+    # ------------------------------------------------------------------ waits
+    def wait_at_step(self, devices: list[str], step: int,
+                     timeout: float = 60.0) -> dict[str, int]:
+        """Wait until the records of ``devices`` report step ``step`` or later; their pids."""
+        def reached():
+            self.check_agents()
+            recs = self.workers()
+            if all(d in recs and recs[d].step >= step for d in devices):
+                return {d: recs[d].pid for d in devices}
+            return None
+
+        return wait_for(reached, timeout, f"{devices} at step {step}")
+
+    def wait_paused(self, devices: list[str], timeout: float = 60.0) -> dict[str, int]:
+        """Wait until ``devices`` report step PAUSE (where they wait); their pids."""
+        return self.wait_at_step(devices, PAUSE, timeout)
+
+    # ------------------------------------------------------------------ the job in etcd
+    def workers(self) -> dict[str, schema.WorkerRecord]:
+        """The worker records: ``node:local_rank`` -> record."""
+        prefix = schema.workers_prefix(self.name)
+        out = {}
+        for kv in self.client.get_prefix(prefix):
+            node, lr = kv.key[len(prefix):].split("/")
+            out[f"{node}:{lr}"] = schema.decode(kv.key, kv.value)
+        return out
+
+    def events(self):
+        return read_events(self.client, self.name)
+
+    def leader(self) -> str:
+        """The node of the current leader."""
+        kv = self.client.get(schema.leader_key(self.name))
+        return schema.decode(kv.key, kv.value).node
+
+    def plans(self) -> dict[int, tuple]:
+        """Every published plan: version -> (Plan, device ids)."""
+        out = {}
+        for kv in self.client.get_prefix(schema.plan_history_prefix(self.name)):
+            rec = schema.decode(kv.key, kv.value)
+            out[rec.version] = (plan_of(rec), list(rec.devices))
+        return out
+
+    def watch_acks(self) -> None:
+        """Record every switch ack the agents write. A watch, not a read: an agent's acks are
+        leased, so they vanish when it exits at the job's end, before the test could read them."""
+        self._ack_watch = PrefixWatch(self.client, schema.switch_prefix(self.name), self.acks,
+                                      decode=True, name="switch acks").start()
+
+    def ack_states(self, version: int, node: str) -> list[str]:
+        """The states ``node`` wrote for plan ``version``, in order (``watch_acks`` first)."""
+        return [e.record.state for e in self.acks.items
+                if e.type is EventType.PUT and e.record is not None
+                and (e.record.plan_version, e.record.node) == (version, node)]
+
+    # ------------------------------------------------------------------ the workers' files
+    def results(self) -> dict[str, dict]:
+        """Every worker's result: device -> what ``elastic_train.py`` saved."""
+        import torch
+
+        return {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
+                for p in sorted(self.out.glob("*.pt"))}
+
+    def sample_log(self) -> list[dict]:
+        """Every worker's per-step lines (``log_samples``); a line cut short by a kill is
+        dropped (a line is written whole before the worker can be paused, so none should be)."""
+        rows = []
+        for path in sorted(self.samples.glob("*.jsonl")):
+            lines = path.read_text().split("\n")
+            rows += [dict(json.loads(ln), device=path.stem.replace("_", ":"))
+                     for ln in lines[:-1] if ln]
+        return rows
+
+    # ------------------------------------------------------------------ against the reference
+    def assert_recovered(self, survivors: dict[str, int]) -> dict[str, dict]:
+        """Every worker finished every step, no switch read a checkpoint, each survivor
+        (device -> pid) is the process it was, and the parameters equal the reference; the
+        results."""
+        results = self.results()
+        _elastic.assert_recovered_in_memory(results, survivors, REFERENCE)
+        return results
+
+    @staticmethod
+    def assert_replicas_match_reference(results: dict[str, dict]) -> float:
+        """Every element of every parameter is held (no NaN), every DP replica holds the same
+        values, and they equal the fault-free reference; the largest difference from it."""
+        import torch
+
+        from hspmd_elastic.graph.config import param_specs
+
+        full = _elastic.assemble(list(results.values()), REFERENCE)
+        ref = _elastic.reference_params(REFERENCE)
+        assert set(full) == set(ref) == set(param_specs(TINY))
+        for name, tensor in full.items():
+            missing = int(torch.isnan(tensor).sum())
+            assert not missing, f"{name}: {missing} element(s) held by no rank"
+            for dev, res in results.items():
+                if name in res["final_state"]:
+                    ranges, part = res["final_state"][name]
+                    mine = part.to(torch.float64)
+                    held = tensor[tuple(slice(lo, hi) for lo, hi in ranges)]
+                    gap = float((mine - held).abs().max())
+                    assert gap <= 1e-12, f"{name}: {dev}'s replica differs by {gap:g}"
+        diffs = {n: float((full[n] - ref[n].to(torch.float64)).abs().max()) for n in ref}
+        worst = max(diffs, key=diffs.get)
+        assert all(d <= 1e-9 for d in diffs.values()), \
+            f"{worst}: {diffs[worst]:g} from the reference"
+        return diffs[worst]
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            if agent.proc.poll() is None:
+                agent.proc.kill()
+                agent.proc.wait(timeout=10)
+        if self._ack_watch is not None:
+            self._ack_watch.stop()
+        self.client.close()
