@@ -32,7 +32,6 @@ parameter shards with their global index ranges (``gather_full`` assembles them)
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -64,9 +63,6 @@ log = logging.getLogger("hspmd_elastic.runtime")
 # At the end of a run: how long retired groups whose abandoned collectives have ended get to be
 # destroyed before the process may exit (``GroupReaper.close``); it takes well under a second.
 _REAPER_EXIT_S = 5.0
-# The abort monitor's limit over the watchdog's: every wait has the watchdog's deadline, so the
-# monitor aborts by itself only for a thread stuck outside a wait (a host sync, an enqueue).
-_MONITOR_GRACE_S = 2.0
 
 Sampler = Callable[[int], torch.Tensor]
 
@@ -309,7 +305,8 @@ class _Worker:
                 batch = rows_at(self.sample, self.step, self.global_batch,
                                 held.model.batch_rows())
                 self.watchdog.check(f"step {self.step}")
-                with self._armed(f"step {self.step}"):
+                with self.former.armed(f"step {self.step}", self.timeouts.comm_s,
+                                       self.watchdog.superseded):
                     loss = held.train_step(batch)
                 self.result.losses[self.step] = loss
                 self.step = held.step
@@ -331,14 +328,6 @@ class _Worker:
             return False
         self._enter(WorkerState.FINISHING)
         return True
-
-    def _armed(self, what: str):
-        """The monitor's watch over one step (NCCL: see ``elastic.monitor``); a no-op on gloo."""
-        monitor = self.former.monitor
-        if monitor is None:
-            return contextlib.nullcontext()
-        return monitor.armed(what, self.timeouts.comm_s + _MONITOR_GRACE_S,
-                             self.watchdog.superseded)
 
     def _aborted(self) -> bool:
         monitor = self.former.monitor

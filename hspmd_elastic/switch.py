@@ -42,7 +42,6 @@ committed it leaves the state in two layouts; the next switch reads from both (s
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -70,9 +69,6 @@ from hspmd_elastic.reshard.executor import execute_fused
 
 log = logging.getLogger(__name__)
 
-# The abort monitor's limit over the switch's own deadlines (each wait, the BSR): it aborts by
-# itself only for a thread stuck outside them.
-_MONITOR_GRACE_S = 2.0
 
 
 UNDO_MODES = ("device", "host", "off")
@@ -241,18 +237,10 @@ class GraphSwitch:
                          deadline=t + self.timeouts.regroup_s)
         timings.regroup_s = time.monotonic() - t
 
-        with self._armed(record.version):
+        with self.former.armed(f"switch to plan v{record.version}", self.timeouts.comm_s,
+                               self._superseded(record.version)):
             return self._after_regroup(record, held, group, rank, draining, plan, mine, timings,
                                        start, on_phase)
-
-    def _armed(self, version: int):
-        """The abort monitor's watch over the switch's waits on the device (NCCL: a BSR
-        enqueue that blocks, a split); a no-op on gloo."""
-        monitor = self.former.monitor
-        if monitor is None:
-            return contextlib.nullcontext()
-        return monitor.armed(f"switch to plan v{version}",
-                             self.timeouts.comm_s + _MONITOR_GRACE_S, self._superseded(version))
 
     def _after_regroup(self, record, held, group, rank, draining, plan, mine, timings, start,
                        on_phase) -> SwitchResult:

@@ -127,7 +127,7 @@ def test_a_host_sync_behind_a_dead_peer_is_released_by_the_monitor_thread(world)
     res = survivor.result()
     assert res["error"] == "CommTimeoutError", res
     assert res["fired"] and "no communication completed" in res["fired"], res
-    assert res["elapsed"] <= LIMIT_S + 1.0 + SLACK_S, res
+    assert res["elapsed"] <= LIMIT_S + 2.0 + SLACK_S, res  # + the monitor's grace
     _left_by_abort(res)
 
 

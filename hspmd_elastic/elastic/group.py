@@ -48,6 +48,7 @@ group's first operation).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -69,6 +70,8 @@ log = logging.getLogger(__name__)
 _POLL_FIRST_S = 0.001
 _POLL_MAX_S = 0.05
 _SETTLE_S = 0.5  # after the last abandoned collective ends, before dropping its groups
+# The abort monitor's limit over a block's own deadlines (GroupFormer.armed)
+ARMED_GRACE_S = 2.0
 
 
 class RegroupAborted(ElasticError):
@@ -389,6 +392,14 @@ class GroupFormer:
             if error is not None:
                 log.warning("aborting the communicators raised (%s: %s); the groups are "
                             "forgotten when the plan is left", type(error).__name__, error)
+
+    def armed(self, what: str, limit_s: float, superseded: Callable[[], bool]):
+        """The abort monitor's watch over a block whose waits each have ``limit_s`` (a step,
+        a switch): it aborts by itself only for a thread stuck outside them, ``ARMED_GRACE_S``
+        later. A no-op on gloo."""
+        if self.monitor is None:
+            return contextlib.nullcontext()
+        return self.monitor.armed(what, limit_s + ARMED_GRACE_S, superseded)
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -88,7 +88,7 @@ def main() -> int:
                         monitor=former.monitor)
     start = time.monotonic()
     try:
-        with former.monitor.armed("step 0", limit_s + 1.0, watchdog.superseded):
+        with former.armed("step 0", limit_s, watchdog.superseded):  # as the runtime arms a step
             if scenario == "collective":  # the step: a collective through the watchdog ...
                 loss = Comm({(0, 1): dist.group.WORLD}, 0, watchdog).all_reduce(
                     torch.ones(3, dtype=torch.float64), [0, 1])
