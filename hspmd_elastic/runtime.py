@@ -40,7 +40,8 @@ from typing import Callable, Optional
 
 import torch
 
-from hspmd_elastic.coord import EtcdClient, schema
+from hspmd_elastic.coord import EtcdClient
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.elastic.api import (ConfigurationError, Lifecycle, PlanWaitTimeout,
                                        ProgressReporter, SwitchTimings, TRANSITIONS, WorkerIdentity,

@@ -50,7 +50,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hspmd_elastic.coord import EtcdClient, append_event, schema
+from hspmd_elastic.coord import EtcdClient, append_event
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.elastic import agree

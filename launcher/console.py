@@ -286,7 +286,7 @@ class ElasticWaits:
 
     def poll(self, waiting_plan: bool, waited_s: float, timeout_left_s: float,
              now: float) -> Optional[Wait]:
-        from hspmd_elastic.coord import schema
+        from hspmd_elastic.contract import schema
         from hspmd_elastic.coord.api import CoordinationError, RecordError
 
         if self.clock() < self._next:
@@ -308,8 +308,8 @@ class ElasticWaits:
         return self._last
 
     def _read_events(self) -> None:
-        from hspmd_elastic.coord import schema
-        from hspmd_elastic.coord.valid import decode_or_none, decode_valid
+        from hspmd_elastic.contract import schema
+        from hspmd_elastic.contract.schema import decode_or_none, decode_valid
 
         counter = decode_or_none(self.client.get(schema.event_seq_key(self.job)), log, self.job)
         last = counter.value if counter is not None else 0
@@ -323,11 +323,11 @@ class ElasticWaits:
         self._seq = max([last] + [e.seq for e in events])
 
     def _acks(self, version: int) -> tuple[int, Optional[int]]:
-        from hspmd_elastic.coord import schema
+        from hspmd_elastic.contract import schema
         from hspmd_elastic.contract.ids import node_of
         from hspmd_elastic.coord.plans import read_plan
 
-        from hspmd_elastic.coord.valid import decode_valid
+        from hspmd_elastic.contract.schema import decode_valid
 
         acks = [ack for _, ack in decode_valid(
             self.client.get_prefix(schema.switch_prefix(self.job, version)), log, self.job)]

@@ -49,7 +49,7 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from hspmd_elastic.coord import schema  # noqa: E402
+from hspmd_elastic.contract import schema  # noqa: E402
 from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent  # noqa: E402
 from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
 from hspmd_elastic.contract.ids import node_of  # noqa: E402

@@ -32,7 +32,7 @@ if ROOT not in sys.path:
 
 import psutil  # noqa: E402
 
-from hspmd_elastic.coord import schema  # noqa: E402
+from hspmd_elastic.contract import schema  # noqa: E402
 from hspmd_elastic.coord.api import EventType, WatchEvent  # noqa: E402
 from hspmd_elastic.coord.client import EtcdClient  # noqa: E402
 from hspmd_elastic.coord.watch import PrefixWatch  # noqa: E402

@@ -49,7 +49,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import ddp_train  # noqa: E402
 
-from hspmd_elastic.coord import EtcdClient, schema  # noqa: E402
+from hspmd_elastic.coord import EtcdClient  # noqa: E402
+from hspmd_elastic.contract import schema  # noqa: E402
 from launcher.standalone import EtcdCluster  # noqa: E402
 
 JOB = "demo"

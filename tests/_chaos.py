@@ -36,7 +36,7 @@ from _netns import NetnsJob, Topology
 from _wait import wait_for
 from launch_harness import SCRIPTS, base_env
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.inject.api import Report

@@ -65,7 +65,8 @@ class ElasticJob:
     # ------------------------------------------------------------------ leader side
     def publish(self, plan, devices: list[str], reason: str = "test",
                 drain: tuple[str, ...] = (), step: int = 0) -> int:
-        from hspmd_elastic.coord import publish_plan, read_plan, schema
+        from hspmd_elastic.coord import publish_plan, read_plan
+        from hspmd_elastic.contract import schema
 
         current, rev = read_plan(self.client, JOB)
         version = current.version + 1 if current else 1

@@ -31,7 +31,8 @@ import _elastic
 from _wait import Recorder, wait_for
 from launch_harness import SCRIPTS, Launcher, base_env
 
-from hspmd_elastic.coord import PrefixWatch, read_events, schema
+from hspmd_elastic.coord import PrefixWatch, read_events
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import EventType
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.contract import plan_of

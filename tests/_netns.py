@@ -381,7 +381,7 @@ class NetnsJob:
                                      + agent.stderr()[-4000:])
 
     def workers(self) -> dict:
-        from hspmd_elastic.coord import schema
+        from hspmd_elastic.contract import schema
         from hspmd_elastic.coord.api import CoordinationError
 
         prefix = schema.workers_prefix(self.name)

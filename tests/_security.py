@@ -19,7 +19,7 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import prefix_range_end
 from hspmd_elastic.coord.security import EtcdSecurity
 from launcher.api import EtcdServerTLS

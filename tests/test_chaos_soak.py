@@ -70,7 +70,7 @@ def test_one_cycle_of_thirteen_fault_kinds_on_three_hosts(netns, marker):
 
 # ------------------------------------------------------------------- pure pieces it relies on
 def _ev(seq, type_, node="node-a", **detail):
-    from hspmd_elastic.coord import schema
+    from hspmd_elastic.contract import schema
 
     timings = {"to_version": float(detail["plan_version"])} if type_ == "switch-done" else {}
     return schema.EventRecord(seq=seq, type=type_, node=node, detail=detail, timings=timings,

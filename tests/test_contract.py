@@ -210,7 +210,7 @@ def test_the_id_rule_refuses_with_one_line(bad):
 
 
 def test_every_id_check_uses_the_one_rule():
-    from hspmd_elastic.coord import schema
+    from hspmd_elastic.contract import schema
     from launcher import cli
 
     assert schema.ID_RE is ID_RE

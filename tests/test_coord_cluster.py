@@ -13,8 +13,8 @@ from hspmd_elastic.coord import (
     EventType,
     LeasedSession,
     PrefixWatch,
-    schema,
 )
+from hspmd_elastic.contract import schema
 from _wait import Recorder, all_threads_stopped, never, wait_for
 
 pytestmark = pytest.mark.cluster

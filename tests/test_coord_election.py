@@ -11,8 +11,8 @@ from hspmd_elastic.coord import (
     EtcdClient,
     FencedWriteRejected,
     LeasedSession,
-    schema,
 )
+from hspmd_elastic.contract import schema
 from _wait import Recorder, wait_for
 
 JOB = "ejob"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from hspmd_elastic.coord import EtcdClient, append_event, schema
+from hspmd_elastic.coord import EtcdClient, append_event
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.journal import read_events
 
 JOB = "jjob"

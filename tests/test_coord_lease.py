@@ -12,8 +12,8 @@ from hspmd_elastic.coord import (
     LeaseTracker,
     LeaseVerdict,
     PrefixWatch,
-    schema,
 )
+from hspmd_elastic.contract import schema
 from _wait import Recorder, never, wait_for
 
 JOB = "ljob"

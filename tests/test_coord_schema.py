@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hspmd_elastic.coord import RecordError, schema
+from hspmd_elastic.coord import RecordError
+from hspmd_elastic.contract import schema
 
 JOB = "job-1"
 

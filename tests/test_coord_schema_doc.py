@@ -9,8 +9,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord import (Election, EtcdClient, LeasedSession, append_event,
-                                 publish_plan, schema)
+                                 publish_plan)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "etcd-schema.md"
 NESTED = schema.NESTED_TYPES

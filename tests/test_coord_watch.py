@@ -13,8 +13,8 @@ from hspmd_elastic.coord import (
     PrefixWatch,
     RecordError,
     WatchCompactedError,
-    schema,
 )
+from hspmd_elastic.contract import schema
 from _wait import Recorder
 
 WAIT = 5.0

@@ -16,7 +16,8 @@ from typing import Optional
 
 import pytest
 
-from hspmd_elastic.coord import EtcdClient, LeasedSession, schema
+from hspmd_elastic.coord import EtcdClient, LeasedSession
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError, EtcdUnavailableError, PutOp
 from hspmd_elastic.coord.plans import plan_head
 from _wait import wait_for

@@ -30,7 +30,7 @@ from _elastic_job import BATCH, STEPS, TINY, ElasticLaunchJob, write_tiny
 from _wait import wait_for
 from launch_harness import SCRIPTS
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.plans import read_plan
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]

@@ -27,7 +27,7 @@ import pytest
 from _elastic_job import STEPS, ElasticLaunchJob
 from _wait import wait_for
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
 

@@ -22,7 +22,7 @@ from _elastic_job import write_tiny
 from _wait import wait_for
 from launch_harness import SCRIPTS, Launcher, base_env
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.api import RendezvousConnectionError
 from launcher.node.outage import EtcdOutagePolicy

@@ -33,7 +33,8 @@ from _wait import wait_for
 from launch_harness import REPO, SCRIPTS, Launcher, base_env
 from test_hf import VOCAB, float64_peer, hf_logits, tiny_llama, train_peer
 
-from hspmd_elastic.coord import read_events, schema
+from hspmd_elastic.coord import read_events
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.data import random_tokens, token_sampler, write_token_file
 from hspmd_elastic.elastic.api import ConfigurationError

@@ -26,7 +26,7 @@ GROUP_TIMEOUT_S = 600.0  # far beyond every deadline below: waiting for it fails
 
 
 def _record(version: int):
-    from hspmd_elastic.coord import schema
+    from hspmd_elastic.contract import schema
     from hspmd_elastic.plan import simple_plan
 
     return schema.PlanRecord(version=version, reason="test", devices=["n0:0", "n0:1"],
@@ -39,7 +39,8 @@ def _abandoned_then_dropped(rank: int, world: int, endpoints: list[str], store_p
     import torch
     import torch.distributed as dist
 
-    from hspmd_elastic.coord import EtcdClient, schema
+    from hspmd_elastic.coord import EtcdClient
+    from hspmd_elastic.contract import schema
     from hspmd_elastic.elastic.api import SwitchRequested
     from hspmd_elastic.elastic.group import GroupFormer
     from hspmd_elastic.elastic.watchdog import PlanWatcher, Watchdog

@@ -6,7 +6,7 @@ import pynvml
 import pytest
 
 from hspmd_elastic.coord.api import EtcdUnavailableError
-from hspmd_elastic.coord.schema import DeviceHealthRecord, decode, device_key
+from hspmd_elastic.contract.schema import DeviceHealthRecord, decode, device_key
 from launcher.health.api import HealthConfigError, Verdict
 from launcher.health.fake_nvml import FakeNvml, fake_gpus
 from launcher.health.nvml import NvmlHealthSource

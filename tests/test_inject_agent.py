@@ -17,7 +17,7 @@ from launch_harness import (
     pid_alive,
 )
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import EventType
 from hspmd_elastic.coord.client import EtcdClient
 from _wait import Recorder, wait_for

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 
 
 # ------------------------------------------------------------------- pure pieces it relies on

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from launcher.health.api import DeviceState
 from launcher.health.scripted import ScriptedHealthSource
 from launcher.health.verdicts import EtcdFaultFeed, fault_script_key

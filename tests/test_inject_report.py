@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from hspmd_elastic.contract.progress import WorkerProgress, write_progress
-from hspmd_elastic.coord.schema import EventRecord
+from hspmd_elastic.contract.schema import EventRecord
 from launcher.inject.api import (
     NOT_DETECTED,
     RECOVERED,

@@ -19,7 +19,7 @@ from launch_harness import (
 )
 from _wait import wait_for
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from launcher.standalone import free_ports
 from hspmd_elastic.coord.client import EtcdClient
 

@@ -20,7 +20,7 @@ import pytest
 
 from launch_harness import LAUNCH, REPO, SCRIPTS, Launcher, base_env
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.journal import append_event
 from launcher.console import (

@@ -19,8 +19,8 @@ from hspmd_elastic.coord import (
     PrefixWatch,
     read_events,
     read_plan,
-    schema,
 )
+from hspmd_elastic.contract import schema
 from _clock import FakeClock
 from _wait import Recorder, wait_for
 from hspmd_elastic.coord.lifecycle import IllegalTransition

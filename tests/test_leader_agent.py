@@ -12,7 +12,8 @@ from datetime import timedelta
 
 import pytest
 
-from hspmd_elastic.coord import EtcdClient, LeasedSession, read_events, read_plan, schema
+from hspmd_elastic.coord import EtcdClient, LeasedSession, read_events, read_plan
+from hspmd_elastic.contract import schema
 from _wait import wait_for
 from hspmd_elastic.planner import ModelProfile, plan_for
 from hspmd_elastic.contract.progress import read_progress

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.ids import device_id, parse_device_id
 from hspmd_elastic.plan import Plan
 from hspmd_elastic.planner import ModelProfile, PlanInfeasibleError, plan_for

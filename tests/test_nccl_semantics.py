@@ -132,7 +132,8 @@ def test_a_host_sync_behind_a_dead_peer_is_released_by_the_monitor_thread(world)
 
 
 def test_a_newer_plan_releases_a_blocked_host_sync_before_the_limit(world, etcd_server):
-    from hspmd_elastic.coord import EtcdClient, schema
+    from hspmd_elastic.coord import EtcdClient
+    from hspmd_elastic.contract import schema
     from hspmd_elastic.plan import simple_plan
 
     job = "ncclsem-c"

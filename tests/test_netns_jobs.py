@@ -17,7 +17,7 @@ from _elastic_job import TINY, elastic_argv, write_tiny
 from _netns import NetnsJob
 from launch_harness import SCRIPTS, base_env, read_json_files
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.plans import read_plan
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]

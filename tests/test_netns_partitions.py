@@ -103,7 +103,7 @@ def plan_writes(client, job: str) -> list[tuple[int, object]]:
     (read back through etcd's history: nothing in the test compacts it)."""
     from etcd3 import etcdrpc
 
-    from hspmd_elastic.coord import schema
+    from hspmd_elastic.contract import schema
 
     key = schema.plan_current_key(job)
     out, rev = [], 0
@@ -118,7 +118,7 @@ def plan_writes(client, job: str) -> list[tuple[int, object]]:
 
 
 def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the_heal(cluster):
-    from hspmd_elastic.coord import schema
+    from hspmd_elastic.contract import schema
     from hspmd_elastic.coord.api import Compare, CompareTarget, FencedWriteRejected, PutOp
 
     topo, job = cluster
@@ -314,7 +314,7 @@ def test_inject_cli_rejects_a_bad_topology_file_in_one_line(tmp_path, capsys):
 def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_heal(cluster):
     import torch
 
-    from hspmd_elastic.coord import schema
+    from hspmd_elastic.contract import schema
     from inject_train import reference_params
 
     topo, job = cluster

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hspmd_elastic.coord import EtcdClient, append_event, schema
+from hspmd_elastic.coord import EtcdClient, append_event
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import DEFAULT_TIMEOUT_S
 from launcher.ops.dashboard import DashboardServer
 from launcher.ops.state import JobStateCache

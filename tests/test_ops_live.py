@@ -37,7 +37,8 @@ from launch_harness import (
 )
 from _wait import wait_for
 
-from hspmd_elastic.coord import EtcdClient, append_event, schema
+from hspmd_elastic.coord import EtcdClient, append_event
+from hspmd_elastic.contract import schema
 from hspmd_elastic.plan import simple_plan
 from launcher.health.api import Verdict
 from launcher.health.verdicts import VerdictPublisher

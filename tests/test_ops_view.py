@@ -13,7 +13,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.plan import Pipeline, Plan, Stage, simple_plan
 from launcher.ops.api import STATUS_FORMAT, STATUS_VERSION
 from launcher.ops.metrics import exposition, make_registry

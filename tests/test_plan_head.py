@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from hspmd_elastic.coord import Election, EtcdClient, LeasedSession, publish_plan, schema
+from hspmd_elastic.coord import Election, EtcdClient, LeasedSession, publish_plan
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.plans import (device_runs, expand_runs, node_ranks, plan_head,
                                        plan_nodes, read_plan_head)
 from test_elastic_agent_acks import _log_paths

@@ -27,7 +27,7 @@ from hspmd_elastic.planner import (BUILTIN_SPECS, Device, Inventory, PlannerErro
 from launcher.leader import PlanningFailed, RedundantPlanner, build_snapshot, decide, make_layout
 from launcher.node.devices import device_table
 from launcher.node.judge import JobView, judge
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import pytest
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.plan import Plan
 from hspmd_elastic.planner import (Inventory, ModelProfile, PlanInfeasibleError,
                                    PlannerOptions, cost, cpu_inventory, plan_for, preset)

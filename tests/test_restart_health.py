@@ -18,7 +18,7 @@ import pytest
 from _wait import wait_for
 from launch_harness import Launcher, base_env, read_json_files
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.env import PROGRESS_FILE_ENV
 from hspmd_elastic.contract.progress import read_progress

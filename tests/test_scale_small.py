@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from _scale_fleet import JOB, Fleet  # noqa: E402
 from launch_harness import MARKER  # noqa: E402
 
-from hspmd_elastic.coord import schema  # noqa: E402
+from hspmd_elastic.contract import schema  # noqa: E402
 from hspmd_elastic.coord.plans import plan_digest  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]

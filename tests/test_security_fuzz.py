@@ -22,7 +22,7 @@ from _elastic_job import elastic_argv, write_tiny
 from _wait import wait_for
 from launch_harness import Launcher, base_env
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.ops.commands import main as ops_main
 from launcher.ops.dashboard import DashboardServer

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import RecordError
-from hspmd_elastic.coord.valid import decode_valid
+from hspmd_elastic.contract.schema import decode_valid
 from hspmd_elastic.elastic.checkpoint import (CheckpointError, CheckpointWriter,
                                               latest_complete, load_shards)
 from hspmd_elastic.graph.config import ModelConfig

@@ -15,7 +15,7 @@ import pytest
 from _wait import wait_for
 from launch_harness import SCRIPTS, Launcher, base_env, pid_alive
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.inject.faults import InjectContext, Refused, make_fault
 from launcher.inject.scenario import parse_fault

@@ -35,7 +35,8 @@ from _security import PASSWORDS, Pki, SecureEtcd, clean_env
 from _wait import wait_for
 from launch_harness import LAUNCH, REPO
 
-from hspmd_elastic.coord import LeasedSession, PrefixWatch, append_event, schema
+from hspmd_elastic.coord import LeasedSession, PrefixWatch, append_event
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.cli import main as cli_main

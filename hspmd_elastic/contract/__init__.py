@@ -11,7 +11,7 @@ the leader, the ops and inject tools, the worker runtime, ``hspmd_elastic.heartb
 * ``text``: the one escaping rule for text from etcd or another process shown in a log or on a
   terminal.
 
-The etcd key schema and its records are in ``hspmd_elastic.coord.schema``.
+The etcd key schema and its records are in ``hspmd_elastic.contract.schema``.
 
 Promise: torch-free and etcd-free. Importing this package imports neither ``torch`` nor
 ``etcd3`` nor ``grpc`` (nor ``hspmd_elastic.coord``, whose package imports the etcd client), so

@@ -1,16 +1,18 @@
-"""Coordination through etcd: client, leases, watches, leader election and the key schema.
+"""Coordination through etcd: the transport (client, leases, watches, leader election, the
+fenced plan publication and the event journal's append).
 
 This package is the only code in hspmd-elastic that talks to etcd. Errors are
-``CoordinationError`` subclasses (see ``api.py``); keys and records are in ``schema.py`` and
-documented in docs/etcd-schema.md. TLS and authentication: ``EtcdClient(..., security=
+``CoordinationError`` subclasses (see ``api.py``); the keys, records and event details it
+carries are the contract's (``hspmd_elastic.contract.schema``), documented in
+docs/etcd-schema.md. TLS and authentication: ``EtcdClient(..., security=
 EtcdSecurity(ca_file=..., cert_file=..., key_file=..., user=..., password=...))``
 (``security.py``, docs/security.md).
 
 Usage (a node agent)::
 
+    from hspmd_elastic.contract import schema
     from hspmd_elastic.coord import (
         Election, EtcdClient, LeasedSession, PrefixWatch, append_event, publish_plan, read_plan,
-        schema,
     )
 
     client = EtcdClient("127.0.0.1:2379,127.0.0.1:2381", timeout=2.0)
@@ -37,7 +39,6 @@ Usage (a node agent)::
     watch.stop(); election.resign(); session.stop(); client.close()
 """
 
-from hspmd_elastic.coord import schema
 from hspmd_elastic.coord.api import (
     Clock,
     Compare,
@@ -75,5 +76,5 @@ __all__ = [
     "FencedWriteRejected", "GetOp", "KeepAlive", "KeyValue", "LeaseLostError", "LeaseTracker",
     "LeaseVerdict", "LeasedSession", "NewEvent", "PrefixWatch", "PutOp", "RangeResult",
     "RecordError", "TxnResult", "WatchCompactedError", "WatchEvent", "append_event",
-    "append_events", "parse_endpoints", "publish_plan", "read_events", "read_plan", "schema",
+    "append_events", "parse_endpoints", "publish_plan", "read_events", "read_plan",
 ]

@@ -8,8 +8,8 @@ A reader learns ``hspmd_elastic.coord`` from this file. Promises:
   ``WatchEvent``), independent of the etcd3 library's types;
 * transaction operations (``Compare``, ``PutOp``, ``DeleteOp``) are plain data; the client
   translates them.
-* a ``RecordError`` shows the bad key and problem with ``contract.text.bounded`` (cut, control
-  and format characters escaped): what anyone can write to etcd never reaches a log whole.
+* ``CoordinationError`` and ``RecordError`` are defined in ``hspmd_elastic.contract.errors``
+  (a bad record is a contract matter, not a transport one) and re-exported here.
 """
 
 from __future__ import annotations
@@ -18,17 +18,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-from hspmd_elastic.contract.text import bounded
+from hspmd_elastic.contract.errors import CoordinationError, RecordError  # noqa: F401
 
 Clock = Callable[[], float]
 """A monotonic clock in seconds (``time.monotonic`` in production, a fake in unit tests)."""
 
 
 # --------------------------------------------------------------------------------------- errors
-class CoordinationError(Exception):
-    """Root of every error raised by ``hspmd_elastic.coord``."""
-
-
 class EtcdUnavailableError(CoordinationError):
     """No etcd member could be reached (all refused, or none answered) before the deadline."""
 
@@ -72,16 +68,6 @@ class LeaseLostError(CoordinationError):
         self.reason = reason
         lease = "none" if lease_id is None else f"{lease_id:016x}"
         super().__init__(f"lease {lease} lost: {reason}")
-
-
-class RecordError(CoordinationError):
-    """A value under a schema key is not a valid record (names the key and what is wrong)."""
-
-    def __init__(self, key: str, problem: str):
-        self.key = key
-        # values come from etcd: never echo them whole, nor a terminal escape sequence
-        self.problem = bounded(problem, 300)
-        super().__init__(f"bad record at {bounded(repr(key), 200)}: {self.problem}")
 
 
 class WatchCompactedError(CoordinationError):

@@ -13,7 +13,7 @@ holds the two conversions that need the schema's records. Promises:
 from __future__ import annotations
 
 from hspmd_elastic.contract.progress import WorkerProgress
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.plan import Plan, PlanError
 
 

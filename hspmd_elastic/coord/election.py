@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Callable, Optional
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import (
     Compare,
     CompareTarget,

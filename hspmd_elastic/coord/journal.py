@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, EtcdTimeoutError, PutOp
 from hspmd_elastic.coord.client import EtcdClient
 

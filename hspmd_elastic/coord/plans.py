@@ -23,7 +23,7 @@ import hashlib
 import re
 from typing import Iterable, Optional, Union
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, ConflictError, GetOp, PutOp
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.ids import device_id, parse_device_id

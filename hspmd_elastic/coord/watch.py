@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import grpc
 from etcd3 import etcdrpc
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import (
     CoordinationError,
     EtcdAuthError,

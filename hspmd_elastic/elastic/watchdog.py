@@ -32,7 +32,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from hspmd_elastic.coord import EtcdClient, PrefixWatch, read_plan, schema
+from hspmd_elastic.coord import EtcdClient, PrefixWatch, read_plan
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent
 from hspmd_elastic.elastic.api import SwitchRequested
 from hspmd_elastic.elastic.monitor import AbortMonitor

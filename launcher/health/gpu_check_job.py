@@ -134,7 +134,7 @@ class _Job:
         return record.version if record else 0
 
     def fault(self, kind: str, **fields) -> None:
-        from hspmd_elastic.coord import schema
+        from hspmd_elastic.contract import schema
         from launcher.health.scripted import Fault, encode_fault_script
 
         self.client.put(schema.fault_script_key(self.job, NODE),

@@ -1,7 +1,7 @@
 """Verdicts to etcd, verdicts from etcd, and the choice of a health source.
 
 * ``VerdictPublisher`` writes each device's verdict as a ``DeviceHealthRecord`` at
-  ``devices/<node>/<index>`` (``coord.schema.device_key``) only when it changed; after a failed
+  ``devices/<node>/<index>`` (``contract.schema.device_key``) only when it changed; after a failed
   write, or after ``republish_all()`` (a new agent lease), it re-writes every device on the next
   call, so etcd converges to the source's current view whatever was missed;
 * ``read_device_health`` / ``summarize_device_health`` give the leader its view: failed devices
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
 from hspmd_elastic.coord.api import CoordinationError
-from hspmd_elastic.coord.schema import (
+from hspmd_elastic.contract.schema import (
     DeviceHealthRecord,
     decode,
     devices_prefix,

@@ -38,7 +38,7 @@ from hspmd_elastic.contract.env import (ETCD_DOWN_S_ENV, ETCD_ENDPOINT_ENV, ETCD
                                         ETCD_HOW_ENV)
 from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient
-from hspmd_elastic.coord.schema import job_prefix
+from hspmd_elastic.contract.schema import job_prefix
 from launcher.etcd_security import subcommand_options, subcommand_security
 from launcher.inject.api import InjectError, ScenarioError
 from launcher.inject.detect import JobObserver, default_progress

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.ids import device_id, parse_device_id

@@ -38,7 +38,7 @@ import psutil
 
 from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient, parse_endpoints
-from hspmd_elastic.coord.schema import job_prefix
+from hspmd_elastic.contract.schema import job_prefix
 from hspmd_elastic.coord.security import EtcdSecurity, EtcdSecurityError
 from launcher.inject.api import InjectError, NotOwnedError, TargetNotFound
 

@@ -19,7 +19,7 @@ import time
 from typing import Optional, Protocol
 
 from hspmd_elastic.contract.progress import progress_from_dict
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import EventType, WatchEvent
 from launcher.inject.api import ProgressPoint
 

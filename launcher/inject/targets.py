@@ -34,8 +34,8 @@ import psutil
 
 from hspmd_elastic.contract.env import JOB_ID_ENV, NODE_ID_ENV
 from hspmd_elastic.contract.text import bounded
-from hspmd_elastic.coord import schema
-from hspmd_elastic.coord.valid import decode_or_none, decode_valid
+from hspmd_elastic.contract import schema
+from hspmd_elastic.contract.schema import decode_or_none, decode_valid
 from launcher.inject.api import TargetNotFound
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ import enum
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.ids import device_sort_key, node_of
 from launcher.leader.snapshot import EXIT_PREFIX, STALL_PREFIX, ClusterSnapshot, DeviceView
 

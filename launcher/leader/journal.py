@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.journal import NewEvent, append_events

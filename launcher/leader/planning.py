@@ -30,7 +30,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.ids import device_sort_key, node_of
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.plan import Plan, PlanError

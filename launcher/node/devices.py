@@ -20,7 +20,7 @@ import logging
 import os
 from typing import Any, Optional, Sequence
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.ids import device_id
 
 CPU_TYPE = "CPU"

@@ -41,12 +41,12 @@ import sys
 import time
 from typing import Optional
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp, RecordError
 from hspmd_elastic.contract.progress import DONE_STATES, LEFT_STATES
 from hspmd_elastic.coord.lifecycle import StateMachine
 from hspmd_elastic.coord.plans import plan_nodes, read_plan_head
-from hspmd_elastic.coord.valid import decode_or_none, decode_valid
+from hspmd_elastic.contract.schema import decode_or_none, decode_valid
 from launcher.api import (
     LaunchError,
     RendezvousClosedError,

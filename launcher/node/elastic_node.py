@@ -49,7 +49,7 @@ from typing import Callable, Optional
 from hspmd_elastic.contract.ids import device_id
 from hspmd_elastic.contract.progress import (LEFT_STATES, WorkerProgress, WorkerState,
                                             read_progress)
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.contract import worker_record
 from hspmd_elastic.coord.journal import append_event
@@ -57,7 +57,7 @@ from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.api import EventType, WatchEvent
 from hspmd_elastic.coord.plans import plan_nodes, read_plan_head
 from hspmd_elastic.coord.watch import PrefixWatch
-from hspmd_elastic.coord.valid import decode_or_none
+from hspmd_elastic.contract.schema import decode_or_none
 from launcher.health.api import HealthSource, Verdict
 from launcher.health.verdicts import VerdictPublisher
 from launcher.leader import STALL_PREFIX, Leader

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.ids import device_id
 from hspmd_elastic.coord.journal import append_event

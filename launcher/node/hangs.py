@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Mapping, Optional
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from launcher.health.progress import Hang, HangDetector
 
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 from typing import Any, Optional
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.api import LaunchConfig, LaunchError, RendezvousConnectionError, SignalReceived

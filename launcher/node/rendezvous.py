@@ -1,6 +1,6 @@
 """Restart-mode rendezvous on etcd: rounds of nodes, closed by one compare-and-set.
 
-Keys (under ``/hspmd/v1/jobs/<job>/rdzv/``; builders and records in ``hspmd_elastic.coord.schema``,
+Keys (under ``/hspmd/v1/jobs/<job>/rdzv/``; builders and records in ``hspmd_elastic.contract.schema``,
 documented in docs/etcd-schema.md):
 
 * ``state`` (kind ``rdzv_state``, no lease): the current round, its state (``joining``,
@@ -45,8 +45,9 @@ from hspmd_elastic.coord.api import (CompareTarget, Compare, CoordinationError, 
                                       PutOp, RecordError)
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.lease import LeasedSession
-from hspmd_elastic.coord import journal, schema
-from hspmd_elastic.coord.valid import decode_valid
+from hspmd_elastic.coord import journal
+from hspmd_elastic.contract import schema
+from hspmd_elastic.contract.schema import decode_valid
 
 from launcher.console import RendezvousWait
 from launcher.api import (

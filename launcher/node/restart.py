@@ -41,7 +41,7 @@ import sys
 import time
 from typing import Optional
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError, LeaseLostError
 from hspmd_elastic.contract.ids import device_id
 from hspmd_elastic.coord.lifecycle import StateMachine

@@ -24,7 +24,7 @@ from typing import Iterator, Optional, Sequence
 
 import click
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.client import EtcdClient, parse_endpoints
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 
 SWITCH_TYPES = ("switch-start", "switch-done", "switch-failed")
 

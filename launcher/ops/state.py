@@ -21,7 +21,8 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from hspmd_elastic.coord import PrefixWatch, schema
+from hspmd_elastic.coord import PrefixWatch
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError, EventType, RecordError, WatchEvent
 from hspmd_elastic.coord.client import EtcdClient
 

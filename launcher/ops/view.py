@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-from hspmd_elastic.coord import schema
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import RecordError
 from hspmd_elastic.contract.ids import parse_device_id
 from hspmd_elastic.coord.contract import plan_of

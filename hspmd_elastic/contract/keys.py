@@ -3,7 +3,7 @@
 Pure string functions, no I/O. Node ids and job ids are checked (the id rule of
 ``hspmd_elastic.contract.ids``: 1-128 characters from ``[A-Za-z0-9._-]``, starting with a
 letter or digit); versions, sequence numbers and rounds are
-zero-padded to ``PAD`` digits, so keys sort in numeric order. ``coord.schema`` re-exports them.
+zero-padded to ``PAD`` digits, so keys sort in numeric order. ``contract.schema`` re-exports them.
 """
 
 from __future__ import annotations

@@ -1,349 +1,70 @@
-"""The etcd key schema of a job and its typed records (CONTRACT: read by dashboards and etcdctl).
+"""The etcd key schema of a job, its registry and its codec (CONTRACT: read by dashboards and
+etcdctl). ``from hspmd_elastic.contract import schema`` gives the key builders (``keys``), the
+records (``records``) and the event details (``events``) under one name.
 
 Promises:
 
 * every key lives under ``/hspmd/v1/jobs/<job_id>/`` and is built by one function of
-  ``keys.py`` (re-exported here); numbers in keys are zero-padded so lexicographic order is
-  numeric order;
-* every value is a UTF-8 JSON object with ``"schema": 1`` and a ``"kind"`` naming its record
-  type; no pickle, no base64; fields added after a record type was first written have defaults
-  and may be absent from older values (they decode to the default);
+  ``keys.py``; numbers in keys are zero-padded so lexicographic order is numeric order;
+* every value is a UTF-8 JSON object with ``"schema": SCHEMA_VERSION`` and a ``"kind"`` naming
+  its record type; no pickle, no base64; fields added after a record type was first written have
+  defaults and may be absent from older values (they decode to the default);
 * ``REGISTRY`` is the single table of key patterns -> record types; ``decode(key, raw)`` uses it
   and returns the right record or raises ``RecordError`` naming the key and what is wrong
   (malformed JSON, missing or unknown schema, wrong kind, missing/unknown/mistyped fields, a
-  field that contradicts the key); docs/etcd-schema.md is checked against it by a test.
+  field that contradicts the key); docs/etcd-schema.md is checked against it by a test;
+* ``parse_value(raw, key, limit, what)`` parses one value as strict JSON: at most ``limit``
+  bytes of UTF-8, no ``NaN``/``Infinity``, no number beyond a float's range, no nesting deep
+  enough to exhaust the stack; anything else is a ``RecordError`` naming the key, whose message
+  never echoes the value whole;
+* ``decode_valid(kvs, log, where)`` decodes many values with ``decode`` and returns the good ones
+  as (key, record) pairs; a bad one is skipped, never raised, and logged as a warning once per
+  (key, revision), so a reader that polls does not repeat itself: one forged record cannot take
+  a reader down, nor flood its log; ``decode_or_none(kv, log, where)`` is the same for one value.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import sys
+import threading
 import types
 import typing
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Iterable, Optional
 
+from hspmd_elastic.contract.errors import RecordError
 from hspmd_elastic.contract.ids import ID_PATTERN
-from hspmd_elastic.coord.api import RecordError
-from hspmd_elastic.coord.keys import (  # noqa: F401 (re-exported: the schema's key builders)
-    PAD,
-    ROOT,
-    ID_RE,
-    job_prefix,
-    nodes_prefix,
-    node_key,
-    devices_prefix,
-    device_key,
-    workers_prefix,
-    worker_key,
-    reach_prefix,
-    reach_key,
-    retry_prefix,
-    retry_key,
-    leader_key,
-    election_prefix,
-    election_key,
-    plan_current_key,
-    plan_head_key,
-    plan_history_prefix,
-    plan_history_key,
-    events_prefix,
-    event_key,
-    event_seq_key,
-    fault_script_key,
-    switch_prefix,
-    switch_ack_key,
-    rdzv_prefix,
-    rdzv_state_key,
-    rdzv_round_prefix,
-    rdzv_join_key,
-    rdzv_master_key,
-    rdzv_done_key,
+from hspmd_elastic.contract.keys import *  # noqa: F401,F403 (the schema's key builders)
+from hspmd_elastic.contract.keys import ID_RE, PAD, ROOT
+from hspmd_elastic.contract.records import *  # noqa: F401,F403 (the schema's records)
+from hspmd_elastic.contract.records import (
+    MAX_VALUE_BYTES,
+    MAX_VALUE_BYTES_BY_KIND,
+    SCHEMA_VERSION,
+    CandidateRecord,
+    CounterRecord,
+    DeviceHealthRecord,
+    EventRecord,
+    FaultScriptRecord,
+    LeaderRecord,
+    NodeRecord,
+    PlanHeadRecord,
+    PlanRecord,
+    ReachRecord,
+    Record,
+    RdzvDoneRecord,
+    RdzvJoinRecord,
+    RdzvMasterRecord,
+    RdzvStateRecord,
+    RetryRecord,
+    SwitchAckRecord,
+    WorkerRecord,
 )
-from hspmd_elastic.coord.valid import parse_value
-
-SCHEMA_VERSION = 1
-
-
-DEVICE_STATES = ("healthy", "degraded", "suspect", "failed")
-NODE_STATES = ("joining", "ready", "running", "switching", "draining", "leaving", "failed")
-EVENT_TYPES = (
-    "failure", "join", "leave", "degrade", "recover", "stall", "replan",
-    "switch-start", "switch-done", "switch-failed", "restart", "fallback", "drain", "drained",
-    "unreachable", "retry",
-)
-SWITCH_STATES = ("joined", "ready", "done", "failed")
-RDZV_STATES = ("joining", "closed", "succeeded", "failed")
-
-# Largest value of a record, in bytes of JSON: ``encode`` refuses and ``decode`` rejects more.
-# Plans, the rendezvous state and fault scripts grow with the cluster; the others do not.
-MAX_VALUE_BYTES = 64 * 1024
-MAX_VALUE_BYTES_BY_KIND = {"plan": 1 << 20, "plan_head": 1 << 20, "rdzv_state": 1 << 20,
-                           "fault_script": 1 << 20, "event": 256 * 1024}
-
-
-# ----------------------------------------------------------------------------------------- records
-@dataclass
-class Record:
-    """Base of every record: JSON with ``schema`` and ``kind`` plus the dataclass fields."""
-
-    KIND: ClassVar[str] = ""
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
-
-    def to_dict(self) -> dict[str, Any]:
-        body = {"schema": SCHEMA_VERSION, "kind": self.KIND}
-        body.update(dataclasses.asdict(self))
-        return body
-
-    def to_json(self) -> bytes:
-        """Compact, key-sorted UTF-8 JSON; NaN and infinities are refused (not JSON)."""
-        try:
-            text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"),
-                              allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise RecordError(f"<{self.KIND} record>", f"not encodable as JSON: {exc}") from exc
-        return text.encode("utf-8")
-
-
-@dataclass
-class DeviceInfo:
-    """One accelerator of a node (nested in NodeRecord.devices)."""
-
-    index: int
-    type: str
-    memory_bytes: int
-    uuid: str
-    speed: float = 1.0  # declared by the node: relative to the type's nominal (1.0 nominal)
-
-
-@dataclass
-class NodeRecord(Record):
-    KIND: ClassVar[str] = "node"
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": NODE_STATES}
-
-    host: str
-    agent_pid: int
-    devices: list[DeviceInfo]
-    state: str
-    started_at: float
-    store_endpoint: str = ""  # host:port of the TCPStore this agent hosts ("" when none)
-
-
-@dataclass
-class DeviceHealthRecord(Record):
-    KIND: ClassVar[str] = "device_health"
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": DEVICE_STATES}
-
-    state: str
-    reason: str
-    xid: Optional[int]
-    slowdown: Optional[float]
-    at: float
-
-
-@dataclass
-class WorkerRecord(Record):
-    KIND: ClassVar[str] = "worker"
-
-    pid: int
-    global_rank: int
-    local_rank: int
-    plan_version: int
-    step: int
-    last_progress_at: float
-    steps_per_s: float
-
-
-@dataclass
-class ReachRecord(Record):
-    """The peers a node cannot reach over the data network (written while it sees any)."""
-
-    KIND: ClassVar[str] = "reach"
-
-    node: str
-    unreachable: list[str]
-    at: float
-
-
-@dataclass
-class RetryRecord(Record):
-    """A node whose workers wait after a switch into ``plan_version`` failed with no change in
-    the cluster to explain it (written while they wait; the leader publishes the plan again)."""
-
-    KIND: ClassVar[str] = "retry"
-
-    node: str
-    plan_version: int
-    slots: list[int]
-    waited_s: float
-    at: float
-
-
-@dataclass
-class CandidateRecord(Record):
-    KIND: ClassVar[str] = "candidate"
-
-    node: str
-    at: float
-
-
-@dataclass
-class LeaderRecord(Record):
-    KIND: ClassVar[str] = "leader"
-
-    node: str
-    since: float
-    candidate_key: str
-    term: int
-
-
-@dataclass
-class PlanRecord(Record):
-    KIND: ClassVar[str] = "plan"
-
-    version: int
-    reason: str
-    devices: list[str]
-    strategy: dict[str, Any]
-    store_endpoint: str
-    created_at: float
-    # Every device usable when the plan was made -> its speed relative to nominal (1.0 =
-    # nominal): the leader replans when the cluster no longer matches it.
-    inventory: dict[str, float] = field(default_factory=dict)
-    # Devices of the previous plan that leave this one alive (suspect: drained): they join the
-    # switch's group after the plan's ranks, serve as BSR sources only, then leave.
-    drain: list[str] = field(default_factory=list)
-    # Who wrote it: the leader's node and term (the create revision of its election key, the
-    # fence of the write). Optional: older values without them read as "" and 0.
-    leader: str = ""
-    term: int = 0
-    # The furthest step any worker had reported when the plan was made, or the previous plan's
-    # if larger (0: nobody trained yet): a switch where nobody holds state starts from the seed
-    # only when it is 0.
-    step: int = 0
-
-
-@dataclass
-class PlanHeadRecord(Record):
-    """What a node agent needs of the current plan, written in the same transaction as
-    ``plan/current`` (``coord.plans``): a few bytes per node instead of the whole strategy."""
-
-    KIND: ClassVar[str] = "plan_head"
-
-    version: int
-    created_at: float
-    store_endpoint: str
-    step: int
-    # sha256 of the plan record's bytes as stored in plan/current ("sha256:<hex>")
-    digest: str
-    # The plan's devices in rank order as runs "<node>:<first>-<last>" (or "<node>:<index>"):
-    # consecutive ranks on one node with consecutive device indexes.
-    devices: list[str]
-    drain: list[str] = field(default_factory=list)  # the plan's drain list, as runs too
-
-
-@dataclass
-class EventRecord(Record):
-    KIND: ClassVar[str] = "event"
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"type": EVENT_TYPES}
-
-    seq: int
-    type: str
-    node: Optional[str]
-    detail: dict[str, Any]
-    timings: dict[str, float]
-    at: float
-
-
-@dataclass
-class CounterRecord(Record):
-    KIND: ClassVar[str] = "counter"
-
-    value: int
-
-
-@dataclass
-class FaultScriptRecord(Record):
-    """Scripted device faults for one node (fault drills); read by ``ScriptedHealthSource``."""
-
-    KIND: ClassVar[str] = "fault_script"
-
-    faults: list[dict[str, Any]]
-
-
-@dataclass
-class SwitchAckRecord(Record):
-    KIND: ClassVar[str] = "switch_ack"
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": SWITCH_STATES}
-
-    node: str
-    plan_version: int
-    state: str
-    at: float
-
-
-@dataclass
-class RdzvParticipant:
-    """One node of a closed restart-mode round (nested in RdzvStateRecord.participants)."""
-
-    node: str
-    host: str
-    local_world_size: int
-    node_rank: Optional[int]
-    create_revision: int
-
-
-@dataclass
-class RdzvStateRecord(Record):
-    KIND: ClassVar[str] = "rdzv_state"
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": RDZV_STATES}
-
-    round: int
-    state: str
-    restart_count: int
-    participants: list[RdzvParticipant]
-    reason: str
-    at: float
-
-
-@dataclass
-class RdzvJoinRecord(Record):
-    KIND: ClassVar[str] = "rdzv_join"
-
-    node: str
-    host: str
-    local_world_size: int
-    node_rank: Optional[int]
-    at: float
-
-
-@dataclass
-class RdzvMasterRecord(Record):
-    KIND: ClassVar[str] = "rdzv_master"
-
-    node: str
-    addr: str
-    port: int
-    at: float
-
-
-@dataclass
-class RdzvDoneRecord(Record):
-    KIND: ClassVar[str] = "rdzv_done"
-
-    node: str
-    at: float
-
-
-RECORD_TYPES: tuple[type[Record], ...] = (
-    NodeRecord, DeviceHealthRecord, WorkerRecord, ReachRecord, RetryRecord, CandidateRecord,
-    LeaderRecord, PlanRecord, PlanHeadRecord, EventRecord, CounterRecord, FaultScriptRecord,
-    SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord, RdzvMasterRecord, RdzvDoneRecord,
-)
-NESTED_TYPES: tuple[type, ...] = (DeviceInfo, RdzvParticipant)
-
 
 # ---------------------------------------------------------------------------------------- registry
 _PARAM_RE = {
@@ -545,3 +266,78 @@ def describe_fields(cls: type) -> list[tuple[str, str]]:
     """(field name, type name) of a record or nested type, in declaration order."""
     hints = typing.get_type_hints(cls)
     return [(f.name, type_name(hints[f.name])) for f in dataclasses.fields(cls)]
+
+
+# ------------------------------------------------------------------------- values from etcd
+_REMEMBERED = 4096  # bad (key, revision) pairs remembered so that each is logged once
+_seen: "OrderedDict[tuple, None]" = OrderedDict()
+_seen_lock = threading.Lock()
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_value(raw: bytes | str, key: str, limit: int, what: str = "values") -> Any:
+    """``raw`` parsed as strict JSON of at most ``limit`` bytes (``RecordError`` otherwise)."""
+    data = raw.encode("utf-8", "replace") if isinstance(raw, str) else bytes(raw)
+    if len(data) > limit:
+        raise RecordError(key, f"value of {len(data)} bytes is over the {limit}-byte limit of "
+                               f"{what}")
+    try:
+        return json.loads(data.decode("utf-8"), parse_float=_finite, parse_constant=_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RecordError(key, f"malformed JSON: {exc}") from exc
+    except RecursionError:
+        raise RecordError(key, "malformed JSON: nested too deeply") from None
+
+
+def _first_time(where: str, key: str, revision: Any) -> bool:
+    mark = (where, key, revision)
+    with _seen_lock:
+        if mark in _seen:
+            _seen.move_to_end(mark)
+            return False
+        _seen[mark] = None
+        while len(_seen) > _REMEMBERED:
+            _seen.popitem(last=False)
+        return True
+
+
+def _parts(kv: Any) -> tuple[str, bytes, Any]:
+    if isinstance(kv, tuple):
+        key, value = kv[0], kv[1]
+        return key, value, hash(value)
+    return kv.key, kv.value, getattr(kv, "mod_revision", None) or hash(kv.value)
+
+
+def decode_valid(kvs: Iterable[Any], log: Optional[logging.Logger] = None, where: str = "",
+                 bad: Optional[list] = None) -> list[tuple[str, Any]]:
+    """(key, record) of every value in ``kvs`` (``KeyValue``s or (key, value) pairs) that
+    decodes; the others are logged once and skipped (appended to ``bad`` as (key, problem))."""
+    out = []
+    for kv in kvs:
+        key, value, revision = _parts(kv)
+        try:
+            out.append((key, decode(key, value)))
+        except RecordError as exc:
+            if bad is not None:
+                bad.append((key, exc.problem))
+            if log is not None and _first_time(where, key, revision):
+                log.warning("%sskipping a bad record: %s", f"{where}: " if where else "", exc)
+    return out
+
+
+def decode_or_none(kv: Any, log: Optional[logging.Logger] = None, where: str = "") -> Any:
+    """The record of one ``KeyValue`` (None when ``kv`` is None or its value is bad)."""
+    if kv is None:
+        return None
+    good = decode_valid([kv], log, where)
+    return good[0][1] if good else None
