@@ -2,7 +2,7 @@
 
 The agent's ``--hspmd-device auto|cuda|cpu`` reaches each elastic worker as ``HSPMD_DEVICE``
 (``launcher/node/env.py``). A worker slot is a device: slot ``i`` of a node is ``LOCAL_RANK``
-``i`` and, on a GPU node, CUDA ordinal ``i`` (``launcher/node/devices.py`` numbers the slots the
+``i`` and, on a GPU node, CUDA ordinal ``i`` (``launcher/node/elastic/devices.py`` numbers the slots the
 same way). ``select_device(setting, local_rank)`` is the one decision:
 
 * ``cpu``: the CPU;

@@ -165,7 +165,7 @@ class _Worker:
         self.log = _Context(log, {"worker": self})
         self.client = EtcdClient(identity.etcd_endpoints, timeout=timeouts.etcd_s,
                                  security=identity.etcd_security)
-        self.plans = PlanWatcher(self.client, identity.job)
+        self.plans = PlanWatcher(self.client, identity.job, relay_file=identity.relay_file)
         inject = None if fault_injector is None else (lambda what: fault_injector(self.step, what))
         self.former = GroupFormer(timeouts.comm_s, connect_timeout_s=timeouts.regroup_s,
                                   device=device)
@@ -273,6 +273,7 @@ class _Worker:
         self.held, self.rank, self.step = res.held, res.rank, res.resume_step
         self.stalled_since = None
         self.watchdog.reset()
+        res.timings.plan_from = self.plans.source_of(record.version)
         self.result.switches.append(res.timings)
         if self.on_switch:
             self.on_switch(res.timings)

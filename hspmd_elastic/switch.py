@@ -328,7 +328,8 @@ class GraphSwitch:
                 why = (f"nobody in plan v{record.version} holds the training state (the job "
                        f"had reached step {record.step}) and no checkpoint every rank sees "
                        "exists")
-                self._event("switch-failed", rank, record, {"error": why, "why": why})
+                self._event("switch-failed", rank, record, schema.SwitchFailedDetail(
+                    record.version, why, "", timings.from_version))
                 raise UnrecoverableStateError(f"{why}, so the job cannot continue")
             if self.init_from is not None:
                 return self._read_init_from(record, plan, rank, timings), 0
@@ -403,7 +404,8 @@ class GraphSwitch:
         if ckpt < 0:
             why = ("no checkpoint directory is configured" if not self.checkpoint_dir
                    else f"no complete checkpoint in {self.checkpoint_dir}")
-            self._event("switch-failed", rank, record, {"error": lost, "why": why})
+            self._event("switch-failed", rank, record, schema.SwitchFailedDetail(
+                record.version, lost, why, timings.from_version))
             raise UnrecoverableStateError(
                 f"plan v{record.version}: {lost}; {why}, so the job cannot continue") from exc
         timings.source = "checkpoint"
@@ -414,8 +416,8 @@ class GraphSwitch:
         state = self._read_checkpoint(ckpt, plan, rank, timings)
         log.info("plan v%d rank %d: read %d B of checkpoint step %d (its own slices)",
                  record.version, rank, timings.extra["checkpoint_bytes_read"], ckpt)
-        self._event("fallback", rank, record, {"error": lost, "checkpoint_step": ckpt,
-                                               "steps_redone": redone})
+        self._event("fallback", rank, record, schema.FallbackDetail(record.version, lost, ckpt,
+                                                                    redone))
         return state, ckpt
 
     # ------------------------------------------------------------------------ reporting
@@ -426,9 +428,9 @@ class GraphSwitch:
                      timings.to_version, rank, self.identity.device, timings.resume_step,
                      timings.regroup_s, timings.exchange_s, timings.bsr_s,
                      timings.bsr_bytes_sent, timings.total_s)
-            self._event("drained", rank, record, {"device": self.identity.device,
-                                                  "resume_step": timings.resume_step},
-                        timings.numeric(), every_rank=True)
+            self._event("drained", rank, record, schema.DrainedDetail(
+                record.version, self.identity.device, timings.resume_step), timings.numeric(),
+                every_rank=True)
             return
         log.info("switch v%d->v%d rank %d: source=%s resume_step=%d rolled_back=%s detect=%.3fs "
                  "stall=%.3fs regroup=%.3fs exchange=%.3fs bsr=%.3fs (%d B total, %d B sent, "
@@ -439,16 +441,16 @@ class GraphSwitch:
                  timings.bsr_bytes_sent, timings.bsr_bytes_received, timings.rebuild_s,
                  timings.total_s)
         if timings.from_version or timings.source != "init":
-            self._event("switch-done", rank, record,
-                        {"source": timings.source, "rolled_back": timings.rolled_back},
-                        timings.numeric())
+            self._event("switch-done", rank, record, schema.SwitchDoneDetail(
+                record.version, timings.from_version, timings.source, timings.rolled_back,
+                timings.bsr_bytes_total, timings.resume_step), timings.numeric())
 
     def _event(self, type_, rank, record, detail, timings=None, every_rank=False) -> None:
         if rank != 0 and not every_rank:
             return  # one event per switch: the new plan's rank 0 writes it
         try:
-            append_event(self.client, self.identity.job, type_, node=self.identity.node,
-                         detail=dict(detail, plan_version=record.version), timings=timings)
+            append_event(self.client, self.identity.job, type_, self.identity.node, detail,
+                         timings=timings)
         except CoordinationError as exc:
             log.warning("plan v%d: could not append the %s event: %s", record.version, type_,
                         exc)

@@ -7,7 +7,7 @@ Promises:
   ``--flag=value``; each flag can also come from ``PET_<FLAG>`` (e.g. ``PET_NPROC_PER_NODE=2``);
   everything after the script belongs to the script;
 * our own flags are named ``--hspmd-*``; ``--hspmd-elastic`` (with ``--hspmd-model`` and
-  ``--hspmd-global-batch``) runs the agent in elastic mode (``launcher.node.elastic``) instead of
+  ``--hspmd-global-batch``) runs the agent in elastic mode (``launcher.node.elastic.mode``) instead of
   torchrun's restart mode;
 * a first argument naming a subcommand (``status``, ``dashboard``, ``inject``, ``plan``) that is
   not an existing file runs that subcommand; ``hspmd-launch -- status`` runs a script called

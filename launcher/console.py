@@ -16,8 +16,9 @@ Promises:
   the wait ends;
 * ``WaitBar`` never blocks: drawing is done by the caller's thread, on each update; a terminal
   that fails (closed, gone) turns the bar off, never the agent;
-* ``ElasticWaits`` is the only part that reads etcd (an elastic agent's first-plan and switch
-  waits), throttled, and only built when a bar is drawn.
+* ``ElasticWaits`` is the only part that reads the job (an elastic agent's first-plan and
+  switch waits), and only built when a bar is drawn; it reads the agent's job view
+  (``launcher.jobview.WatchedJob``, shared with the mode and the leader), never etcd itself.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import sys
 import threading
 from dataclasses import dataclass
 from typing import IO, Any, Optional, Union
+
+from hspmd_elastic.contract.events import switch_of
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +62,12 @@ class PlanWait:
 
 @dataclass(frozen=True)
 class SwitchWait:
-    """A switch to plan ``to_version`` in progress (started by a ``replan``/``switch-start``
-    event, not yet ended by ``switch-done``/``switch-failed``)."""
+    """A switch to plan ``to_version`` in progress (started by the ``replan`` that replaces a
+    plan, not yet ended by ``switch-done``/``switch-failed``)."""
 
     to_version: int
     from_version: Optional[int]
-    phase: str  # the event that started it: replan | switch-start
+    phase: str  # the event that started it: replan
     acks_done: int  # switch/<version>/<node> records in state done (0 when none are written)
     acks_expected: Optional[int]  # nodes of the plan, when known
     waited_s: float
@@ -114,42 +117,24 @@ def bar_fields(wait: Wait) -> BarFields:
 
 
 # ------------------------------------------------------------------------ switch tracking
-def _int(value: Any) -> Optional[int]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return int(value) if float(value).is_integer() else None
-
-
 class SwitchTracker:
-    """The switch in progress, from events fed in journal order (pure, no I/O).
-
-    A switch starts with ``switch-start``, or a ``replan`` that replaces a plan
-    (``previous_version`` > 0); it ends with ``switch-done``/``switch-failed`` of its target
-    version (``detail.to_version``/``version``/``plan_version`` or ``timings.to_version``), or
-    when a newer switch starts."""
+    """The switch in progress, from events fed in journal order (pure, no I/O), paired by the
+    contract's one reader (``contract.events.switch_of``): it starts with the ``replan`` that
+    replaces a plan and ends with the ``switch-done``/``switch-failed`` of its version, or when
+    a newer switch starts."""
 
     def __init__(self) -> None:
         self.current: Optional[tuple[int, Optional[int], str, float]] = None  # to, from, phase, at
 
-    @staticmethod
-    def version(ev) -> Optional[int]:
-        for name in ("to_version", "version", "plan_version"):
-            value = _int(ev.detail.get(name))
-            if value is not None:
-                return value
-        return _int(ev.timings.get("to_version"))
-
     def observe(self, ev) -> None:
-        version = self.version(ev)
-        if version is None:
+        mark = switch_of(ev)
+        if mark is None:
             return
-        previous = _int(ev.detail.get("previous_version", ev.detail.get("from_version")))
-        if ev.type == "switch-start" or (ev.type == "replan" and (previous or 0) > 0):
-            if self.current is None or self.current[0] != version:
-                self.current = (version, previous, ev.type, ev.at)
-        elif ev.type in ("switch-done", "switch-failed"):
-            if self.current is not None and self.current[0] <= version:
-                self.current = None
+        if mark.phase == "start":
+            if self.current is None or self.current[0] != mark.to_version:
+                self.current = (mark.to_version, mark.from_version, ev.type, ev.at)
+        elif self.current is not None and self.current[0] <= mark.to_version:
+            self.current = None
 
     def wait(self, now: float, acks_done: int = 0,
              acks_expected: Optional[int] = None) -> Optional[SwitchWait]:
@@ -265,81 +250,42 @@ class WaitBar:
 
 # ------------------------------------------------------------------ elastic waits (reads)
 class ElasticWaits:
-    """What an elastic agent's bar shows, read from etcd (effects; the agent builds one only
-    when its bar is drawn, so without a terminal nothing here runs).
+    """What an elastic agent's bar shows, read from the agent's job view (a
+    ``launcher.jobview.WatchedJob`` holding the nodes, the journal, the plan's head and the
+    switch acks; the agent builds this only when its bar is drawn).
 
     ``poll(waiting_plan, waited_s, timeout_left_s, now)`` returns the ``PlanWait`` while no plan
-    exists, else the ``SwitchWait`` of the switch in progress or None. Reads are throttled to
-    one round every ``every_s`` (monotonic ``clock``); an etcd error keeps the last answer (a
-    bar is never a reason to fail)."""
+    exists, else the ``SwitchWait`` of the switch in progress or None. The view's reads do no
+    I/O and never raise: each poll takes the journal's events since the last one."""
 
-    def __init__(self, client, job: str, min_nodes: int, every_s: float = 0.25,
-                 clock=None) -> None:
-        import time
-
-        self.client, self.job, self.min_nodes, self.every_s = client, job, min_nodes, every_s
-        self.clock = clock or time.monotonic
+    def __init__(self, view, min_nodes: int) -> None:
+        self.view, self.min_nodes = view, min_nodes
         self.tracker = SwitchTracker()
         self._seq = 0
-        self._next = 0.0
-        self._last: Optional[Wait] = None
 
     def poll(self, waiting_plan: bool, waited_s: float, timeout_left_s: float,
              now: float) -> Optional[Wait]:
-        from hspmd_elastic.contract import schema
-        from hspmd_elastic.coord.api import CoordinationError, RecordError
-
-        if self.clock() < self._next:
-            return self._last
-        self._next = self.clock() + self.every_s
-        try:
-            if waiting_plan:
-                nodes = len(self.client.get_prefix(schema.nodes_prefix(self.job)))
-                self._last = PlanWait(nodes, self.min_nodes, waited_s, timeout_left_s)
-                return self._last
-            self._read_events()
-            if self.tracker.current is None:
-                self._last = None
-                return None
-            version = self.tracker.current[0]
-            self._last = self.tracker.wait(now, *self._acks(version))
-        except (CoordinationError, RecordError) as exc:
-            log.debug("[%s] progress bar: %s", self.job, exc)
-        return self._last
-
-    def _read_events(self) -> None:
-        from hspmd_elastic.contract import schema
-        from hspmd_elastic.contract.schema import decode_or_none, decode_valid
-
-        counter = decode_or_none(self.client.get(schema.event_seq_key(self.job)), log, self.job)
-        last = counter.value if counter is not None else 0
-        if last <= self._seq:
-            return
-        events = [ev for _, ev in decode_valid(
-            self.client.get_prefix(schema.events_prefix(self.job)), log, self.job)]
-        for ev in sorted(events, key=lambda e: e.seq):
-            if ev.seq > self._seq:
-                self.tracker.observe(ev)
-        self._seq = max([last] + [e.seq for e in events])
+        if waiting_plan:
+            return PlanWait(len(self.view.nodes()), self.min_nodes, waited_s, timeout_left_s)
+        for ev in self.view.events_after(self._seq):
+            self.tracker.observe(ev)
+            self._seq = ev.seq
+        if self.tracker.current is None:
+            return None
+        return self.tracker.wait(now, *self._acks(self.tracker.current[0]))
 
     def _acks(self, version: int) -> tuple[int, Optional[int]]:
-        from hspmd_elastic.contract import schema
-        from hspmd_elastic.contract.ids import node_of
-        from hspmd_elastic.coord.plans import read_plan
+        from hspmd_elastic.coord.plans import plan_nodes
 
-        from hspmd_elastic.contract.schema import decode_valid
-
-        acks = [ack for _, ack in decode_valid(
-            self.client.get_prefix(schema.switch_prefix(self.job, version)), log, self.job)]
-        plan, _ = read_plan(self.client, self.job)
-        expected = None
-        if plan is not None and plan.version == version:
-            try:
-                expected = len({node_of(d) for d in plan.devices}) or None
-            except ValueError:  # a device id that is not <node>:<index>: no count to show
-                expected = None
+        acks = self.view.acks(version)
         if not acks:  # nodes that write no acks: a pulsing bar, not a count stuck at 0
             return 0, None
+        head, expected = self.view.head(), None
+        if head is not None and head.version == version:
+            try:
+                expected = len(plan_nodes(head)) or None
+            except ValueError:  # a device run that is not <node>:<indices>: no count to show
+                expected = None
         return sum(1 for a in acks if a.state == "done"), expected
 
 

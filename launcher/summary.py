@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Optional
 
+from hspmd_elastic.contract.events import ExitInfo
+
 NOT_AVAILABLE = "<N/A>"
 NO_TRACEBACK_HINT = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
 MAX_WIDTH = 60
@@ -64,6 +66,13 @@ class WorkerFailure:
         if self.exitcode < 0:
             return f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
         return NO_TRACEBACK_HINT
+
+    def exit_info(self) -> ExitInfo:
+        """This failure as a ``failure`` event lists it (``contract.events.ExitInfo``)."""
+        killed = self.exitcode < 0
+        return ExitInfo(self.local_rank, self.pid, None if killed else self.exitcode,
+                        -self.exitcode if killed else None, self.global_rank, self.error_file,
+                        self.message)
 
     def to_dict(self) -> dict[str, Any]:
         return {

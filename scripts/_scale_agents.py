@@ -9,15 +9,20 @@
 
 ``agents``: ``M`` agents named ``agent-<I..I+M-1>`` on one shared ``EtcdClient``. Each is what an
 elastic node agent puts in etcd, without workers: its own ``LeasedSession`` (real lease, real
-keep-alive every TTL/3), its node record (``launcher.node.devices.node_record``, 8 ``H100``
+keep-alive every TTL/3), its node record (``launcher.node.elastic.devices.node_record``, 8 ``H100``
 devices, a loopback store endpoint that nothing dials), its device verdicts through the real
 ``VerdictPublisher`` (re-published after a lease re-grant), a ``PrefixWatch`` on ``plan/head``
 of its own (the plan's head, as a real agent follows it: ``coord.plans``), and a switch ack
-(``launcher.node.acks.ack_state``: ``joined``, no worker ever reports) under its lease for each plan that uses it, old acks deleted as a real agent does.
+(``launcher.node.elastic.acks.ack_state``: ``joined``, no worker ever reports) under its lease for each plan that uses it, old acks deleted as a real agent does.
 Every agent receives every head on its own stream; the JSON of one revision is decoded once per
 process (a real agent decodes on its own host; 1,000 decodes on a 2-core machine would measure
 the machine, not etcd). Not simulated: a real agent's read of the head every 5 s besides its
 watch (``read_plan_head``: one small read and one compare).
+
+``--workers K`` adds K simulated workers per agent (``scripts/_scale_workers.py``): they follow
+the plans as ``--worker-path`` says (``stamp``: real ``PlanWatcher``s, their agents relaying each
+plan's layout; ``current``: a watch of ``plan/current`` each, as workers did before stamps), and
+the process reports what etcd sent them and its agents when its stdin says ``counters``.
 
 ``--lease process`` gives the agents of the process one shared lease (one keep-alive thread
 instead of one per agent) and ``--nice`` lowers the process's priority: for machines too small
@@ -28,7 +33,8 @@ own session; it has no node record (it plans over the agents only).
 
 Both speak JSON lines on stdout: ``{"ready": ...}`` once started; agents then ``{"seen":
 [[node, version, wall time], ...]}`` and ``{"status": {"losses": n, ...}}``; the leader
-``{"cpu": ...}`` samples and one ``{"published": ...}`` per plan with its timings and the CPU
+``{"cpu": ...}`` samples and one ``{"published": ...}`` per plan; with workers, agents also say
+``{"wseen": [[node, local_rank, version, wall time], ...]}`` and ``{"counters": ...}`` with its timings and the CPU
 its loop thread and its process had used by then. A process exits when its stdin closes (its
 parent is gone), on SIGTERM, or after ``--max-s`` seconds: every loop is bounded.
 """
@@ -58,8 +64,8 @@ from hspmd_elastic.coord.plans import expand_runs  # noqa: E402
 from hspmd_elastic.coord.watch import PrefixWatch  # noqa: E402
 from launcher.health.api import Verdict  # noqa: E402
 from launcher.health.verdicts import VerdictPublisher  # noqa: E402
-from launcher.node.acks import ACK_KEEP, ack_state  # noqa: E402
-from launcher.node.devices import node_record  # noqa: E402
+from launcher.node.elastic.acks import ACK_KEEP, ack_state  # noqa: E402
+from launcher.node.elastic.devices import node_record  # noqa: E402
 
 DEVICES_PER_AGENT = 8
 DEVICE_TYPE = "H100"
@@ -124,6 +130,7 @@ class SimAgent:
         self.acks: set[int] = set()
         self.ack_errors = 0
         self.watch = None
+        self.on_head = None  # (node, head) -> None: the agent relays the plan to its workers
 
     def start(self) -> None:
         devices = [schema.DeviceInfo(index=i, type=DEVICE_TYPE, memory_bytes=DEVICE_MEMORY,
@@ -150,6 +157,8 @@ class SimAgent:
         self.version = plan.version
         with self._seen_lock:
             self._seen.append([self.node, plan.version, now])
+        if self.on_head is not None:
+            self.on_head(self.node, plan)
         slots = nodes.get(self.node)
         try:
             if slots:
@@ -174,11 +183,14 @@ class SimAgent:
             self.session.stop(revoke=True, timeout=2.0)
 
 
-def _watch_parent(stop: threading.Event) -> None:
-    """Our parent holds our stdin: when it closes, the parent is gone, and so are we."""
+def _watch_parent(stop: threading.Event, asked: Optional[threading.Event] = None) -> None:
+    """Our parent holds our stdin: when it closes, the parent is gone, and so are we. A line
+    ``counters`` sets ``asked``."""
     def run():
         try:
-            sys.stdin.read()
+            for line in sys.stdin:
+                if line.strip() == "counters" and asked is not None:
+                    asked.set()
         finally:
             stop.set()
             time.sleep(2.0)
@@ -186,7 +198,7 @@ def _watch_parent(stop: threading.Event) -> None:
     threading.Thread(target=run, name="parent-watch", daemon=True).start()
 
 
-def run_agents(args, stop: threading.Event) -> int:
+def run_agents(args, stop: threading.Event, asked: threading.Event) -> int:
     client = EtcdClient(args.endpoints, timeout=args.etcd_timeout)
     cache, seen, seen_lock = PlanCache(args.job), [], threading.Lock()
     shared = (LeasedSession(client, args.ttl, name=f"agents-{args.first}")
@@ -194,6 +206,14 @@ def run_agents(args, stop: threading.Event) -> int:
     agents = [SimAgent(client, args.job, i, args.ttl, cache, seen, seen_lock, shared)
               for i in range(args.first, args.first + args.count)]
     t0 = time.monotonic()
+    workers = None
+    if args.workers:  # each agent starts its workers at its first plan
+        from _scale_workers import WorkerFleet
+
+        workers = WorkerFleet(args.endpoints, args.job, [a.node for a in agents], args.workers,
+                              args.worker_path, args.etcd_timeout)
+        for a in agents:
+            a.on_head = workers.on_head
     with ThreadPoolExecutor(max_workers=4) as pool:
         list(pool.map(lambda a: a.start(), agents))
     emit({"ready": len(agents), "pid": os.getpid(), "first": args.first,
@@ -205,6 +225,14 @@ def run_agents(args, stop: threading.Event) -> int:
             batch, seen[:] = list(seen), []
         if batch:
             emit({"seen": batch})
+        if workers is not None:
+            resolved = workers.tick()
+            if resolved:
+                emit({"wseen": resolved})
+        if asked.is_set():
+            asked.clear()
+            emit({"counters": dict(workers.counters() if workers else {},
+                                   agent_watch=sum(a.watch.event_bytes for a in agents))})
         for a in agents:
             if a.republish.is_set():
                 a.republish.clear()
@@ -218,6 +246,8 @@ def run_agents(args, stop: threading.Event) -> int:
                              "threads": threading.active_count()}})
     for a in agents:
         a.stop()
+    if workers is not None:
+        workers.stop()
     if shared is not None:
         shared.stop(revoke=True, timeout=2.0)
     client.close()
@@ -289,6 +319,9 @@ def main(argv=None) -> int:
                         "shared with etcd and the leader)")
     p.add_argument("--etcd-timeout", type=float, default=5.0)
     p.add_argument("--max-s", type=float, default=1800.0)
+    p.add_argument("--workers", type=int, default=0, help="simulated workers per agent")
+    p.add_argument("--worker-path", choices=("stamp", "current"), default="stamp",
+                   help="how the simulated workers follow the plans")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s: %(message)s")
@@ -296,8 +329,11 @@ def main(argv=None) -> int:
         os.nice(args.nice)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    _watch_parent(stop)
-    return (run_agents if args.role == "agents" else run_leader)(args, stop)
+    asked = threading.Event()
+    _watch_parent(stop, asked)
+    if args.role == "agents":
+        return run_agents(args, stop, asked)
+    return run_leader(args, stop)
 
 
 if __name__ == "__main__":

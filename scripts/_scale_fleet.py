@@ -3,9 +3,12 @@ they report. Used by ``scripts/bench_scale`` and ``tests/test_scale_small.py``.
 
 ``Fleet(groups=[...])`` starts a real single-member etcd on loopback (``EtcdCluster``), the
 leader process and one agents process per group (``scripts/_scale_agents.py``; group ``g``
-holds ``groups[g]`` agents; ``env``: extra environment for them), each wrapped so it dies with
-this process (``die_with_parent``), and watches ``nodes/`` and ``plan/current`` itself: it
-records when each node record vanished and when each plan version appeared. Every wait has a
+holds ``groups[g]`` agents; ``env``: extra environment for them; ``workers``: simulated workers per
+agent, following the plans as ``worker_path`` says, ``scripts/_scale_workers.py``), each wrapped
+so it dies with this process (``die_with_parent``), and watches ``nodes/`` and ``plan/current``
+itself: it records when each node record vanished, when each plan version appeared and when
+each simulated worker resolved it. ``counters()`` asks every agents process what etcd sent its
+agents and workers so far (bytes, per process). Every wait has a
 deadline (``wait_for``); ``close()`` SIGKILLs and reaps every process it started, then stops
 etcd, also after a failure.
 """
@@ -55,6 +58,8 @@ class Child:
     ready: bool = False
     status: dict = field(default_factory=dict)
     killed_at: Optional[float] = None
+    counters: dict = field(default_factory=dict)
+    counters_seq: int = 0
 
     @property
     def nodes(self) -> list[str]:
@@ -79,8 +84,13 @@ class Fleet:
                  global_batch: int = 8192, debounce: float = 0.25,
                  base_dir: Optional[str] = None, max_s: float = 1800.0,
                  lease: str = "agent", nice: int = 0, env: Optional[dict] = None,
-                 etcd_dir: Optional[str] = None):
+                 etcd_dir: Optional[str] = None, workers: int = 0, worker_path: str = "stamp",
+                 etcd_timeout: float = 5.0):
         self.groups, self.ttl, self.model, self.lease = groups, ttl, model, lease
+        self.etcd_timeout = etcd_timeout
+        self.workers, self.worker_path = workers, worker_path
+        self.wseen: dict[int, dict[tuple, float]] = {}  # version -> (node, slot) -> wall time
+        self.wversion: dict[tuple, int] = {}  # (node, slot) -> newest version resolved
         self.nice, self.env = nice, dict(env or {})
         # etcd's data under ``etcd_dir`` (e.g. a tmpfs) instead of beside the logs
         self._etcd_dir = tempfile.mkdtemp(prefix="hspmd-scale-etcd-", dir=etcd_dir) \
@@ -110,18 +120,21 @@ class Fleet:
             self.client = EtcdClient(self.etcd.endpoints, timeout=5.0)
             self._watch()
             common = ["--endpoints", self.etcd.endpoint_str, "--job", JOB, "--ttl",
-                      str(self.ttl), "--max-s", str(self.max_s)]
+                      str(self.ttl), "--max-s", str(self.max_s), "--etcd-timeout",
+                      str(self.etcd_timeout)]
             self.leader = self._spawn("leader", ["leader", *common, "--model", self.model,
                                                  "--global-batch", str(self.global_batch),
                                                  "--min-nodes", str(self.n),
                                                  "--debounce", str(self.debounce)])
+            more = ["--workers", str(self.workers), "--worker-path", self.worker_path] \
+                if self.workers else []
             # One process at a time: a thousand agents registering at once is a start-up storm
             # that says nothing about the steady state or a failure.
             first, deadline = 0, time.monotonic() + timeout
             for g, count in enumerate(self.groups):
                 child = self._spawn(f"agents{g}", ["agents", *common, "--first", str(first),
                                                    "--count", str(count), "--lease", self.lease,
-                                                   "--nice", str(self.nice)])
+                                                   "--nice", str(self.nice), *more])
                 child.first, child.count = first, count
                 first += count
                 self.wait_for(lambda: all(c.ready for c in self.children),
@@ -204,6 +217,12 @@ class Fleet:
                 self.seen.setdefault(version, {})[node] = at
         elif "status" in msg:
             child.status = msg["status"]
+        elif "wseen" in msg:
+            for node, slot, version, at in msg["wseen"]:
+                self.wseen.setdefault(version, {})[(node, slot)] = at
+                self.wversion[(node, slot)] = max(version, self.wversion.get((node, slot), 0))
+        elif "counters" in msg:
+            child.counters, child.counters_seq = msg["counters"], child.counters_seq + 1
         elif "published" in msg:
             self.publications.append(msg["published"])
         elif "cpu" in msg:
@@ -253,6 +272,25 @@ class Fleet:
     def all_seen(self, version: int, nodes: list[str]) -> bool:
         got = self.seen.get(version, {})
         return all(n in got for n in nodes)
+
+    def all_resolved(self, version: int, nodes: list[str]) -> bool:
+        """Every simulated worker of ``nodes`` resolved ``version`` or a newer plan."""
+        return all(self.wversion.get((n, slot), 0) >= version for n in nodes
+                   for slot in range(self.workers))
+
+    def counters(self, timeout: float = 60.0) -> dict[str, dict]:
+        """What etcd sent each live agents process's agents and workers so far (by process
+        name; each answers a ``counters`` line on its stdin)."""
+        children = [c for c in self.agent_children() if c.killed_at is None]
+        with self.cond:
+            asked = {c.name: c.counters_seq for c in children}
+        for c in children:
+            c.popen.stdin.write("counters\n")
+            c.popen.stdin.flush()
+        self.wait_for(lambda: all(c.counters_seq > asked[c.name] for c in children), timeout,
+                      "every agents process's counters")
+        with self.cond:
+            return {c.name: dict(c.counters) for c in children}
 
     def losses(self) -> int:
         with self.cond:

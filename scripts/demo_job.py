@@ -205,25 +205,24 @@ def show_event(ev, client: EtcdClient) -> None:
     """One journal entry, as it arrives from the etcd watch."""
     from hspmd_elastic.planner import fmt_bytes
 
-    d, t = ev.detail, ev.timings
-    if ev.type == "replan":
-        text = (f"plan v{d.get('version')} over {d.get('devices')} device(s) ({d.get('reason')}); "
+    d, t = schema.event_detail(ev), ev.timings
+    if isinstance(d, schema.ReplanDetail):
+        text = (f"plan v{d.version} over {d.device_count} device(s) ({d.reason}); "
                 f"detect->publish {t.get('detect_to_publish_s', 0):.3f}s")
-        layout = plan_layout(client, d.get("version", 0))
+        layout = plan_layout(client, d.version)
         if layout:
             text += f"\n        layout {layout}"
-    elif ev.type == "failure":
-        text = f"{d.get('device')}: {d.get('reason')}"
-    elif ev.type.startswith("switch"):
-        text = (f"plan v{d.get('plan_version')} source={d.get('source')} "
+    elif isinstance(d, schema.FailureDetail):
+        text = f"{','.join(d.devices)}: {d.reason}"
+    elif isinstance(d, schema.SwitchDoneDetail):
+        text = (f"plan v{d.plan_version} source={d.source} "
                 + " ".join(f"{k}={t[k]:.3f}s" for k in ("stall_s", "regroup_s", "bsr_s",
                                                          "rebuild_s", "total_s") if k in t))
-        if "bsr_bytes_total" in t:
-            text += f" moved={fmt_bytes(t['bsr_bytes_total'])}"
-        if d.get("error"):
-            text += f" error={str(d['error'])[:200]}"
+        text += f" moved={fmt_bytes(d.bytes_moved)}" if d.bytes_moved else ""
+    elif isinstance(d, schema.SwitchFailedDetail):
+        text = f"plan v{d.plan_version} error={d.error[:200]}"
     else:
-        text = json.dumps(d)[:200]
+        text = json.dumps(d.to_dict())[:200]
     say(f"EVENT #{ev.seq} {ev.type} [{ev.node}] {text}")
 
 
@@ -310,7 +309,8 @@ def run_elastic(args) -> int:
             for echo in echoes:
                 echo.join(timeout=10)
             events = read_events(client, JOB)
-            versions = sorted(e.detail["version"] for e in events if e.type == "replan")
+            versions = sorted(schema.event_detail(e).version for e in events
+                              if e.type == "replan")
             plan_before = plan_layout(client, versions[0]) if versions else ""
             plan_after = plan_layout(client, versions[-1]) if versions else ""
         finally:
@@ -342,10 +342,10 @@ def run_elastic(args) -> int:
     failures = [e for e in events if e.type == "failure"]
     recovered = sum(1 for f in failures if any(
         e.type == "switch-done" and e.seq > f.seq
-        and e.detail.get("plan_version", 0) > (f.detail.get("plan_version") or 0)
+        and schema.event_detail(e).plan_version > schema.event_detail(f).plan_version
         for e in events)) if all(c == 0 for c in codes.values()) else 0
     done_after = [e for e in events if e.type == "switch-done" and e.at > killed_at]
-    moved = int(sum(e.timings.get("bsr_bytes_total", 0) for e in done_after))
+    moved = int(sum(schema.event_detail(e).bytes_moved for e in done_after))
     say(f"plan before the fault: {plan_before}")
     say(f"plan after the fault:  {plan_after}")
     say(f"the recovery switch moved {moved} B of weights and AdamW state by fused BSR")

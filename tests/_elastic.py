@@ -246,6 +246,9 @@ def assert_recovered_in_memory(results: dict[str, dict], survivors: dict[str, in
         assert res["state"] == "done" and res["steps_done"] == payload["steps"], \
             (dev, res["state"])
         assert all(s["source"] in ("init", "bsr") for s in res["switches"]), res["switches"]
+        # The plans came from plan/layout (relayed by the agent, or read), never the full record.
+        assert all(s["plan_from"] in ("relay", "layout") for s in res["switches"]), \
+            res["switches"]
     for dev, pid in survivors.items():
         assert results[dev]["pid"] == pid, f"{dev} was restarted"
     diff = max_param_diff(results.values(), payload)

@@ -7,8 +7,15 @@ config, the workers' results, the release file, the sample logs), the agents by 
 etcd client to watch the job: worker records, the journal, plans, switch acks. ``start`` builds
 an agent's argv, in one place; the waits (``wait_paused``, ``wait_at_step``, ``finish``) fail
 with the agents' stderr as soon as one exits early; ``assert_recovered`` and
-``assert_replicas_match_reference`` check the final parameters against the dense reference
-trained on the same global batches (float64, 1e-9).
+``assert_replicas_match_reference`` (``JobFacts``) check the final parameters against the dense
+reference trained on the same global batches (float64, 1e-9).
+
+``worker_kill_run`` is the suite's one full "worker SIGKILL -> BSR switch into a new plan" run:
+TLS and RBAC on etcd, two nodes, sharded plans, sample ids logged, switch acks watched. It runs
+once per session (``shared_worker_kill_run``, from a module-scoped fixture) and keeps what its
+readers returned as a ``WorkerKillRun`` (the same ``JobFacts`` checks), which the tests of
+several modules read, each its own angle: recovery (test_elastic_e2e.py), TLS and auth
+(test_security_tls.py), resharding into a differently specialized plan (test_elastic_hspmd.py).
 
 Every job trains ``TINY`` for ``STEPS`` steps of ``BATCH`` rows (seeds ``SEED``, ``DATA_SEED``);
 its workers pause after step ``PAUSE`` until the test creates ``job.release``, so a fault hits a
@@ -22,10 +29,17 @@ security ones), which build their agents' argv around their own launcher.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import signal
+import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import Optional, Sequence, Union
+
+import pytest
 
 import _elastic
 from _wait import Recorder, wait_for
@@ -67,22 +81,94 @@ def elastic_argv(model: Union[str, Path], batch: int, *flags: str, steps: int,
             "--out", str(out), *train]
 
 
-class ElasticLaunchJob:
+class JobFacts:
+    """A job's outcome as its tests read it, and the checks on it. The readers: ``results()``
+    (device -> what ``elastic_train.py`` saved), ``events()`` (the journal), ``plans()``
+    (version -> (Plan, device ids)), ``sample_log()`` and ``ack_records()`` (the switch acks
+    seen). A live ``ElasticLaunchJob`` reads them from etcd and its files; a ``WorkerKillRun``
+    holds what they returned at the end of its run."""
+
+    def results(self) -> dict[str, dict]:
+        raise NotImplementedError
+
+    def events(self) -> list:
+        raise NotImplementedError
+
+    def plans(self) -> dict[int, tuple]:
+        raise NotImplementedError
+
+    def sample_log(self) -> list[dict]:
+        raise NotImplementedError
+
+    def ack_records(self) -> list:
+        raise NotImplementedError
+
+    def ack_states(self, version: int, node: str) -> list[str]:
+        """The states ``node`` wrote for plan ``version``, in order."""
+        return [r.state for r in self.ack_records() if (r.plan_version, r.node) == (version, node)]
+
+    def assert_recovered(self, survivors: dict[str, int]) -> dict[str, dict]:
+        """Every worker finished every step, no switch read a checkpoint, each survivor
+        (device -> pid) is the process it was, and the parameters equal the reference; the
+        results."""
+        results = self.results()
+        _elastic.assert_recovered_in_memory(results, survivors, REFERENCE)
+        froms = [s["plan_from"] for r in results.values() for s in r["switches"]]
+        assert "relay" in froms, f"no worker read a plan its agent relayed: {froms}"
+        return results
+
+    @staticmethod
+    def assert_replicas_match_reference(results: dict[str, dict]) -> float:
+        """Every element of every parameter is held (no NaN), every DP replica holds the same
+        values, and they equal the fault-free reference; the largest difference from it."""
+        import torch
+
+        from hspmd_elastic.graph.config import param_specs
+
+        full = _elastic.assemble(list(results.values()), REFERENCE)
+        ref = _elastic.reference_params(REFERENCE)
+        assert set(full) == set(ref) == set(param_specs(TINY))
+        for name, tensor in full.items():
+            missing = int(torch.isnan(tensor).sum())
+            assert not missing, f"{name}: {missing} element(s) held by no rank"
+            for dev, res in results.items():
+                if name in res["final_state"]:
+                    ranges, part = res["final_state"][name]
+                    mine = part.to(torch.float64)
+                    held = tensor[tuple(slice(lo, hi) for lo, hi in ranges)]
+                    gap = float((mine - held).abs().max())
+                    assert gap <= 1e-12, f"{name}: {dev}'s replica differs by {gap:g}"
+        diffs = {n: float((full[n] - ref[n].to(torch.float64)).abs().max()) for n in ref}
+        worst = max(diffs, key=diffs.get)
+        assert all(d <= 1e-9 for d in diffs.values()), \
+            f"{worst}: {diffs[worst]:g} from the reference"
+        return diffs[worst]
+
+
+class ElasticLaunchJob(JobFacts):
     """Agents of one elastic job, its files and an etcd client to watch it."""
 
     def __init__(self, etcd, tmp: Path, marker: str, *, prefix: str = "el",
-                 redundancy: Optional[int] = None):
+                 redundancy: Optional[int] = None, name: Optional[str] = None,
+                 security=None, etcd_env: Optional[dict[str, str]] = None):
         """``etcd``: the ``etcd_server`` fixture; ``marker``: the ``marker`` fixture (the
         leftover check finds what the agents leave); ``prefix``: of the job's name;
-        ``redundancy``: every agent's ``--hspmd-redundancy`` (None: not passed)."""
-        self.etcd, self.tmp, self.name = etcd, Path(tmp), f"{prefix}-{uuid.uuid4().hex[:8]}"
+        ``redundancy``: every agent's ``--hspmd-redundancy`` (None: not passed); ``name``: the
+        job's name instead (one an etcd role grants); ``security``: the test's client settings
+        (an ``EtcdSecurity``: TLS, user) for an etcd that asks for them; ``etcd_env``: the
+        agents' ``HSPMD_ETCD_*`` settings, instead of this process's."""
+        self.etcd, self.tmp = etcd, Path(tmp)
+        self.name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
         self.config = write_tiny(self.tmp / "model.json")
         self.out, self.release = self.tmp / "out", self.tmp / "release"
         self.samples = self.tmp / "samples"
         self.redundancy = redundancy
         self.env = base_env(marker)
+        if etcd_env is not None:
+            self.env = {k: v for k, v in self.env.items() if not k.startswith("HSPMD_ETCD_")}
+            self.env.update(etcd_env)
         self.agents: dict[str, Launcher] = {}
-        self.client = EtcdClient(etcd.endpoints, timeout=5.0)
+        self.client = EtcdClient(etcd.endpoints, timeout=5.0, security=security)
         self.acks = Recorder()  # every switch-ack write seen by watch_acks()
         self._ack_watch: Optional[PrefixWatch] = None
 
@@ -179,11 +265,10 @@ class ElasticLaunchJob:
         self._ack_watch = PrefixWatch(self.client, schema.switch_prefix(self.name), self.acks,
                                       decode=True, name="switch acks").start()
 
-    def ack_states(self, version: int, node: str) -> list[str]:
-        """The states ``node`` wrote for plan ``version``, in order (``watch_acks`` first)."""
-        return [e.record.state for e in self.acks.items
-                if e.type is EventType.PUT and e.record is not None
-                and (e.record.plan_version, e.record.node) == (version, node)]
+    def ack_records(self) -> list:
+        """Every switch ack written since ``watch_acks``, in order."""
+        return [e.record for e in self.acks.items
+                if e.type is EventType.PUT and e.record is not None]
 
     # ------------------------------------------------------------------ the workers' files
     def results(self) -> dict[str, dict]:
@@ -203,42 +288,6 @@ class ElasticLaunchJob:
                      for ln in lines[:-1] if ln]
         return rows
 
-    # ------------------------------------------------------------------ against the reference
-    def assert_recovered(self, survivors: dict[str, int]) -> dict[str, dict]:
-        """Every worker finished every step, no switch read a checkpoint, each survivor
-        (device -> pid) is the process it was, and the parameters equal the reference; the
-        results."""
-        results = self.results()
-        _elastic.assert_recovered_in_memory(results, survivors, REFERENCE)
-        return results
-
-    @staticmethod
-    def assert_replicas_match_reference(results: dict[str, dict]) -> float:
-        """Every element of every parameter is held (no NaN), every DP replica holds the same
-        values, and they equal the fault-free reference; the largest difference from it."""
-        import torch
-
-        from hspmd_elastic.graph.config import param_specs
-
-        full = _elastic.assemble(list(results.values()), REFERENCE)
-        ref = _elastic.reference_params(REFERENCE)
-        assert set(full) == set(ref) == set(param_specs(TINY))
-        for name, tensor in full.items():
-            missing = int(torch.isnan(tensor).sum())
-            assert not missing, f"{name}: {missing} element(s) held by no rank"
-            for dev, res in results.items():
-                if name in res["final_state"]:
-                    ranges, part = res["final_state"][name]
-                    mine = part.to(torch.float64)
-                    held = tensor[tuple(slice(lo, hi) for lo, hi in ranges)]
-                    gap = float((mine - held).abs().max())
-                    assert gap <= 1e-12, f"{name}: {dev}'s replica differs by {gap:g}"
-        diffs = {n: float((full[n] - ref[n].to(torch.float64)).abs().max()) for n in ref}
-        worst = max(diffs, key=diffs.get)
-        assert all(d <= 1e-9 for d in diffs.values()), \
-            f"{worst}: {diffs[worst]:g} from the reference"
-        return diffs[worst]
-
     def close(self) -> None:
         for agent in self.agents.values():
             if agent.proc.poll() is None:
@@ -247,3 +296,139 @@ class ElasticLaunchJob:
         if self._ack_watch is not None:
             self._ack_watch.stop()
         self.client.close()
+
+
+# ---------------------------------------------------------------------- the shared worker-kill run
+KILL_NODES = {"node-a": 3, "node-b": 2}  # workers per node
+KILL_VICTIM = "node-b:1"
+# Per device; one replica needs about 235 KiB (weights, gradients, AdamW, activations), so every
+# plan shards the model, and the 4 survivors (two pipelines) are specialized unlike the 5.
+KILL_MEMORY = "200KiB"
+
+
+@dataclasses.dataclass
+class WorkerKillRun(JobFacts):
+    """What the shared worker-kill run left for its tests to read (``shared_worker_kill_run``):
+    the job as its readers returned it at the end, what was seen at the pause, and how the run
+    itself ended. ``error`` (a traceback) is set when the run did not get to its end."""
+
+    name: str
+    password_file: str = ""
+    pids: dict[str, int] = dataclasses.field(default_factory=dict)  # every worker, at the pause
+    cmdlines: list[list[str]] = dataclasses.field(default_factory=list)  # the job's, at the pause
+    worker_etcd_env: dict[str, str] = dataclasses.field(default_factory=dict)  # node-a:0's
+    killed_at: float = 0.0  # wall clock of the SIGKILL
+    codes: dict[str, int] = dataclasses.field(default_factory=dict)  # each agent's exit code
+    stderr: dict[str, str] = dataclasses.field(default_factory=dict)  # each agent's
+    journal: list = dataclasses.field(default_factory=list)
+    plan_history: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    worker_results: dict[str, dict] = dataclasses.field(default_factory=dict)
+    samples: list[dict] = dataclasses.field(default_factory=list)
+    acks: list = dataclasses.field(default_factory=list)
+    leftovers: Optional[str] = None  # the leftover check's failure
+    error: Optional[str] = None
+
+    # The readers of ``ElasticLaunchJob``, on what the run kept.
+    def results(self) -> dict[str, dict]:
+        return self.worker_results
+
+    def events(self) -> list:
+        return self.journal
+
+    def plans(self) -> dict[int, tuple]:
+        return self.plan_history
+
+    def sample_log(self) -> list[dict]:
+        return self.samples
+
+    def ack_records(self) -> list:
+        return self.acks
+
+    def survivors(self) -> dict[str, int]:
+        """Every worker but the victim: device -> its pid before the kill."""
+        return {d: p for d, p in self.pids.items() if d != KILL_VICTIM}
+
+    def checked(self) -> "WorkerKillRun":
+        """This run, known to have reached its end: the test fails with the run's own error,
+        with the stderr of an agent that did not exit 0, or with the processes left behind."""
+        if self.error:
+            pytest.fail(f"the shared worker-kill run failed:\n{self.error}", pytrace=False)
+        assert self.codes == {node: 0 for node in KILL_NODES}, (self.codes, {
+            node: err[-6000:] for node, err in self.stderr.items() if self.codes.get(node)})
+        assert self.leftovers is None, self.leftovers
+        return self
+
+
+def worker_kill_run(base: Path) -> WorkerKillRun:
+    """The one full run of "worker SIGKILL -> BSR switch into a new plan" that several test
+    modules read (each its own angle), under ``base``: a real etcd serving TLS only, with
+    client-certificate auth and RBAC (``tests/_security.py``); two agents (``KILL_NODES``) as
+    the job user, the password in a file, devices declared at ``KILL_MEMORY`` (so plans shard),
+    the workers logging their sample ids, the switch acks watched. Once every worker waits at
+    step PAUSE and both nodes acked plan v1 done, ``KILL_VICTIM`` is SIGKILLed and the workers
+    released; the run waits for the agents to exit and keeps what the tests read. It asserts
+    nothing about the outcome: a wait that fails is its ``error``."""
+    import psutil
+
+    from _security import PASSWORDS, Pki, SecureEtcd
+    from launch_harness import assert_no_leftovers, marked_processes, new_marker
+
+    run = WorkerKillRun(name=f"kill-{uuid.uuid4().hex[:8]}")
+    marker = new_marker()
+    etcd = job = None
+    try:
+        pki = Pki(base / "pki")
+        etcd = SecureEtcd(base, pki, run.name)  # the job user may write the job's prefix only
+        password = base / "etcd-password"
+        password.write_text(PASSWORDS["job"] + "\n")
+        password.chmod(0o600)
+        run.password_file = str(password)
+        job = ElasticLaunchJob(etcd.cluster, base, marker, name=run.name,
+                               security=pki.security("job"),
+                               etcd_env=dict(etcd.env(None), HSPMD_ETCD_USER="job",
+                                             HSPMD_ETCD_PASSWORD_FILE=str(password)))
+        job.watch_acks()
+        for node, nproc in KILL_NODES.items():
+            job.start(node, nproc, "--hspmd-device-memory", KILL_MEMORY, log_samples=True)
+        run.pids = job.wait_paused([f"{n}:{lr}" for n, k in KILL_NODES.items()
+                                    for lr in range(k)], timeout=90)  # 5 workers start
+        for proc in marked_processes(marker):
+            try:
+                run.cmdlines.append(proc.cmdline())
+            except psutil.Error:
+                continue
+        env = psutil.Process(run.pids["node-a:0"]).environ()
+        run.worker_etcd_env = {k: v for k, v in env.items() if k.startswith("HSPMD_ETCD_")}
+        # Paused workers train plan v1: each agent acks it done (before the kill, which would
+        # otherwise race the ack and make the victim's node's v1 ack failed).
+        wait_for(lambda: job.check_agents() or all(
+            job.ack_states(1, n)[-1:] == ["done"] for n in KILL_NODES), 30,
+            "every node's v1 ack done")
+        run.killed_at = time.time()
+        os.kill(run.pids[KILL_VICTIM], signal.SIGKILL)
+        job.release.touch()
+        run.codes = {node: agent.wait(60) for node, agent in job.agents.items()}
+        run.journal, run.plan_history = job.events(), job.plans()
+        run.worker_results, run.samples = job.results(), job.sample_log()
+        run.acks = job.ack_records()
+    except Exception:  # noqa: BLE001 - reported by every test that reads the run
+        run.error = traceback.format_exc()
+    finally:
+        if job is not None:
+            run.stderr = {node: agent.stderr() for node, agent in job.agents.items()}
+            job.close()
+        if etcd is not None:
+            etcd.stop()
+        try:
+            assert_no_leftovers(marker)
+        except AssertionError as exc:
+            run.leftovers = str(exc)
+    return run
+
+
+def shared_worker_kill_run(tmp_path_factory) -> WorkerKillRun:
+    """``worker_kill_run`` once per pytest session (``_hf_worlds.once_per_session``): the test
+    modules that read it call this from a module-scoped fixture."""
+    from _hf_worlds import once_per_session
+
+    return once_per_session(tmp_path_factory, "worker-kill", worker_kill_run)

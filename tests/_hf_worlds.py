@@ -13,6 +13,9 @@ processes, and each test still fails alone:
   deadline (``WorldError``: every test of the module fails with it).
 * test side, ``run_results``: a run's per-rank results, or the test fails with the tracebacks of
   the ranks where that run raised.
+
+``once_per_session`` is the sharing itself (a file lock, the value saved once): the elastic
+tests' one worker-kill run (``tests/_elastic_job.py``) is shared the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import datetime
 import fcntl
 import os
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import pytest
@@ -69,23 +73,30 @@ def run_results(results: list, run, ranks: Optional[Iterable[int]] = None) -> di
     return {r: results[r][run]["value"] for r in ranks}
 
 
-def shared_world(tmp_path_factory, name: str, fn: Callable, world: int, args: tuple,
-                 **kwargs) -> list:
-    """``run_world(fn, world, args, **kwargs)`` once per pytest session: pytest-xdist workers
-    that need it too (a module's tests may be split between workers) wait for the first one's
-    results on a file lock and read them, instead of starting the world again. The workers'
-    logs stay in the session's temporary directory (``<name>-world*``)."""
+def once_per_session(tmp_path_factory, name: str, produce: Callable[[Path], Any]) -> Any:
+    """``produce(dir)`` once per pytest session (``dir``: a fresh temporary directory named
+    after ``name``), its value kept with ``torch.save``: pytest-xdist workers that need it too
+    (a module's tests may be split between workers, and modules share a value) wait for the
+    first one's on a file lock and read it, instead of producing it again."""
     import torch
 
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    done = shared / f"{name}-world-results.pt"
-    with open(shared / f"{name}-world.lock", "w") as lock:
+    done = shared / f"{name}-results.pt"
+    with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also on a failure
         if done.exists():
             return torch.load(done, weights_only=False)
-        results = run_world(fn, world, args, tmp_dir=tmp_path_factory.mktemp(f"{name}-world"),
-                            **kwargs)
-        torch.save(results, f"{done}.tmp")
+        value = produce(tmp_path_factory.mktemp(name))
+        torch.save(value, f"{done}.tmp")
         os.replace(f"{done}.tmp", done)
-        return results
+        return value
+
+
+def shared_world(tmp_path_factory, name: str, fn: Callable, world: int, args: tuple,
+                 **kwargs) -> list:
+    """``run_world(fn, world, args, **kwargs)`` once per pytest session
+    (``once_per_session``). The workers' logs stay in the session's temporary directory
+    (``<name>-world*``)."""
+    return once_per_session(tmp_path_factory, f"{name}-world",
+                            lambda tmp: run_world(fn, world, args, tmp_dir=tmp, **kwargs))

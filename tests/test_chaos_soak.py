@@ -70,11 +70,11 @@ def test_one_cycle_of_thirteen_fault_kinds_on_three_hosts(netns, marker):
 
 # ------------------------------------------------------------------- pure pieces it relies on
 def _ev(seq, type_, node="node-a", **detail):
-    from hspmd_elastic.contract import schema
+    from _events import event, make
 
-    timings = {"to_version": float(detail["plan_version"])} if type_ == "switch-done" else {}
-    return schema.EventRecord(seq=seq, type=type_, node=node, detail=detail, timings=timings,
-                              at=float(seq))
+    if type_ == "replan":
+        detail.setdefault("previous_version", detail["version"] - 1)
+    return event(seq, type_, make(type_, **detail), node, float(seq))
 
 
 def test_new_kinds_are_detected_and_recovered_from_the_jobs_own_records():
@@ -94,7 +94,7 @@ def test_new_kinds_are_detected_and_recovered_from_the_jobs_own_records():
     suspect = Injected("suspect", {"node": "node-b", "device": 0})
     assert match_detection(suspect, base, [], verdicts).by == "verdict suspect at devices/node-b/0"
     drain = [_ev(3, "drain", "node-b", devices=["node-b:0"], plan_version=4),
-             _ev(4, "replan", version=4, reason="drain node-b:0: ECC counts"),
+             _ev(4, "replan", version=4, changes=[{"kind": "drain", "node": "node-b", "devices": ["node-b:0"], "reason": "ECC counts"}]),
              _ev(5, "switch-done", plan_version=4)]
     assert match_detection(suspect, base, drain).by == "drain event #3"
     assert handling_plan(suspect, drain, 2) == 4
@@ -102,8 +102,9 @@ def test_new_kinds_are_detected_and_recovered_from_the_jobs_own_records():
     assert match_recovery(suspect, base, det, drain, []).by == "switch-done event #5"
     recover = Injected("recover", {"node": "node-a", "device": 0})
     assert match_detection(recover, base, [], verdicts).by == "verdict healthy at devices/node-a/0"
-    for reason in ("recover node-a:0: speed 50% -> 100%", "join node-a"):
-        assert handling_plan(recover, [_ev(7, "replan", version=6, reason=reason)], 2) == 6
+    for change in ({"kind": "recover", "node": "node-a", "devices": ["node-a:0"]},
+                   {"kind": "join", "node": "node-a"}):
+        assert handling_plan(recover, [_ev(7, "replan", version=6, changes=[change])], 2) == 6
     lost = Injected("lost", {"node": "node-b", "device": 0})
     assert match_detection(lost, base, [], verdicts) is None  # its failed verdict is older
     killed = Injected("kill-agent", {"node": "node-c"})
@@ -114,8 +115,7 @@ def test_new_kinds_are_detected_and_recovered_from_the_jobs_own_records():
     assert match_detection(killed, base, [_ev(3, "unreachable", "node-b")]) is None
     cut = Injected("partition", {"node": "node-c"})
     away = [_ev(3, "unreachable", "node-c", devices=["node-c:0"], plan_version=5),
-            _ev(4, "replan", version=5, reason="unreachable node-c:0: unreachable over the "
-                                               "data network from node-a, node-b")]
+            _ev(4, "replan", version=5, changes=[{"kind": "unreachable", "node": "node-c", "devices": ["node-c:0"], "reason": "unreachable over the data network from node-a, node-b"}])]
     assert match_detection(cut, base, away).by == "unreachable event #3"
     assert handling_plan(cut, away, 2) == 5
 
@@ -124,16 +124,16 @@ def test_a_node_taken_away_is_back_once_a_plan_takes_it_back():
     from launcher.inject.detect import Injected, expects_rejoin, match_rejoin
 
     events = [_ev(3, "leave", "node-b", devices=["node-b:0"], plan_version=5),
-              _ev(4, "replan", version=5, reason="leave node-b"),
+              _ev(4, "replan", version=5, changes=[{"kind": "leave", "node": "node-b"}]),
               _ev(5, "switch-done", plan_version=5),
-              _ev(6, "replan", version=6, reason="join node-c"),
+              _ev(6, "replan", version=6, changes=[{"kind": "join", "node": "node-c"}]),
               _ev(7, "switch-done", plan_version=6)]
     frozen = Injected("freeze-agent", {"node": "node-b"})
     assert expects_rejoin(frozen, events, 2) is None  # not thawed yet
     frozen.ended_at = 4.5
     assert expects_rejoin(frozen, events, 2) == 5
     assert match_rejoin(frozen, events, 5) is None  # a join of another node
-    events += [_ev(8, "replan", version=7, reason="join node-b"),
+    events += [_ev(8, "replan", version=7, changes=[{"kind": "join", "node": "node-b"}]),
                _ev(9, "switch-done", plan_version=7)]
     back = match_rejoin(frozen, events, 5)
     assert (back.by, back.round) == ("switch-done event #9", 7)
@@ -145,7 +145,7 @@ def test_a_fault_to_ride_through_must_leave_no_reaction_in_the_journal():
     from launcher.inject.detect import expects_reaction, reactions
 
     assert not expects_reaction("etcd-stall") and not expects_reaction("etcd-restart")
-    events = [_ev(3, "switch-done", plan_version=2), _ev(4, "replan", version=3, reason="x"),
+    events = [_ev(3, "switch-done", plan_version=2), _ev(4, "replan", version=3, changes=[]),
               _ev(5, "leave", "node-b"), _ev(6, "failure", "node-c")]
     assert [e.seq for e in reactions(events, 2, 5)] == [4, 5]
     assert reactions(events, 6) == [] and [e.seq for e in reactions(events, 5)] == [6]
@@ -167,8 +167,8 @@ def test_a_killed_agents_late_leave_is_no_reaction_to_a_later_fault():
 
     gone = {"node-c"}
     assert _about(_ev(5, "leave", "node-c"), gone)
-    assert _about(_ev(6, "replan", version=7, reason="leave node-c"), gone)
-    assert _about(_ev(6, "replan", version=7, reason="unreachable node-c:0,node-c:1: x"), gone)
-    assert not _about(_ev(6, "replan", version=7, reason="leave node-c; leave node-b"), gone)
+    assert _about(_ev(6, "replan", version=7, changes=[{"kind": "leave", "node": "node-c"}]), gone)
+    assert _about(_ev(6, "replan", version=7, changes=[{"kind": "unreachable", "node": "node-c", "devices": ["node-c:0", "node-c:1"], "reason": "x"}]), gone)
+    assert not _about(_ev(6, "replan", version=7, changes=[{"kind": "leave", "node": "node-c"}, {"kind": "leave", "node": "node-b"}]), gone)
     assert not _about(_ev(7, "leave", "node-b"), gone)
-    assert not _about(_ev(8, "replan", version=8, reason="store a:1 -> b:2"), gone)
+    assert not _about(_ev(8, "replan", version=8, changes=[{"kind": "store", "node": "a", "devices": ["a:1 -> b:2"]}]), gone)

@@ -20,29 +20,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hspmd_elastic.contract import env as contract_env
-from hspmd_elastic.contract.env import (
-    DEVICE_ENV,
-    HANG_TIMEOUT_ENV,
-    JOB_ID_ENV,
-    PLAN_VERSION_ENV,
-    PROGRESS_FILE_ENV,
-    ROUND_ENV,
-    EnvError,
-    EtcdRestartEnv,
-    HangRule,
-    WorkerEnv,
-    parse_device_setting,
-)
-from hspmd_elastic.contract.ids import (
-    ID_RE,
-    IdError,
-    check_id,
-    device_id,
-    device_sort_key,
-    is_id,
-    node_of,
-    parse_device_id,
-)
+from hspmd_elastic.contract.env import (DEVICE_ENV, HANG_TIMEOUT_ENV, JOB_ID_ENV,
+                                        PLAN_VERSION_ENV, PROGRESS_FILE_ENV, ROUND_ENV, EnvError,
+                                        EtcdRestartEnv, HangRule, WorkerEnv,
+                                        parse_device_setting)
+from hspmd_elastic.contract.ids import (ID_RE, IdError, check_id, device_id, device_sort_key,
+                                        is_id, node_of, parse_device_id)
 from hspmd_elastic.contract.progress import (
     MAX_PROGRESS_BYTES,
     WorkerProgress,
@@ -63,7 +46,7 @@ paths = st.text(st.characters(blacklist_characters="\0", blacklist_categories=("
 
 # ------------------------------------------------------------------------------ the package
 def test_the_contract_imports_neither_torch_nor_etcd():
-    code = ("import sys, hspmd_elastic.contract; "
+    code = ("import sys, hspmd_elastic.contract, hspmd_elastic.contract.schema; "
             "bad = [m for m in ('torch', 'etcd3', 'grpc', 'hspmd_elastic.coord', 'launcher') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT)
@@ -309,7 +292,7 @@ def test_first_line():
 
 def test_the_three_former_rules_are_now_this_one():
     from hspmd_elastic.coord.api import RecordError
-    from launcher.node.judge import JobView, judge
+    from launcher.node.elastic.judge import JobView, judge
     from launcher.ops.safe import clean
 
     assert clean(HOSTILE) == bounded(HOSTILE)
@@ -360,3 +343,14 @@ def test_hspmd_names_are_spelled_only_in_contract_env():
         "\n".join(l for l in home.read_text().splitlines() if " = \"HSPMD_" in l)))
     assert {getattr(contract_env, n) for n in dir(contract_env) if n.endswith("_ENV")
             and isinstance(getattr(contract_env, n), str)} == set(defined)
+
+
+@pytest.mark.parametrize("mode, other", [("elastic", "restart"), ("restart", "elastic")])
+def test_the_agents_two_modes_never_import_each_other(mode, other):
+    """``launcher/node`` is three rooms: what both modes use, ``restart/`` and ``elastic/``; the
+    job-end record both write is the contract's (``contract.rounds``)."""
+    mods = sorted(p.stem for p in (ROOT / "launcher" / "node" / mode).glob("*.py"))
+    code = (f"import sys, importlib; [importlib.import_module('launcher.node.{mode}.' + m) "
+            f"for m in {mods!r}]; bad = [m for m in sys.modules "
+            f"if m.startswith('launcher.node.{other}')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT)

@@ -45,9 +45,21 @@ def _strategy(tp, cls=None, name=None):
 
 
 def _record_strategy(cls):
+    if cls is schema.EventRecord:
+        return _event_strategy()
     hints = typing.get_type_hints(cls)
     return st.builds(cls, **{f.name: _strategy(hints[f.name], cls, f.name)
                              for f in dataclasses.fields(cls)})
+
+
+def _event_strategy():
+    """An event whose detail is its type's dataclass (anything else does not encode)."""
+    def build(type_, detail, seq, node, timings, at):
+        return schema.new_event_record(seq, type_, node, detail, timings, at)
+
+    return st.sampled_from(schema.EVENT_TYPES).flatmap(lambda t: st.builds(
+        build, st.just(t), _record_strategy(schema.EVENT_DETAILS[t]), st.integers(0, 2**40),
+        st.none() | _ids, st.dictionaries(st.text(max_size=6), _finite, max_size=3), _finite))
 
 
 @settings(max_examples=40, deadline=None)
@@ -55,8 +67,67 @@ def _record_strategy(cls):
 def test_every_record_round_trips_through_json(record):
     raw = schema.encode(record)
     body = json.loads(raw.decode("utf-8"))
-    assert body["schema"] == 1 and body["kind"] == record.KIND
+    assert body["schema"] == schema.SCHEMA_VERSION and body["kind"] == record.KIND
     assert schema.decode_as(type(record), raw) == record
+
+
+@settings(max_examples=60, deadline=None)
+@given(_event_strategy())
+def test_every_event_detail_round_trips_through_its_dataclass(event):
+    back = schema.decode(schema.event_key(JOB, event.seq), schema.encode(event))
+    detail = schema.event_detail(back)
+    assert type(detail) is schema.EVENT_DETAILS[event.type]
+    assert detail.to_dict() == event.detail and back == event
+
+
+def _sample(cls):
+    """One instance of a detail dataclass with every field set (nested ones included)."""
+    def value(tp):
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+            return value([a for a in args if a is not type(None)][0])
+        if origin is list:
+            return [value(args[0])]
+        if dataclasses.is_dataclass(tp):
+            return _sample(tp)
+        return {int: 3, float: 1.5, str: "n0:1", bool: True}[tp]
+    hints = typing.get_type_hints(cls)
+    return cls(**{f.name: value(hints[f.name]) for f in dataclasses.fields(cls)})
+
+
+@pytest.mark.parametrize("type_", schema.EVENT_TYPES)
+def test_a_detail_key_no_dataclass_declares_is_refused(type_):
+    """Walk the registry: for every event type, a detail with a key its dataclass does not
+    declare, one missing a required field, or the dataclass of another type is refused."""
+    cls = schema.EVENT_DETAILS[type_]
+    hints = typing.get_type_hints(cls)
+    sample = _sample(cls)
+    good = schema.new_event_record(1, type_, "n0", sample, {}, 0.0)
+    key = schema.event_key(JOB, 1)
+    assert schema.decode(key, schema.encode(good)) == good
+    forged = dict(json.loads(schema.encode(good)), detail=dict(good.detail, bytes_moved_x=1))
+    with pytest.raises(RecordError, match="unknown field.*detail.bytes_moved_x"):
+        schema.decode(key, json.dumps(forged))
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:
+        body = dict(json.loads(schema.encode(good)))
+        body["detail"] = {k: v for k, v in good.detail.items() if k != name}
+        with pytest.raises(RecordError, match=f"missing field.*detail.{name}"):
+            schema.decode(key, json.dumps(body))
+    assert hints  # every detail declares its fields
+    other = next(c for c in (schema.ReplanDetail, schema.RestartDetail) if c is not cls)
+    with pytest.raises(ValueError, match=f"a {type_} event carries a {cls.__name__}"):
+        schema.new_event_record(1, type_, "n0", _sample(other), {}, 0.0)
+
+
+def test_a_record_of_the_older_schema_is_refused_in_one_line():
+    old = b'{"schema": 1, "kind": "node", "host": "h", "agent_pid": 1, "devices": [], ' \
+          b'"state": "ready", "started_at": 0.0}'
+    with pytest.raises(RecordError) as err:
+        schema.decode(KEY, old)
+    assert "schema 1 was written by an older hspmd-elastic" in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 @settings(max_examples=30, deadline=None)
@@ -122,9 +193,9 @@ KEY = schema.node_key(JOB, "n0")
     (b"\xff\xfe", "malformed JSON"),
     (b"[1, 2]", "expected a JSON object"),
     (b'{"kind": "node"}', "missing 'schema'"),
-    (b'{"schema": 2, "kind": "node"}', "unknown schema 2"),
-    (b'{"schema": 1, "kind": "worker"}', "kind 'worker'"),
-    (b'{"schema": 1, "kind": "node", "host": "h"}', "missing field(s) agent_pid"),
+    (b'{"schema": 3, "kind": "node"}', "unknown schema 3"),
+    (b'{"schema": 2, "kind": "worker"}', "kind 'worker'"),
+    (b'{"schema": 2, "kind": "node", "host": "h"}', "missing field(s) agent_pid"),
 ])
 def test_decode_names_key_and_problem(raw, problem):
     with pytest.raises(RecordError) as err:

@@ -44,10 +44,11 @@ def test_key_table_matches_registry():
     assert documented == registered
 
 
-def _record_sections(text: str) -> dict[str, tuple[str, list[list[str]]]]:
-    records = _section(text, "Records")
+def _record_sections(text: str, title: str = "Records") -> dict[str, tuple[str, list[list[str]]]]:
+    """``### <Name> (<header>)`` subsections of section ``title``: name -> (header, rows)."""
     out = {}
-    for m in re.finditer(r"^### (\w+) \((.*?)\)\n(.*?)(?=^### |\Z)", records, re.M | re.S):
+    for m in re.finditer(r"^### (\w+) \((.*?)\)\n(.*?)(?=^### |\Z)", _section(text, title),
+                         re.M | re.S):
         out[m.group(1)] = (m.group(2), _table_rows(m.group(3)))
     return out
 
@@ -71,6 +72,25 @@ def test_allowed_values_are_documented():
         for field, allowed in cls.CHOICES.items():
             listed = re.findall(r"`([^`]+)`", meanings[field])
             assert listed == list(allowed), f"{cls.__name__}.{field}"
+
+
+def test_event_detail_tables_match_the_registry():
+    text = _section(DOC.read_text(), "Event details")
+    type_table = _table_rows(text.split("\n### ", 1)[0])
+    assert [(_strip(r[0]), r[1]) for r in type_table] == [
+        (t, cls.__name__) for t, cls in schema.EVENT_DETAILS.items()]
+    assert all(r[2] for r in type_table), "every event type needs its writer"
+    sections = _record_sections(DOC.read_text(), "Event details")
+    classes = {cls.__name__: cls for cls in (*schema.EVENT_DETAILS.values(),
+                                             *schema.NESTED_DETAIL_TYPES)}
+    assert sorted(sections) == sorted(classes)
+    for name, (header, rows) in sections.items():
+        cls = classes[name]
+        types = [t for t, c in schema.EVENT_DETAILS.items() if c is cls]
+        assert header == ("nested" if cls in schema.NESTED_DETAIL_TYPES
+                          else "events " + ", ".join(f"`{t}`" for t in types)), name
+        assert [(_strip(r[0]), r[1]) for r in rows] == schema.describe_fields(cls), name
+        assert all(r[2] for r in rows), f"{name}: every field needs a meaning"
 
 
 def _etcdctl_json(endpoint: str, prefix: str) -> list[tuple[str, bytes]]:
@@ -119,7 +139,7 @@ def test_what_a_job_writes_decodes_and_is_documented(etcd_server):
         plan = schema.PlanRecord(version=1, reason="start", devices=["node-a:0"], strategy={},
                                  store_endpoint="gpu-a:29500", created_at=0.0)
         publish_plan(election, plan, 0)  # plan/current, plan/head and plan/history/1
-        append_event(client, job, "join", node="node-a")
+        append_event(client, job, "join", "node-a", schema.ChangeDetail(devices=["node-a:0"]))
         prefix = schema.job_prefix(job)
         if shutil.which("etcdctl"):
             stored = _etcdctl_json(etcd_server.endpoints[0], prefix)

@@ -19,7 +19,7 @@ from launcher import cli
 from launcher.api import ConfigError
 from launcher.health.fake_nvml import FakeGpu, FakeNvml
 from launcher.health.nvml import NvmlHealthSource
-from launcher.node.devices import device_table, inventory_lines
+from launcher.node.elastic.devices import device_table, inventory_lines
 
 SCRIPT = str(SCRIPTS / "sleeper.py")
 ELASTIC = ["--hspmd-elastic", "--hspmd-model", "llama-7b", "--hspmd-global-batch", "4"]

@@ -28,11 +28,10 @@ from hspmd_elastic.contract.progress import (
     read_progress,
     write_progress,
 )
-from launcher.node.acks import ACK_KEEP, ack_state
-from launcher.node.devices import device_table
-from launcher.node.elastic_node import ElasticNode
-from launcher.node.elastic_workers import ElasticWorkers
-from launcher.leader import EXIT_PREFIX
+from launcher.node.elastic.acks import ACK_KEEP, ack_state
+from launcher.node.elastic.devices import device_table
+from launcher.node.elastic.node import ElasticNode
+from launcher.node.elastic.workers import ElasticWorkers
 from launcher.logs import WorkerLogPaths
 from _clock import FakeClock
 
@@ -261,7 +260,7 @@ def test_a_worker_exiting_mid_switch_fails_the_ack_and_an_etcd_error_loses_nothi
     assert errors and all("injected" in str(e) for e in errors)
     verdict = schema.decode(schema.device_key(JOB, "n", 1),
                             h.client.get(schema.device_key(JOB, "n", 1)).value)
-    assert verdict.state == "failed" and verdict.reason.startswith(EXIT_PREFIX)
+    assert verdict.state == "failed" and verdict.origin == "exit"
     assert "code 3" in verdict.reason
     assert h.client.get(schema.worker_key(JOB, "n", 1)) is None
     assert h.ack(2) == "joined"

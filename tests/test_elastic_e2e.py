@@ -1,6 +1,8 @@
 """Elastic mode end to end: real etcd, ``hspmd-launch --hspmd-elastic`` agents as separate nodes
-on this host (``--hspmd-node-id``), two workers each (three in the worker-kill scenario)
-running ``hspmd_elastic.runtime`` over gloo, real SIGKILLs.
+on this host (``--hspmd-node-id``), two workers each running ``hspmd_elastic.runtime`` over
+gloo, real SIGKILLs. The worker-kill scenario is the suite's one shared worker-kill run
+(``_elastic_job.worker_kill_run``: 3 + 2 workers, read here for recovery, by
+tests/test_security_tls.py for TLS and auth, by tests/test_elastic_hspmd.py for resharding).
 
 Scenarios: a worker SIGKILLed, an agent SIGKILLed (node loss by lease expiry), an agent
 SIGTERMed (it leaves), a node joining mid-run, a hot spare (beyond the maximum of ``--nnodes``)
@@ -26,7 +28,8 @@ from collections import Counter
 
 import pytest
 
-from _elastic_job import BATCH, STEPS, TINY, ElasticLaunchJob, write_tiny
+from _elastic_job import (BATCH, KILL_NODES, KILL_VICTIM, STEPS, TINY, ElasticLaunchJob,
+                          JobFacts, shared_worker_kill_run, write_tiny)
 from _wait import wait_for
 from launch_harness import SCRIPTS
 
@@ -42,7 +45,7 @@ def job(etcd_server, tmp_path, marker):
         yield j
 
 
-def check_recovered(job: ElasticLaunchJob, survivors: dict[str, int]) -> dict[str, dict]:
+def check_recovered(job: JobFacts, survivors: dict[str, int]) -> dict[str, dict]:
     """Survivors finished every step in the same processes, without a checkpoint."""
     results = job.assert_recovered(survivors)
     for dev in survivors:
@@ -74,7 +77,7 @@ def committed_samples(rows: list[dict]) -> dict[int, list[int]]:
     return out
 
 
-def check_samples_once(job: ElasticLaunchJob) -> dict[int, list[int]]:
+def check_samples_once(job: JobFacts) -> dict[int, list[int]]:
     """Every sample id 0..STEPS*BATCH-1 consumed exactly once by the committed trajectory, each in
     its own step's global batch ``[s*B, (s+1)*B)``."""
     final = committed_samples(job.sample_log())
@@ -89,48 +92,44 @@ def check_samples_once(job: ElasticLaunchJob) -> dict[int, list[int]]:
     return final
 
 
-def switch_seconds(job: ElasticLaunchJob, since: float) -> float:
+def switch_seconds(job: JobFacts, since: float) -> float:
     """From ``since`` (the kill, wall clock) to the first switch-done event after it."""
     done = [e for e in job.events() if e.type == "switch-done" and e.at > since]
     assert done, [e.type for e in job.events()]
     return done[0].at - since
 
 
-def test_worker_sigkill_survivors_switch_in_memory(job):
-    """2 nodes x 2 workers; one worker SIGKILLed at step PAUSE. Besides the recovery checks, the
-    sample-id log shows the committed trajectory consumed each training sample exactly once, and
-    the agents' switch acks show both nodes done with the first plan and with the recovery plan."""
-    nodes = ("node-a", "node-b")
-    job.watch_acks()
-    a = job.start("node-a", nproc=2, log_samples=True)
-    b = job.start("node-b", nproc=2, log_samples=True)
-    devices = [f"{n}:{lr}" for n in nodes for lr in range(2)]
-    pids = job.wait_paused(devices)
-    first = [e for e in job.events() if e.type == "replan"][0]
-    assert first.detail["devices"] == 4, first.detail
-    # Paused workers train plan v1: each agent acks it done (before the kill, which would
-    # otherwise race the ack and make node-b's v1 ack failed).
-    wait_for(lambda: all(job.ack_states(1, n)[-1:] == ["done"] for n in nodes), 30,
-             "both nodes' v1 acks done")
-    killed_at = time.time()
-    os.kill(pids["node-b:1"], signal.SIGKILL)
-    job.release.touch()
-    job.finish()
-    survivors = {d: p for d, p in pids.items() if d != "node-b:1"}
-    results = check_recovered(job, survivors)
-    assert "node-b:1" not in results
-    failure = next(e for e in job.events() if e.type == "failure")
-    assert failure.detail["device"] == "node-b:1" and failure.detail["signal"] == 9
-    print(f"worker SIGKILL -> switch-done {switch_seconds(job, killed_at):.3f}s")
-    assert "job recovered from 1 worker failure" in b.stderr()
-    assert a.stderr().count("started pid") == 1 and b.stderr().count("started pid") == 1
-    final = check_samples_once(job)
-    rows = job.sample_log()
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """The suite's one worker-kill run (``tests/_elastic_job.py``), read here for recovery."""
+    return shared_worker_kill_run(tmp_path_factory)
+
+
+@pytest.mark.timeout(180)  # it may start the shared run (30-60 s on two busy cores)
+def test_worker_sigkill_survivors_switch_in_memory(killed):
+    """The shared run: two nodes (3 + 2 workers), node-b:1 SIGKILLed at step PAUSE once both
+    nodes acked plan v1 done. Besides the recovery checks, the sample-id log shows the committed
+    trajectory consumed each training sample exactly once, and the agents' switch acks show both
+    nodes done with the first plan and with the recovery plan."""
+    run = killed.checked()
+    nodes, pids = tuple(KILL_NODES), run.pids
+    first = [e for e in run.events() if e.type == "replan"][0]
+    assert schema.event_detail(first).device_count == len(pids), first.detail
+    survivors = run.survivors()
+    results = check_recovered(run, survivors)
+    assert KILL_VICTIM not in results
+    failure = schema.event_detail(next(e for e in run.events() if e.type == "failure"))
+    assert failure.devices == [KILL_VICTIM] and [x.signal for x in failure.exits] == [9]
+    print(f"worker SIGKILL -> switch-done {switch_seconds(run, run.killed_at):.3f}s")
+    assert "job recovered from 1 worker failure" in run.stderr["node-b"]
+    assert all(run.stderr[n].count("started pid") == 1 for n in nodes)
+    final = check_samples_once(run)
+    rows = run.sample_log()
     last = results["node-a:0"]["plan_version"]
     assert last >= 2
     for node in nodes:  # each state once and in order; the recovery plan's ack reads done
         for version in (1, last):
-            states = job.ack_states(version, node)
+            states = run.ack_states(version, node)
             order = ["joined", "ready", "done"]
             assert states and states[-1] == "done", (version, node, states)
             assert states == sorted(set(states), key=order.index), (version, node, states)
@@ -158,10 +157,13 @@ def test_a_switch_that_fails_on_every_rank_is_published_again(job):
     events = job.events()
     retry = [e for e in events if e.type == "retry"]
     assert len(retry) == 1 and retry[0].node == "node-a", [e.type for e in events]
-    assert retry[0].detail["devices"] == devices and retry[0].detail["plan_version"] == 2
-    replans = [e for e in events if e.type == "replan"]
-    assert [r.detail["version"] for r in replans] == [1, 2], replans
-    assert replans[1].detail["reason"].startswith("retry node-a:0,node-a:1: the switch into v1")
+    asked = schema.event_detail(retry[0])
+    assert asked.devices == devices and asked.plan_version == 2
+    replans = [schema.event_detail(e) for e in events if e.type == "replan"]
+    assert [r.version for r in replans] == [1, 2], replans
+    [again] = replans[1].changes
+    assert (again.kind, again.node, again.devices) == ("retry", "node-a", devices)
+    assert again.reason.startswith("the switch into v1")
     assert not any(e.type in ("failure", "leave", "unreachable", "stall") for e in events)
     assert results["node-a:0"]["switches"][-1]["resume_step"] == 2
     assert "asking the leader to publish it again" in a.stderr()
@@ -177,7 +179,7 @@ def test_node_loss_of_the_leader_job_continues_on_the_other_node(job):
     pids = job.wait_paused(devices)
     lost = job.leader()
     plan = next(e for e in job.events() if e.type == "replan")
-    assert plan.detail["store_endpoint"] and plan.node == lost
+    assert schema.event_detail(plan).store_endpoint and plan.node == lost
     other = "node-b" if lost == "node-a" else "node-a"
     victim = job.agents.pop(lost)
     killed_at = time.time()
@@ -189,7 +191,8 @@ def test_node_loss_of_the_leader_job_continues_on_the_other_node(job):
     events = job.events()
     assert any(e.type == "leave" and e.node == lost for e in events)
     last = [e for e in events if e.type == "replan"][-1]
-    assert last.node == other and last.detail["store_endpoint"] != plan.detail["store_endpoint"]
+    assert last.node == other and (schema.event_detail(last).store_endpoint
+                                   != schema.event_detail(plan).store_endpoint)
     print(f"leader SIGKILL (lease TTL 2s) -> switch-done {switch_seconds(job, killed_at):.3f}s")
 
 
@@ -294,8 +297,8 @@ def test_a_spare_beyond_nnodes_max_replaces_a_lost_node(job):
     assert len(joined) == 1 and joined[0]["source"] == "bsr"
     events = job.events()
     assert any(e.type == "leave" and e.node == lost for e in events)
-    assert [e.node for e in events if e.type == "join" and e.detail["plan_version"] > 1] == [
-        "node-c"]
+    assert [e.node for e in events
+            if e.type == "join" and schema.event_detail(e).plan_version > 1] == ["node-c"]
     assert spare.stderr().count("started pid") == 1
 
 
@@ -306,7 +309,7 @@ def test_lost_shard_without_checkpoint_fails_the_job_with_summary(job):
     devices = ["node-a:0", "node-a:1", "node-b:0", "node-b:1"]
     pids = job.wait_paused(devices)
     plan = [e for e in job.events() if e.type == "replan"][0]
-    assert plan.detail["devices"] == 4
+    assert schema.event_detail(plan).device_count == 4
     os.kill(pids["node-b:1"], signal.SIGKILL)
     job.release.touch()
     job.finish(code=1)
@@ -323,8 +326,8 @@ def test_lost_shard_without_checkpoint_fails_the_job_with_summary(job):
 
 # ------------------------------------------------------------------------- pure decisions, CLI
 def test_judge_a_recorded_end_wins_then_success_then_failure():
-    from launcher.node.judge import JobView, judge
-    from launcher.node.rendezvous import RoundState
+    from launcher.node.elastic.judge import JobView, judge
+    from launcher.node.restart.rendezvous import RoundState
 
     ended = RoundState(round=3, state="failed", restart_count=0, reason="switch failed: x")
     assert judge(JobView(ended=ended, finished_worker="n:0 done")) == ("failed", "switch failed: x")

@@ -3,7 +3,8 @@ host, real gloo workers, real SIGKILLs.
 
 The agents declare their devices small (``--hspmd-device-memory``), so the leader's planner
 shards the model (TP and/or PP) as it would on GPUs that cannot hold a replica. A worker
-SIGKILLed mid-run forces a differently specialized plan: the survivors reshard weights and
+SIGKILLed mid-run (the suite's shared worker-kill run, ``_elastic_job.worker_kill_run``, read
+here for resharding) forces a differently specialized plan: the survivors reshard weights and
 AdamW state by fused BSR into it (bytes moved, read from the journal's ``switch-done`` timings),
 every DP replica ends equal, and the parameters equal the fault-free dense reference (float64; a
 slice nobody holds stays NaN and fails the check).
@@ -19,12 +20,9 @@ returns a plan that breaks it: ``tests/test_planner_capacity.py``). The job harn
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
-from _elastic_job import STEPS, ElasticLaunchJob
+from _elastic_job import KILL_VICTIM, STEPS, ElasticLaunchJob, shared_worker_kill_run
 from _wait import wait_for
 
 from hspmd_elastic.contract import schema
@@ -52,43 +50,47 @@ def roles(plan, devices: list[str]) -> dict[str, tuple]:
             for r, d in enumerate(s.devices)}
 
 
-def test_a_worker_kill_reshards_into_a_differently_specialized_plan(job):
-    """One node, 5 workers declared at 200 KiB (one replica needs about 235 KiB): plan v1 shards
-    the model (TP and/or PP) over two replicas; SIGKILLing node-a:4 forces a plan with another
-    TP degree, layer split or pipeline count; the survivors move real bytes by BSR, every DP
-    replica ends equal, and the result equals the fault-free reference."""
-    job.start("node-a", 5, "--hspmd-device-memory", "200KiB", nnodes=1, redundancy=1)
-    devices = [f"node-a:{i}" for i in range(5)]
-    pids = job.wait_paused(devices)
-    v1, names1 = job.plans()[1]
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """The suite's one worker-kill run (``tests/_elastic_job.py``), read here for resharding."""
+    return shared_worker_kill_run(tmp_path_factory)
+
+
+@pytest.mark.timeout(180)  # it may start the shared run (30-60 s on two busy cores)
+def test_a_worker_kill_reshards_into_a_differently_specialized_plan(killed):
+    """The shared run: 5 workers on two nodes declared at 200 KiB (one replica needs about
+    235 KiB): plan v1 shards the model (TP and/or PP); SIGKILLing node-b:1 forces a plan with
+    another TP degree, layer split or pipeline count; the survivors move real bytes by BSR,
+    every DP replica ends equal, and the result equals the fault-free reference."""
+    run = killed.checked()
+    pids, victim = run.pids, KILL_VICTIM
+    devices = list(pids)
+    v1, names1 = run.plans()[1]
+    assert sorted(names1) == sorted(devices), names1
     assert any(s.tp > 1 for p in v1.pipelines for s in p.stages) or \
         any(len(p.stages) > 1 for p in v1.pipelines), v1
-    victim = "node-a:4"
-    os.kill(pids[victim], signal.SIGKILL)
-    job.release.touch()
-    job.finish()
-    plans = job.plans()
+    plans = run.plans()
     last = max(plans)
     v2, names2 = plans[last]
     assert last >= 2 and victim not in names2
     assert specialization(v2) != specialization(v1), (v1, v2)
     before, after = roles(v1, names1), roles(v2, names2)
     assert any(before[d] != after[d] for d in after), (before, after)
-    events = job.events()
-    done = [e for e in events if e.type == "switch-done"
-            and e.detail.get("plan_version") == last]
-    assert done and done[0].timings["bsr_bytes_total"] > 0, [(e.type, e.detail) for e in events]
+    events = run.events()
+    done = [schema.event_detail(e) for e in events if e.type == "switch-done"
+            and schema.event_detail(e).plan_version == last]
+    assert done and done[0].bytes_moved > 0, [(e.type, e.detail) for e in events]
     assert not {"fallback", "switch-failed", "restart"} & {e.type for e in events}
-    results = job.results()
+    results = run.results()
     assert set(results) == set(devices) - {victim}
     for dev, res in results.items():
         assert res["state"] == "done" and res["steps_done"] == STEPS, (dev, res["state"])
         assert res["pid"] == pids[dev], f"{dev} was restarted"
         assert all(s["source"] in ("init", "bsr") for s in res["switches"]), res["switches"]
     assert len(v2.pipelines) >= 2, v2  # replicas to compare
-    diff = job.assert_replicas_match_reference(results)
+    diff = run.assert_replicas_match_reference(results)
     print(f"v1 {specialization(v1)} -> v{last} {specialization(v2)}: "
-          f"{int(done[0].timings['bsr_bytes_total'])} B moved, max diff {diff:.1e}")
+          f"{done[0].bytes_moved} B moved, max diff {diff:.1e}")
 
 
 def test_no_plan_keeps_the_redundancy_the_job_fails_naming_the_shortfall(job):
@@ -138,11 +140,11 @@ def test_a_suspect_gpu_is_drained_its_state_leaves_by_network_then_it_is_release
     job.finish()
     events = job.events()
     drained = [e for e in events if e.type == "drained"]
-    assert [e.detail["device"] for e in drained] == [suspect], [(e.type, e.detail)
-                                                                for e in events]
+    assert [schema.event_detail(e).device for e in drained] == [suspect], [
+        (e.type, e.detail) for e in events]
     sent = drained[0].timings["bsr_bytes_sent"]
-    assert sent > 0 and drained[0].detail["plan_version"] == version
-    changes = [(e.type, e.detail["devices"]) for e in events if e.type == "drain"]
+    assert sent > 0 and schema.event_detail(drained[0]).plan_version == version
+    changes = [(e.type, schema.event_detail(e).devices) for e in events if e.type == "drain"]
     assert changes == [("drain", [suspect])], changes
     assert not {"failure", "fallback", "switch-failed"} & {e.type for e in events}
     assert all(suspect not in names for v, (_p, names) in job.plans().items() if v >= version)

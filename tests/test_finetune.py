@@ -112,9 +112,9 @@ def test_finetune_with_a_worker_killed_equals_transformers_adamw(ckpt, etcd_serv
         client.close()
     types_ = [e.type for e in events]
     assert "fallback" not in types_ and "switch-failed" not in types_, types_
-    failure = next(e for e in events if e.type == "failure")
-    assert failure.detail["device"] == "node-a:1" and failure.detail["signal"] == 9
-    sources = [e.detail["source"] for e in events if e.type == "switch-done"]
+    failure = schema.event_detail(next(e for e in events if e.type == "failure"))
+    assert failure.devices == ["node-a:1"] and [x.signal for x in failure.exits] == [9]
+    sources = [schema.event_detail(e).source for e in events if e.type == "switch-done"]
     assert sources[0] == "hf" and sources[1:] and set(sources[1:]) == {"bsr"}, sources
     assert "job recovered from 1 worker failure" in err
     assert not os.path.exists(f"{export}.parts")

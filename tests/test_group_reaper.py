@@ -40,7 +40,7 @@ def _abandoned_then_dropped(rank: int, world: int, endpoints: list[str], store_p
     import torch.distributed as dist
 
     from hspmd_elastic.coord import EtcdClient
-    from hspmd_elastic.contract import schema
+    from hspmd_elastic.coord.plans import plan_puts
     from hspmd_elastic.elastic.api import SwitchRequested
     from hspmd_elastic.elastic.group import GroupFormer
     from hspmd_elastic.elastic.watchdog import PlanWatcher, Watchdog
@@ -56,7 +56,7 @@ def _abandoned_then_dropped(rank: int, world: int, endpoints: list[str], store_p
         former = GroupFormer(30.0, reaper=reaper)
         watchdog = Watchdog(plans, lambda: 1, GROUP_TIMEOUT_S, on_abandon=reaper.abandoned)
         work = dist.all_reduce(torch.ones(4), group=sub, async_op=True)  # rank 1 never joins
-        client.put(schema.plan_current_key(JOB), schema.encode(_record(2)))
+        client.txn([], plan_puts(JOB, _record(2)))  # as a leader publishes it
         try:
             watchdog(work, "all_reduce on the sub-group")
             out["raised"] = None

@@ -38,7 +38,7 @@ def test_publishes_only_changes_as_schema_records(client):
     failed = Verdict.failed("Xid 79: gone", xid=79, at=104.0)
     assert pub.publish({0: healthy[0], 1: failed}) == [1]
     raw = client.get(device_key("job1", "node-a", 1)).value
-    assert b'"schema":1' in raw and b'"state":"failed"' in raw and b'"xid":79' in raw
+    assert b'"schema":2' in raw and b'"state":"failed"' in raw and b'"xid":79' in raw
 
 
 def test_republishes_under_a_new_lease(client):

@@ -16,21 +16,27 @@ from hspmd_elastic.contract import schema
 def test_replan_reasons_name_the_fault_they_handle():
     from launcher.inject.detect import Injected, handling_plan, replan_changes
 
-    assert replan_changes("failure node-a:1,node-a:2: Xid 79: gone; join node-c; "
-                          "store x:1 -> y:2") == [("failure", ("node-a:1", "node-a:2")),
-                                                  ("join", ("node-c",)),
-                                                  ("store", ("x:1 -> y:2",))]
-    assert replan_changes("degrade node-a:0: speed 100% -> 50%") == [("degrade", ("node-a:0",))]
+    from _events import event, make
 
-    def replan(seq, version, reason):
-        return schema.EventRecord(seq=seq, type="replan", node="node-b",
-                                  detail={"version": version, "reason": reason}, timings={},
-                                  at=float(seq))
+    def replan(seq, version, *changes):
+        return event(seq, "replan", make("replan", version=version, previous_version=version - 1,
+                                          changes=list(changes)), "node-b", float(seq))
 
-    events = [replan(3, 2, "failure node-b:1: worker exit: killed"),
-              replan(6, 3, "stall node-a:1: worker 1 hung at step 6"),
-              replan(9, 4, "join node-c"), replan(12, 5, "leave node-c"),
-              replan(14, 6, "degrade node-a:0: speed 100% -> 50%")]
+    three = replan(1, 2, {"kind": "failure", "node": "node-a",
+                          "devices": ["node-a:1", "node-a:2"], "reason": "Xid 79: gone"},
+                   {"kind": "join", "node": "node-c"})
+    assert replan_changes(three) == [("failure", ("node-a:1", "node-a:2")),
+                                     ("join", ("node-c",))]
+    assert replan_changes(event(2, "switch-done", make("switch-done", plan_version=2))) == []
+
+    events = [replan(3, 2, {"kind": "failure", "node": "node-b", "devices": ["node-b:1"],
+                            "reason": "worker pid 7 killed by SIGKILL"}),
+              replan(6, 3, {"kind": "stall", "node": "node-a", "devices": ["node-a:1"],
+                            "reason": "worker 1 hung at step 6"}),
+              replan(9, 4, {"kind": "join", "node": "node-c"}),
+              replan(12, 5, {"kind": "leave", "node": "node-c"}),
+              replan(14, 6, {"kind": "degrade", "node": "node-a", "devices": ["node-a:0"],
+                             "reason": "speed 100% -> 50%"})]
     cases = [(Injected("kill-worker", {"node": "node-b", "local_rank": 1}), 2),
              (Injected("hang", {"node": "node-a", "local_rank": 1}), 3),
              (Injected("join", {"node": "node-c"}), 4),
@@ -47,15 +53,14 @@ def test_switch_done_of_the_handling_plan_is_the_recovery():
 
     inj = Injected("kill-worker", {"node": "node-b", "local_rank": 1}, (42,))
     base = Baseline(at=0.0, last_seq=2, devices_seen=0, round=1, step=3)
-    events = [schema.EventRecord(seq=3, type="failure", node="node-b", detail={"pid": 42},
-                                 timings={}, at=3),
-              schema.EventRecord(seq=4, type="switch-done", node="node-a",
-                                 detail={"plan_version": 1}, timings={"to_version": 1.0}, at=4),
-              schema.EventRecord(seq=5, type="replan", node="node-a",
-                                 detail={"version": 2, "reason": "failure node-b:1: x"},
-                                 timings={}, at=5),
-              schema.EventRecord(seq=6, type="switch-done", node="node-a",
-                                 detail={"plan_version": 2}, timings={"to_version": 2.0}, at=6)]
+    from _events import event, make
+
+    events = [event(3, "failure", make("failure", exits=[{"pid": 42}]), "node-b", 3),
+              event(4, "switch-done", make("switch-done", plan_version=1), "node-a", 4),
+              event(5, "replan", make("replan", version=2, previous_version=1, changes=[
+                  {"kind": "failure", "node": "node-b", "devices": ["node-b:1"]}]), "node-a", 5),
+              event(6, "switch-done", make("switch-done", plan_version=2, from_version=1),
+                    "node-a", 6)]
     rec = match_recovery(inj, base, Detection(3.0, "failure event #3", 3), events, [])
     assert (rec.at, rec.by, rec.round) == (6, "switch-done event #6", 2)
 

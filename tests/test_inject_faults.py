@@ -77,7 +77,7 @@ def test_device_faults_land_in_the_key_a_scripted_health_source_reads(client, tm
     lengths = [f.inject(ctx).detail["script_length"] for f in injected]
     assert lengths == [1, 4, 5]  # appended, never overwritten
     body = json.loads(client.get(key).value)
-    assert (body["schema"], body["kind"]) == (1, "fault_script")
+    assert (body["schema"], body["kind"]) == (2, "fault_script")
     source.refresh()
     verdicts = source.poll(time.monotonic() + 0.01)
     assert verdicts[0].state is DeviceState.FAILED and verdicts[0].xid == 79

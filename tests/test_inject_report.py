@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from hspmd_elastic.contract.progress import WorkerProgress, write_progress
-from hspmd_elastic.contract.schema import EventRecord
+from _events import event, make
 from launcher.inject.api import (
     NOT_DETECTED,
     RECOVERED,
@@ -32,8 +32,7 @@ T0 = 1000.0
 
 
 def ev(seq, type_, node="node-a", at=None, **detail):
-    return EventRecord(seq=seq, type=type_, node=node, detail=detail, timings={},
-                       at=at if at is not None else T0 + seq)
+    return event(seq, type_, make(type_, **detail), node, at if at is not None else T0 + seq)
 
 
 def base(last_seq=2, rnd=0, step=5, at=T0 + 2.5, devices_seen=0):
@@ -46,9 +45,9 @@ def pts(rnd, steps, t0, rank=0, batch=12):
 
 def test_worker_fault_matches_the_failure_event_naming_its_pid():
     inj = Injected("kill-worker", {"node": "node-a", "local_rank": 1, "rank": 1}, (4242,))
-    events = [ev(1, "failure", failures=[{"pid": 4242}]),  # before the injection
-              ev(3, "failure", node="node-b", failures=[{"pid": 77}]),  # a peer's failure
-              ev(4, "failure", failures=[{"pid": 4241}, {"pid": 4242}]),
+    events = [ev(1, "failure", exits=[{"pid": 4242}]),  # before the injection
+              ev(3, "failure", node="node-b", exits=[{"pid": 77}]),  # a peer's failure
+              ev(4, "failure", exits=[{"pid": 4241}, {"pid": 4242}]),
               ev(5, "restart")]
     det = match_detection(inj, base(), events)
     assert (det.seq, det.at, det.by) == (4, T0 + 4, "failure event #4")
@@ -63,12 +62,12 @@ def test_worker_fault_matches_the_failure_event_naming_its_pid():
 
 def test_agent_fault_leave_or_peer_failure_and_join():
     kill = Injected("kill-agent", {"node": "node-b"}, (555,))
-    leave = ev(3, "leave", reason="node node-b left")
+    leave = ev(3, "leave", nodes=["node-b"])
     assert match_detection(kill, base(), [ev(3, "join"), leave]).seq == 3
-    assert match_detection(kill, base(), [ev(3, "failure", failures=[{"pid": 1}])]).seq == 3
-    assert match_detection(kill, base(), [ev(3, "leave", reason="node node-c left")]) is None
+    assert match_detection(kill, base(), [ev(3, "failure", exits=[{"pid": 1}])]).seq == 3
+    assert match_detection(kill, base(), [ev(3, "leave", nodes=["node-c"])]) is None
     join = Injected("join", {"node": "node-c"}, (1,))
-    assert match_detection(join, base(), [ev(3, "join", reason="node joined")]).seq == 3
+    assert match_detection(join, base(), [ev(3, "join", nodes=["node-c"])]).seq == 3
     assert match_detection(join, base(), [ev(3, "leave")]) is None
 
 
@@ -81,8 +80,8 @@ def test_device_fault_detected_by_verdict_or_event_not_by_the_fault_key():
     assert match_detection(inj, b, [], [old]) is None
     assert match_detection(inj, b, [], [old, other, mine]).by == \
         "verdict failed at devices/node-a/1"
-    assert match_detection(inj, b, [ev(3, "failure", device="node-a:1")]).seq == 3
-    assert match_detection(inj, b, [ev(3, "failure", device="node-a:0")]) is None
+    assert match_detection(inj, b, [ev(3, "failure", devices=["node-a:1"])]).seq == 3
+    assert match_detection(inj, b, [ev(3, "failure", devices=["node-a:0"])]) is None
     assert match_detection(inj, b, [ev(3, "failure", devices=["node-a:0", "node-a:1"])]).seq == 3
     assert match_detection(inj, b, [ev(3, "failure", node="node-b", devices=["node-b:1"])]) \
         is None
@@ -104,14 +103,14 @@ def test_no_reaction_expected_from_an_etcd_restart_or_an_informational_xid():
 
 def test_recovery_is_progress_in_a_newer_round_or_a_switch_done():
     inj = Injected("kill-worker", {"node": "node-a"}, (1,))
-    det = match_detection(inj, base(), [ev(3, "failure", failures=[{"pid": 1}])])
+    det = match_detection(inj, base(), [ev(3, "failure", exits=[{"pid": 1}])])
     old_round_late = pts(0, [6], T0 + 3.2)  # a survivor's step after detection: not recovery
     assert match_recovery(inj, base(), det, [], old_round_late) is None
     new_round = pts(1, [5, 6], T0 + 9)
     rec = match_recovery(inj, base(), det, [], old_round_late + new_round)
     assert (rec.round, rec.at, rec.by) == (1, T0 + 9, "progress in round 1 (step 5)")
     elastic = [ev(4, "replan", previous_version=1, version=2),
-               ev(5, "switch-done", plan_version=2)]
+               ev(5, "switch-done", plan_version=2, from_version=1)]
     switched = match_recovery(inj, base(), det, elastic, [])
     assert (switched.by, switched.round) == ("switch-done event #5", 2)
     assert switch_started(elastic, det.seq) == T0 + 4

@@ -19,8 +19,8 @@ from launch_harness import SCRIPTS, assert_no_leftovers, base_env, new_marker, r
 
 from launcher import cli  # noqa: E402
 from launcher.api import ConfigError  # noqa: E402
-from launcher.node.restart import TRANSITIONS, RestartState  # noqa: E402
-from launcher.node.rendezvous import (  # noqa: E402
+from launcher.node.restart.mode import TRANSITIONS, RestartState  # noqa: E402
+from launcher.node.restart.rendezvous import (  # noqa: E402
     Participant,
     RoundInfo,
     assign_ranks,

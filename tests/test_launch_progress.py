@@ -19,6 +19,7 @@ import uuid
 import pytest
 
 from launch_harness import LAUNCH, REPO, SCRIPTS, Launcher, base_env
+from _events import change, done, event, failed, replan
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import EtcdClient
@@ -33,6 +34,7 @@ from launcher.console import (
     WaitBar,
     bar_fields,
 )
+from launcher.jobview import Table, WatchedJob
 
 
 # ------------------------------------------------------------------------------ pure fields
@@ -72,58 +74,68 @@ def test_switch_fields_pulse_without_acks_and_count_with_them():
                               acks_expected=None, waited_s=1.25))
     assert f == BarFields("switch", "switch v3 -> plan v4", 0, None,
                           "replan, waiting for switch-done")
-    f = bar_fields(SwitchWait(4, None, "switch-start", 1, 2, 0.0))
+    f = bar_fields(SwitchWait(4, None, "replan", 1, 2, 0.0))
     assert (f.description, f.completed, f.total) == ("switch ? -> plan v4: nodes acked", 1, 2)
     with pytest.raises(TypeError):
         bar_fields("rendezvous")  # type: ignore[arg-type]
 
 
-def _ev(seq, type_, at=100.0, timings=None, **detail):
-    return schema.EventRecord(seq=seq, type=type_, node="n", at=at, detail=detail,
-                              timings=timings or {})
-
-
 def test_switch_tracker_follows_the_journal():
     t = SwitchTracker()
-    t.observe(_ev(1, "replan", version=1, previous_version=0))  # the first plan: no switch
+    t.observe(event(1, "replan", replan(1, 0)))  # the first plan: no switch
     assert t.wait(now=101.0) is None
-    t.observe(_ev(2, "failure", local_rank=0))
-    t.observe(_ev(3, "replan", at=110.0, version=2, previous_version=1))
+    t.observe(event(2, "failure", change("failure", ["n:0"])))
+    t.observe(event(3, "replan", replan(2, 1), at=110.0))
     w = t.wait(now=112.5)
     assert w == SwitchWait(2, 1, "replan", 0, None, 2.5)
-    t.observe(_ev(4, "switch-start", at=111.0, to_version=2))  # same switch: keeps its start
+    t.observe(event(4, "replan", replan(2, 1), at=111.0))  # the same switch: keeps its start
     assert t.wait(now=112.5).waited_s == 2.5
-    t.observe(_ev(5, "replan", at=113.0, version=3, previous_version=2))  # overtaken
+    t.observe(event(5, "replan", replan(3, 2), at=113.0))  # overtaken
     assert t.wait(now=114.0).to_version == 3
-    t.observe(_ev(6, "switch-done", timings={"to_version": 3.0, "total_s": 0.5}))
+    t.observe(event(6, "switch-done", done(2)))  # the overtaken switch's end: not this one's
+    assert t.wait(now=114.0).to_version == 3
+    t.observe(event(7, "switch-done", done(3), timings={"total_s": 0.5}))
     assert t.wait(now=115.0) is None
-    t.observe(_ev(7, "switch-start", to_version=4))
-    t.observe(_ev(8, "switch-failed", plan_version=4, error="boom"))
+    t.observe(event(8, "replan", replan(4, 3)))
+    t.observe(event(9, "switch-failed", failed(4, "boom", 3)))
     assert t.current is None
 
 
-def test_elastic_waits_read_the_first_plan_wait_and_the_switch_from_etcd(etcd_server):
+@pytest.mark.timeout(60)
+def test_elastic_waits_read_the_first_plan_wait_and_the_switch_from_the_job_view(etcd_server):
+    """The bar reads the agent's job view, never etcd: each write below reaches it through the
+    view's watches, and the test waits on the view's condition (no sleep)."""
     job = f"job-{uuid.uuid4().hex[:8]}"
     client = EtcdClient(etcd_server.endpoint_str, timeout=2.0)
+    view = WatchedJob(client, job, name="bar")
     try:
-        waits = ElasticWaits(client, job, min_nodes=2, every_s=0.0)
-        assert waits.poll(True, 1.0, 9.0, now=0.0) == PlanWait(0, 2, 1.0, 9.0)
+        view.acquire((Table.NODES, Table.EVENTS, Table.HEAD, Table.SWITCH), 5.0)
+        waits = ElasticWaits(view, min_nodes=2)
+
+        def shows(want, *args, now=0.0):
+            got = view.wait_for(lambda: waits.poll(*args, now=now) == want, 10.0)
+            assert got, (waits.poll(*args, now=now), want)
+
+        shows(PlanWait(0, 2, 1.0, 9.0), True, 1.0, 9.0)
         rec = schema.NodeRecord(host="h", agent_pid=1, devices=[], state="ready", started_at=0.0)
         client.put(schema.node_key(job, "a"), schema.encode(rec))
-        assert waits.poll(True, 2.0, 8.0, now=0.0).nodes == 1
-        append_event(client, job, "replan", "a", {"version": 1, "previous_version": 0})
-        assert waits.poll(False, 3.0, 7.0, now=0.0) is None
-        append_event(client, job, "replan", "a", {"version": 2, "previous_version": 1},
-                     wall_clock=lambda: 100.0)
-        assert waits.poll(False, 0.0, 0.0, now=101.0) == SwitchWait(2, 1, "replan", 0, None,
-                                                                     1.0)
+        shows(PlanWait(1, 2, 2.0, 8.0), True, 2.0, 8.0)
+        append_event(client, job, "replan", "a", replan(1, 0))
+        assert view.wait_for(lambda: view.events_after(0), 10.0)
+        assert waits.poll(False, 3.0, 7.0, now=0.0) is None  # the first plan: no switch
+        append_event(client, job, "replan", "a", replan(2, 1), wall_clock=lambda: 100.0)
+        shows(SwitchWait(2, 1, "replan", 0, None, 1.0), False, 0.0, 0.0, now=101.0)
         ack = schema.SwitchAckRecord(node="a", plan_version=2, state="done", at=100.5)
         client.put(schema.switch_ack_key(job, 2, "a"), schema.encode(ack))
-        assert waits.poll(False, 0.0, 0.0, now=102.0).acks_done == 1
-        append_event(client, job, "switch-done", "a", {"plan_version": 2},
-                     {"to_version": 2.0, "total_s": 0.4})
-        assert waits.poll(False, 0.0, 0.0, now=103.0) is None
+        shows(SwitchWait(2, 1, "replan", 1, None, 2.0), False, 0.0, 0.0, now=102.0)
+        head = schema.PlanHeadRecord(version=2, created_at=0.0, store_endpoint="h:1", step=0,
+                                     digest="sha256:0", devices=["a:0-1", "b:0"])
+        client.put(schema.plan_head_key(job), schema.encode(head))  # the plan's 2 nodes
+        shows(SwitchWait(2, 1, "replan", 1, 2, 2.0), False, 0.0, 0.0, now=102.0)
+        append_event(client, job, "switch-done", "a", done(2, 1), {"total_s": 0.4})
+        shows(None, False, 0.0, 0.0, now=103.0)
     finally:
+        view.close()
         client.close()
 
 

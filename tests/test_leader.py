@@ -25,7 +25,7 @@ from _clock import FakeClock
 from _wait import Recorder, wait_for
 from hspmd_elastic.coord.lifecycle import IllegalTransition
 from hspmd_elastic.planner import ModelProfile, plan_for
-from launcher.node.devices import device_table, node_record
+from launcher.node.elastic.devices import device_table, node_record
 from launcher.leader import Leader, LeaderState, Outcome
 
 JOB = "ljob"
@@ -137,8 +137,9 @@ def test_initial_plan_once_all_expected_nodes_are_there(cluster):
     wait_for(lambda: [e.type for e in cluster.events()] == ["join", "join", "replan"],
              WAIT, "the events join, join, replan")
     replan = cluster.events()[-1]
-    assert replan.node == "a" and replan.detail["version"] == 1
-    assert replan.detail["planner"] == "plan_for"
+    detail = schema.event_detail(replan)
+    assert replan.node == "a" and detail.version == 1 and detail.previous_version == 0
+    assert detail.planner == "plan_for" and detail.device_count == 4
     assert replan.timings["detect_to_publish_s"] >= 0.0
     assert cluster.versions() == [1] and leader.outcomes == [Outcome.PUBLISHED]
     states = [t.state for t in leader.history()]
@@ -164,7 +165,7 @@ def test_lease_expiry_replans_without_the_node(cluster):
     wait_for(lambda: [e.type for e in cluster.events()][-2:] == ["leave", "replan"],
              WAIT, "the events leave, replan")
     leave = cluster.events()[-2]
-    assert leave.node == "b" and leave.detail["devices"] == ["b:0", "b:1"]
+    assert leave.node == "b" and schema.event_detail(leave).devices == ["b:0", "b:1"]
     assert cluster.versions() == [1, 2]
 
 

@@ -17,16 +17,16 @@ from hspmd_elastic.contract import schema
 from _wait import wait_for
 from hspmd_elastic.planner import ModelProfile, plan_for
 from hspmd_elastic.contract.progress import read_progress
-from launcher.node.devices import device_table
-from launcher.node.elastic_node import ElasticNode
-from launcher.node.elastic_workers import ElasticWorkers, new_local_ranks, plan_rank
+from launcher.node.elastic.devices import device_table
+from launcher.node.elastic.node import ElasticNode
+from launcher.node.elastic.workers import ElasticWorkers, new_local_ranks, plan_rank
 from launcher.node.env import elastic_worker_env
-from launcher.node.exits import SlotVerdicts, WorkerExit
+from launcher.node.elastic.exits import SlotVerdicts, WorkerExit
 from launcher.node.hangs import ProgressMonitor
 from launcher.node.store import StoreServer
 from launcher.health.api import DeviceInfo, DeviceState, Verdict
 from launcher.health.progress import HangDetector
-from launcher.leader import EXIT_PREFIX, STALL_PREFIX, Leader
+from launcher.leader import Leader
 from launcher.logs import WorkerLogPaths
 from _clock import FakeClock
 
@@ -90,7 +90,7 @@ def test_worker_exit_descriptions_and_verdicts():
     assert code.describe() == "worker pid 4242 exited with code 3"
     assert killed.describe() == "worker pid 4243 killed by SIGKILL"
     v = code.verdict(at=5.0)
-    assert v.is_failed and v.reason == EXIT_PREFIX + code.describe() and v.at == 5.0
+    assert v.is_failed and v.reason == code.describe() and v.origin == "exit" and v.at == 5.0
     assert WorkerExit.from_returncode(0, 1, 0).ok
 
 
@@ -276,12 +276,14 @@ def test_a_node_runs_its_plan_and_reports_an_exit_and_a_hang(etcd_server, tmp_pa
         assert v3.devices == ["n:2"] and v3.reason.startswith("stall n:0: worker 0 hung")
         verdict = schema.decode(schema.device_key(JOB, "n", 0),
                                 client.get(schema.device_key(JOB, "n", 0)).value)
-        assert verdict.state == "failed" and verdict.reason.startswith(STALL_PREFIX)
+        assert verdict.state == "failed" and verdict.origin == "stall"
         wait_for(lambda: [e.type for e in read_events(client, JOB)] == [
             "join", "replan", "failure", "replan", "stall", "replan"], WAIT, "the six events")
         failure = read_events(client, JOB)[2]
-        assert failure.detail["exitcode"] == 3 and failure.detail["device"] == "n:1"
-        assert failure.detail["plan_version"] == 1 and failure.detail["signal"] is None
+        detail = schema.event_detail(failure)
+        assert detail.devices == ["n:1"] and detail.plan_version == 1
+        [exit_] = detail.exits
+        assert exit_.exitcode == 3 and exit_.signal is None and exit_.local_rank == 1
     finally:
         node.stop(grace_s=2.0, timeout=3.0)
         session.stop(timeout=3.0)

@@ -11,8 +11,6 @@ from hspmd_elastic.contract.ids import device_id, parse_device_id
 from hspmd_elastic.plan import Plan
 from hspmd_elastic.planner import ModelProfile, PlanInfeasibleError, plan_for
 from launcher.leader import (
-    EXIT_PREFIX,
-    STALL_PREFIX,
     TRANSITIONS,
     ChangeKind,
     LeaderState,
@@ -23,7 +21,7 @@ from launcher.leader import (
     plan_record,
     select_nodes,
 )
-from launcher.node.devices import device_table
+from launcher.node.elastic.devices import device_table
 
 PROFILE = ModelProfile("tiny", num_layers=2, hidden_size=32, ffn_size=64, num_heads=4,
                        vocab_size=64, seq_len=16)
@@ -35,9 +33,10 @@ def node(name: str, n: int = 2, state: str = "ready", store: bool = True) -> sch
                              state=state, started_at=0.0, store_endpoint=endpoint)
 
 
-def verdict(state: str, reason: str = "", slowdown=None) -> schema.DeviceHealthRecord:
+def verdict(state: str, reason: str = "", slowdown=None, origin: str = "health"
+            ) -> schema.DeviceHealthRecord:
     return schema.DeviceHealthRecord(state=state, reason=reason, xid=None, slowdown=slowdown,
-                                     at=0.0)
+                                     at=0.0, origin=origin)
 
 
 def published(decision, version=None) -> schema.PlanRecord:
@@ -94,12 +93,18 @@ def test_no_change_no_decision_and_each_kind_of_change_is_named():
     failed = decide(build_snapshot(nodes, {("b", 1): verdict("failed", "Xid 79")}, "a"), v1)
     assert failed.reason == "failure b:1: Xid 79" and not failed.changes[0].journaled
 
-    exits = decide(build_snapshot(nodes, {("b", 1): verdict("failed", EXIT_PREFIX + "code 3")},
+    exits = decide(build_snapshot(nodes, {("b", 1): verdict("failed", "code 3", origin="exit")},
                                   "a"), v1)
     assert exits.changes[0].kind is ChangeKind.FAILURE and exits.changes[0].journaled
-    stall = decide(build_snapshot(nodes, {("a", 0): verdict("failed", STALL_PREFIX + "hung")},
+    # the origin, not the text, says who journaled it: a health verdict reading like an exit
+    # is the leader's to journal
+    mimic = decide(build_snapshot(nodes, {("b", 1): verdict("failed", "worker exit: code 3")},
+                                  "a"), v1)
+    assert mimic.changes[0].kind is ChangeKind.FAILURE and not mimic.changes[0].journaled
+    stall = decide(build_snapshot(nodes, {("a", 0): verdict("failed", "hung", origin="stall")},
                                   "a"), v1)
     assert stall.changes[0].kind is ChangeKind.STALL and stall.reason == "stall a:0: hung"
+    assert stall.changes[0].journaled
 
     slow = decide(build_snapshot(nodes, {("b", 0): verdict("degraded", "hot", 0.25)}, "a"), v1)
     assert slow.reason == "degrade b:0: speed 100% -> 25%"
@@ -114,8 +119,8 @@ def test_no_change_no_decision_and_each_kind_of_change_is_named():
     assert regrown.changes[0].kind is ChangeKind.RECOVER and regrown.changes[0].devices == ("a:2",)
     shrunk = decide(build_snapshot({"a": node("a", 1), "b": node("b")}, {}, "a"), v1)
     assert shrunk.reason == "failure a:1: device no longer reported"
-    left = decide(build_snapshot({"a": node("a"), "b": node("b", state="draining")}, {}, "a"), v1)
-    assert left.reason == "leave b" and left.changes[0].detail == "node draining"
+    left = decide(build_snapshot({"a": node("a"), "b": node("b", state="leaving")}, {}, "a"), v1)
+    assert left.reason == "leave b" and left.changes[0].detail == "node leaving"
 
 
 def test_store_host_change_alone_replans_and_several_changes_are_ordered():
@@ -358,16 +363,19 @@ def test_every_leader_state_can_stop_and_stopped_is_terminal():
 
 def test_records_written_before_the_optional_fields_still_decode():
     job = "j"
-    old_node = (b'{"schema":1,"kind":"node","host":"h","agent_pid":1,"devices":[],'
+    old_node = (b'{"schema":2,"kind":"node","host":"h","agent_pid":1,"devices":[],'
                 b'"state":"ready","started_at":0.0}')
     rec = schema.decode(schema.node_key(job, "a"), old_node)
     assert rec.store_endpoint == ""
-    old_plan = (b'{"schema":1,"kind":"plan","version":1,"reason":"start","devices":["a:0"],'
+    old_plan = (b'{"schema":2,"kind":"plan","version":1,"reason":"start","devices":["a:0"],'
                 b'"strategy":{},"store_endpoint":"h:1","created_at":0.0}')
     plan = schema.decode(schema.plan_current_key(job), old_plan)
     assert plan.inventory == {}
+    verdict_without_origin = (b'{"schema":2,"kind":"device_health","state":"failed",'
+                              b'"reason":"Xid 79","xid":79,"slowdown":null,"at":0.0}')
+    assert schema.decode(schema.device_key(job, "a", 0), verdict_without_origin).origin == "health"
     with pytest.raises(schema.RecordError, match="missing field"):
-        schema.decode(schema.node_key(job, "a"), b'{"schema":1,"kind":"node","host":"h"}')
+        schema.decode(schema.node_key(job, "a"), b'{"schema":2,"kind":"node","host":"h"}')
     with pytest.raises(schema.RecordError, match="inventory"):
         schema.decode(schema.plan_current_key(job), old_plan[:-1] + b',"inventory":[1]}')
 

@@ -133,6 +133,7 @@ def test_a_host_sync_behind_a_dead_peer_is_released_by_the_monitor_thread(world)
 
 def test_a_newer_plan_releases_a_blocked_host_sync_before_the_limit(world, etcd_server):
     from hspmd_elastic.coord import EtcdClient
+    from hspmd_elastic.coord.plans import plan_puts
     from hspmd_elastic.contract import schema
     from hspmd_elastic.plan import simple_plan
 
@@ -145,7 +146,7 @@ def test_a_newer_plan_releases_a_blocked_host_sync_before_the_limit(world, etcd_
                                strategy=simple_plan(dp=1, num_layers=2, global_batch=2).to_dict(),
                                store_endpoint="127.0.0.1:1", created_at=time.time())
     with EtcdClient(etcd_server.endpoints, timeout=5.0) as client:
-        client.put(schema.plan_current_key(job), schema.encode(record))
+        client.txn([], plan_puts(job, record))  # as a leader publishes: the stamp announces it
     res = survivor.result()
     assert res["error"] == "SwitchRequested", res
     assert "newer plan" in res["fired"], res

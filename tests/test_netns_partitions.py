@@ -41,6 +41,7 @@ from _netns import NetnsJob
 from _wait import wait_for
 from launch_harness import SCRIPTS, base_env
 
+from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.plans import read_plan
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
@@ -103,7 +104,6 @@ def plan_writes(client, job: str) -> list[tuple[int, object]]:
     (read back through etcd's history: nothing in the test compacts it)."""
     from etcd3 import etcdrpc
 
-    from hspmd_elastic.contract import schema
 
     key = schema.plan_current_key(job)
     out, rev = [], 0
@@ -118,7 +118,6 @@ def plan_writes(client, job: str) -> list[tuple[int, object]]:
 
 
 def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the_heal(cluster):
-    from hspmd_elastic.contract import schema
     from hspmd_elastic.coord.api import Compare, CompareTarget, FencedWriteRejected, PutOp
 
     topo, job = cluster
@@ -202,11 +201,12 @@ def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(n
         assert replan_s < comm_timeout + 15, replan_s  # generous: timing is in benchmarks
         assert sorted(away.devices) == ["node-a:0", "node-b:0"]
         replan = wait_for(lambda: [e for e in job.events() if e.type == "replan"
-                                   and e.detail["version"] == away.version], 10,
+                                   and schema.event_detail(e).version == away.version], 10,
                           "the replan's journal")
-        assert replan[0].detail["changes"][0].startswith("unreachable node-c:0: unreachable "
-                                                         "over the data network from node-a, "
-                                                         "node-b"), replan[0].detail
+        [change] = schema.event_detail(replan[0]).changes
+        assert (change.kind, change.node, change.devices) == (
+            "unreachable", "node-c", ["node-c:0"]), change
+        assert change.reason == "unreachable over the data network from node-a, node-b"
         changes = [(e.type, e.node) for e in job.events() if e.type == "unreachable"]
         assert changes == [("unreachable", "node-c")], changes
         at_step(job, ["node-a:0", "node-b:0"], 4)  # the survivors trained on, then wait
@@ -314,7 +314,6 @@ def test_inject_cli_rejects_a_bad_topology_file_in_one_line(tmp_path, capsys):
 def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_heal(cluster):
     import torch
 
-    from hspmd_elastic.contract import schema
     from inject_train import reference_params
 
     topo, job = cluster

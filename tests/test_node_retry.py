@@ -1,11 +1,11 @@
-"""The node agent's stuck-switch rule (``launcher.node.retry``): pure, on an injected clock."""
+"""The node agent's stuck-switch rule (``launcher.node.elastic.retry``): pure, on an injected clock."""
 
 from __future__ import annotations
 
 import pytest
 
 from hspmd_elastic.contract.progress import WorkerProgress
-from launcher.node.retry import StuckSwitches, retry_after_s
+from launcher.node.elastic.retry import StuckSwitches, retry_after_s
 
 
 def report(pid: int, version: int, state: str) -> WorkerProgress:

@@ -42,7 +42,7 @@ def seed(client: EtcdClient) -> None:
     client.put(schema.node_key(JOB, "n1"), schema.encode(schema.NodeRecord(
         host="h1", agent_pid=1, devices=[schema.DeviceInfo(0, "H200", 1 << 30, "GPU-0")],
         state="running", started_at=time.time())))
-    append_event(client, JOB, "join", node="n1", detail={"round": 0})
+    append_event(client, JOB, "join", "n1", schema.ChangeDetail(round=0, nodes=["n1"]))
 
 
 @pytest.mark.parametrize("args, bad", [
@@ -144,15 +144,17 @@ def test_status_wait_shows_a_switch_until_it_is_done(etcd_server, client):
     plan = schema.PlanRecord(version=2, reason="failure n1:1", devices=["n1:0"], strategy={},
                              store_endpoint="h1:1", created_at=time.time())
     client.put(schema.plan_current_key(JOB), schema.encode(plan))
-    append_event(client, JOB, "switch-start", detail={"from_version": 1, "to_version": 2})
+    append_event(client, JOB, "replan", "n1", schema.ReplanDetail(
+        version=2, previous_version=1, reason="failure n1:1", device_count=1, planner="dp",
+        store_endpoint="h1:1"))
     args = ("status", "--job", JOB, "--etcd-endpoints", etcd_server.endpoint_str, "--wait")
     res = ops(*args, "--for", "1")
     assert res.returncode == 1, res
     assert "not settled: switch to plan v2: nodes done" in res.stderr.strip().splitlines()[-1]
     client.put(schema.switch_ack_key(JOB, 2, "n1"), schema.encode(schema.SwitchAckRecord(
         node="n1", plan_version=2, state="done", at=time.time())))
-    append_event(client, JOB, "switch-done", detail={"to_version": 2},
-                 timings={"total_s": 0.5})
+    append_event(client, JOB, "switch-done", "n1", schema.SwitchDoneDetail(
+        plan_version=2, from_version=1, source="bsr"), timings={"total_s": 0.5})
     res = ops(*args, "--json", "--for", "20")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["switches"]["total"] == 1

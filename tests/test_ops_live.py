@@ -72,11 +72,12 @@ class RuntimeStandIn:
         """The leader's plan and ``replan`` event, then the switch-done event of the new plan's
         rank 0 (detail and timings shaped as the runtime's ``SwitchTimings.numeric()``)."""
         self.publish_plan(new, devices, f"failure {NODE}:1")
-        append_event(self.client, self.job, "replan", node=NODE, detail={
-            "version": new, "previous_version": old, "reason": f"failure {NODE}:1",
-            "devices": len(devices)}, timings={"plan_s": 0.01, "detect_to_publish_s": 0.12})
-        append_event(self.client, self.job, "switch-done", node=NODE, detail={
-            "source": "bsr", "rolled_back": False, "plan_version": new}, timings={
+        append_event(self.client, self.job, "replan", NODE, schema.ReplanDetail(
+            version=new, previous_version=old, reason=f"failure {NODE}:1",
+            device_count=len(devices), planner="dp", store_endpoint="h:1"),
+            timings={"plan_s": 0.01, "detect_to_publish_s": 0.12})
+        append_event(self.client, self.job, "switch-done", NODE, schema.SwitchDoneDetail(
+            plan_version=new, from_version=old, source="bsr", bytes_moved=96 << 20), timings={
             "from_version": float(old), "to_version": float(new), "rank": 0.0,
             "detect_s": 0.02, "stall_s": 0.0, "regroup_s": 0.05, "exchange_s": 0.01,
             "bsr_s": 0.21, "bsr_bytes_total": float(96 << 20), "bsr_bytes_sent": 0.0,

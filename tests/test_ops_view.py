@@ -20,6 +20,8 @@ from launcher.ops.metrics import exposition, make_registry
 from launcher.ops.status import render
 from launcher.ops.events import event_summary
 from launcher.ops.view import JobView, decode_pairs
+from _events import change, done, failed, replan
+from _events import event as typed_event
 
 JOB = "viewjob"
 NOW = 1_800_000_000.0
@@ -52,9 +54,8 @@ def plan(version: int, devices: list[str], layout: Plan, reason: str):
 
 
 def event(seq: int, type_: str, node_id=None, detail=None, timings=None, at=0.0):
-    return schema.event_key(JOB, seq), schema.EventRecord(
-        seq=seq, type=type_, node=node_id, detail=detail or {}, timings=timings or {},
-        at=at or NOW - 40 + seq)
+    return schema.event_key(JOB, seq), typed_event(seq, type_, detail, node_id,
+                                                   at or NOW - 40 + seq, timings)
 
 
 def failed_gpu_job() -> list[tuple[str, schema.Record]]:
@@ -71,10 +72,9 @@ def failed_gpu_job() -> list[tuple[str, schema.Record]]:
         health("b", 1, "failed", "Xid 79: fell off the bus", 79),
         worker("a", 0, 0, 11, 2.0), worker("b", 0, 2, 9, 0.0), worker("a", 1, 1, 11, 4.0),
         *h1, *h2, (schema.plan_current_key(JOB), current),
-        event(1, "failure", "b", {"device": "b:1", "reason": "Xid 79"}),
-        event(2, "switch-start", None, {"from_version": 1, "to_version": 2}),
-        event(3, "switch-done", None, {"from_version": 1, "to_version": 2,
-                                       "bytes_moved": 1 << 30},
+        event(1, "failure", "b", change("failure", ["b:1"], "Xid 79", 2)),
+        event(2, "replan", "a", replan(2, 1, "failure b:1: Xid 79")),
+        event(3, "switch-done", "a", done(2, 1, bytes_moved=1 << 30),
               {"reshard_s": 0.5, "total_s": 1.25}),
         (schema.leader_key(JOB), schema.LeaderRecord(node="a", since=NOW - 60,
                                                      candidate_key="k", term=7)),
@@ -110,12 +110,11 @@ def test_switches_pair_by_version_and_feed_the_counters():
     assert (c["total"], c["failed"], c["seconds_total"], c["bytes_moved_total"]) == \
         (1, 0, 1.25, 1 << 30)
     # no total_s: the timings add up; no timings: done.at - start.at
-    records = [event(1, "switch-start", detail={"to_version": 3}, at=NOW - 10),
-               event(2, "switch-done", detail={"to_version": 3}, at=NOW - 7),
-               event(3, "switch-start", detail={"to_version": 4}, at=NOW - 5),
-               event(4, "switch-failed", detail={"to_version": 4, "error": "slice w3 lost"},
-                     at=NOW - 4),
-               event(5, "switch-start", detail={"to_version": 5}, at=NOW - 2)]
+    records = [event(1, "replan", detail=replan(3), at=NOW - 10),
+               event(2, "switch-done", detail=done(3), at=NOW - 7),
+               event(3, "replan", detail=replan(4), at=NOW - 5),
+               event(4, "switch-failed", detail=failed(4, "slice w3 lost", 3), at=NOW - 4),
+               event(5, "replan", detail=replan(5), at=NOW - 2)]
     view = JobView.build(JOB, records, now=NOW)
     assert [(s.to_version, s.state, s.duration_s) for s in view.switches] == \
         [(3, "done", 3.0), (4, "failed", 1.0), (5, "running", None)]
@@ -150,7 +149,7 @@ def test_strategy_without_a_layout_is_shown_raw():
 
 def test_bad_records_are_reported_not_raised():
     good, bad = decode_pairs([(schema.node_key(JOB, "a"), b"{not json"),
-                              (schema.event_seq_key(JOB), b'{"schema":1,"kind":"counter",'
+                              (schema.event_seq_key(JOB), b'{"schema":2,"kind":"counter",'
                                                           b'"value":3}')])
     assert len(good) == 1 and bad[0][0] == schema.node_key(JOB, "a")
     view = JobView.build(JOB, good, now=NOW, bad=bad)
@@ -170,12 +169,17 @@ def test_rendezvous_wait_counts_joined_nodes():
 
 
 def test_event_summaries_are_one_line():
-    _, ev = event(1, "failure", "a", {"round": 0, "failures": [
-        {"global_rank": 1, "exitcode": -9, "local_rank": 1}]})
+    _, ev = event(1, "failure", "a", schema.FailureDetail(
+        devices=["a:1"], reason="worker failure", round=0,
+        exits=[schema.ExitInfo(local_rank=1, pid=7, exitcode=None, signal=9, global_rank=1)]))
     assert event_summary(ev) == "worker failure: rank 1 exitcode -9"
-    _, ev = event(2, "switch-done", None, {"from_version": 1, "to_version": 2,
-                                           "bytes_moved": 3 << 20}, {"total_s": 0.5})
+    _, ev = event(2, "switch-done", None, done(2, 1, bytes_moved=3 << 20), {"total_s": 0.5})
     assert event_summary(ev) == "plan v1 -> v2 in 0.50s, 3.0 MiB moved"
+    _, ev = event(3, "stall", "a", schema.StallDetail(
+        devices=["a:0"], reason="hang", local_rank=0, pid=8, step=4, stalled_s=2.5))
+    assert event_summary(ev) == "device a:0 stalled at step 4 for 2.5s"
+    _, ev = event(4, "replan", "a", replan(3, 2, "failure a:1: worker failure", devices=3))
+    assert event_summary(ev) == "plan v3 over 3 devices: failure a:1: worker failure"
 
 
 def _metrics(view: JobView) -> dict[str, float]:
@@ -231,8 +235,7 @@ def test_operations_doc_lists_every_metric_and_document_field():
 def test_progress_bars_follow_the_waits():
     from launcher.ops.progress import WaitProgress
 
-    records = [event(1, "switch-start", detail={"from_version": 1, "to_version": 2}),
-               *failed_gpu_job()[:2]]
+    records = [event(1, "replan", detail=replan(2, 1)), *failed_gpu_job()[:2]]
     h, cur = plan(2, ["a:0", "b:0"], simple_plan(dp=2, num_layers=2, global_batch=2), "x")
     records += [(schema.plan_current_key(JOB), cur),
                 (schema.switch_ack_key(JOB, 2, "a"), schema.SwitchAckRecord(
@@ -243,33 +246,32 @@ def test_progress_bars_follow_the_waits():
         assert bars.labels == ["switch"]
         assert "switch to plan v2: nodes done" in console.file.getvalue()
         assert "1/2" in console.file.getvalue()
-        done = event(2, "switch-done", detail={"to_version": 2})
-        assert bars.sync(JobView.build(JOB, records + [done], now=NOW))
+        ended = event(2, "switch-done", detail=done(2, 1))
+        assert bars.sync(JobView.build(JOB, records + [ended], now=NOW))
         assert bars.labels == []
 
 
 def test_switches_as_the_leader_and_the_runtime_journal_them():
     """A leader's ``replan`` starts a switch (not the first plan); the runtime's
-    ``switch-done`` carries the versions and bytes in its timings (SwitchTimings.numeric())."""
+    ``switch-done`` carries the versions and bytes in its detail, its phases in its timings
+    (SwitchTimings.numeric())."""
     timings = {"from_version": 1.0, "to_version": 2.0, "rank": 0.0, "detect_s": 0.01,
                "regroup_s": 0.02, "bsr_s": 0.2, "bsr_bytes_total": 4096.0, "total_s": 0.3,
                "resume_step": 7.0}
     records = [
-        event(1, "replan", "a", {"version": 1, "previous_version": 0, "reason": "start",
-                                 "devices": 2}, {"plan_s": 0.1, "detect_to_publish_s": 0.2}),
-        event(2, "leave", "b", {"devices": ["b:0"], "detail": "node b left", "plan_version": 2}),
-        event(3, "replan", "a", {"version": 2, "previous_version": 1, "reason": "leave b",
-                                 "devices": 1}),
-        event(4, "switch-done", "a", {"source": "bsr", "rolled_back": False, "plan_version": 2},
-              timings),
-        event(5, "replan", "a", {"version": 3, "previous_version": 2, "reason": "join b"}),
-        event(6, "replan", "a", {"version": 4, "previous_version": 3, "reason": "join c"}),
+        event(1, "replan", "a", replan(1, 0, "start", devices=2),
+              {"plan_s": 0.1, "detect_to_publish_s": 0.2}),
+        event(2, "leave", "b", change("leave", ["b:0"], "node b left", 2)),
+        event(3, "replan", "a", replan(2, 1, "leave b", devices=1)),
+        event(4, "switch-done", "a", done(2, 1, bytes_moved=4096), timings),
+        event(5, "replan", "a", replan(3, 2, "join b")),
+        event(6, "replan", "a", replan(4, 3, "join c")),
     ]
     view = JobView.build(JOB, records, now=NOW)
     assert [(s.from_version, s.to_version, s.state) for s in view.switches] == \
         [(1, 2, "done"), (2, 3, "superseded"), (3, 4, "running")]
-    done = view.switches[0]
-    assert done.duration_s == 0.3 and done.bytes_moved == 4096
+    first = view.switches[0]
+    assert first.duration_s == 0.3 and first.bytes_moved == 4096
     assert view.counters["total"] == 1 and view.counters["bytes_moved_total"] == 4096
     recent = {e["seq"]: e for e in view.document()["events"]["recent"]}
     assert recent[1]["summary"] == "plan v1 over 2 devices: start"

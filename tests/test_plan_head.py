@@ -18,9 +18,9 @@ from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.plans import (device_runs, expand_runs, node_ranks, plan_head,
                                        plan_nodes, read_plan_head)
 from test_elastic_agent_acks import _log_paths
-from launcher.node.devices import device_table
-from launcher.node.elastic_node import ElasticNode
-from launcher.node.elastic_workers import ElasticWorkers
+from launcher.node.elastic.devices import device_table
+from launcher.node.elastic.node import ElasticNode
+from launcher.node.elastic.workers import ElasticWorkers
 from _wait import wait_for
 
 JOB = "headjob"

@@ -25,8 +25,8 @@ from hspmd_elastic.planner import (BUILTIN_SPECS, Device, Inventory, PlannerErro
                                    layout_line, parse_bytes, plan_for, profile_from_config,
                                    profile_from_dict, spec_for_device)
 from launcher.leader import PlanningFailed, RedundantPlanner, build_snapshot, decide, make_layout
-from launcher.node.devices import device_table
-from launcher.node.judge import JobView, judge
+from launcher.node.elastic.devices import device_table
+from launcher.node.elastic.judge import JobView, judge
 from hspmd_elastic.contract import schema
 
 pytestmark = pytest.mark.timeout(60)

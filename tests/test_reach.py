@@ -1,4 +1,4 @@
-"""``launcher.node.reach.ReachProbe`` against real sockets on loopback: a peer that listens, one
+"""``launcher.node.elastic.reach.ReachProbe`` against real sockets on loopback: a peer that listens, one
 whose port refuses, a heal (the port listens again), and silence in steady state."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from _wait import never, wait_for
-from launcher.node.reach import ReachProbe, split_endpoint
+from launcher.node.elastic.reach import ReachProbe, split_endpoint
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -26,7 +26,7 @@ from hspmd_elastic.coord.journal import read_events
 from hspmd_elastic.heartbeats import Heartbeat
 from launcher.health.api import DeviceInfo
 from launcher.health.nvml import probe_nvml
-from launcher.node.restart_health import (
+from launcher.node.restart.health import (
     FAIL,
     LEAVE,
     RESTART,
@@ -197,10 +197,11 @@ def test_a_fatal_verdict_restarts_the_job_without_that_device(tmp_path, marker, 
         assert dump["RANK"] == str(lr)
     events, state = job.etcd_view()
     assert state.state == "succeeded" and state.restart_count == 1
-    failures = [e for e in events if e.type == "failure" and e.detail.get("devices")]
-    assert [e.detail["devices"] for e in failures] == [["node-a:1"]]
-    assert "GPU 1 failed" in failures[0].detail["reason"]
-    assert "Xid 79" in failures[0].detail["reason"] or "79" in failures[0].detail["reason"]
+    failures = [schema.event_detail(e) for e in events if e.type == "failure"]
+    device_failures = [d for d in failures if not d.exits]  # not a worker's exit
+    assert [d.devices for d in device_failures] == [["node-a:1"]]
+    assert "GPU 1 failed" in device_failures[0].reason
+    assert "Xid 79" in device_failures[0].reason or "79" in device_failures[0].reason
     assert "restarting without GPU 1: 2 worker(s) here" in job.agent.stderr()
 
 
@@ -238,8 +239,9 @@ def test_a_worker_that_stops_heartbeating_is_killed_and_restarted(tmp_path, mark
     events, state = job.etcd_view()
     assert state.state == "succeeded" and state.restart_count == 1
     stalls = [e for e in events if e.type == "stall"]
-    assert len(stalls) == 1 and stalls[0].detail["pid"] == hung["pid"], stalls
-    assert stalls[0].detail["step"] == 4 and stalls[0].detail["local_rank"] == 1
+    stall = schema.event_detail(stalls[0])
+    assert len(stalls) == 1 and stall.pid == hung["pid"], stalls
+    assert stall.step == 4 and stall.local_rank == 1 and stall.devices == ["node-a:1"]
     assert "made no progress" in stalls[0].detail["reason"]
     assert sorted(job.dumps(1)) == [0, 1]  # every worker restarted
 

@@ -39,9 +39,9 @@ HIGH = 900_000  # event seqs and plan versions far above the job's own
 def hostile_writes(job: str) -> list[tuple[str, bytes]]:
     """60 (key, value) pairs; none decodes as a record the job would act on."""
     p = schema.job_prefix(job)
-    junk = [b"{not json", b"\xff\xfe\x00", b"[" * 20_000, b'{"schema": 1, "at": NaN}',
+    junk = [b"{not json", b"\xff\xfe\x00", b"[" * 20_000, b'{"schema": 2, "at": NaN}',
             MARKUP.encode(), b"null"]
-    node = {"schema": 1, "kind": "node", "host": MARKUP, "agent_pid": "1", "devices": [],
+    node = {"schema": 2, "kind": "node", "host": MARKUP, "agent_pid": "1", "devices": [],
             "state": "running", "started_at": 1.0}  # agent_pid of the wrong type
     writes: list[tuple[str, bytes]] = []
     for i in range(6):
@@ -54,15 +54,15 @@ def hostile_writes(job: str) -> list[tuple[str, bytes]]:
     for i in range(12):  # valid events and plans far above the job's: shown, never acted on
         writes.append((schema.event_key(job, HIGH + i), schema.encode(schema.EventRecord(
             seq=HIGH + i, type="failure" if i % 2 else "degrade", node=MARKUP,
-            detail={"reason": MARKUP, "device": MARKUP}, timings={}, at=time.time()))))
+            detail={"reason": MARKUP, "devices": [MARKUP]}, timings={}, at=time.time()))))
         writes.append((schema.plan_history_key(job, HIGH + i), schema.encode(schema.PlanRecord(
             version=HIGH + i, reason=MARKUP, devices=[MARKUP], strategy={"x": MARKUP},
             store_endpoint=MARKUP, created_at=time.time()))))
     for i in range(6):
-        writes.append((f"{p}events/{HIGH * 10 + i:012d}", b'{"schema": 1, "kind": "event"}'
+        writes.append((f"{p}events/{HIGH * 10 + i:012d}", b'{"schema": 2, "kind": "event"}'
                        if i % 2 else b"x" * 300_000))
         writes.append((f"{p}devices/{NODE}/{i + 10}", json.dumps({  # a state no verdict has
-            "schema": 1, "kind": "device_health", "state": MARKUP, "reason": MARKUP,
+            "schema": 2, "kind": "device_health", "state": MARKUP, "reason": MARKUP,
             "xid": None, "slowdown": None, "at": 1.0}).encode()))
     assert len(writes) == 60
     return writes

@@ -42,7 +42,7 @@ def client_timeout():
 
 
 def node_json(**fields) -> bytes:
-    body = {"schema": 1, "kind": "node", "host": "h", "agent_pid": 1, "devices": [],
+    body = {"schema": 2, "kind": "node", "host": "h", "agent_pid": 1, "devices": [],
             "state": "running", "started_at": 1.0}
     body.update(fields)
     return json.dumps(body).encode()
@@ -51,8 +51,8 @@ def node_json(**fields) -> bytes:
 # ------------------------------------------------------------------------------ records
 @pytest.mark.parametrize("raw, problem", [
     (node_json(host="x" * 70_000), "over the 65536-byte limit of node records"),
-    (b'{"schema": 1, "kind": "node", "started_at": NaN}', "NaN is not JSON"),
-    (b'{"schema": 1, "kind": "node", "started_at": 1e999}', "out of range"),
+    (b'{"schema": 2, "kind": "node", "started_at": NaN}', "NaN is not JSON"),
+    (b'{"schema": 2, "kind": "node", "started_at": 1e999}', "out of range"),
     (node_json(started_at=10 ** 400), "must be a number"),
     (b"[" * 60_000, "nested too deeply"),
     (node_json(**{"\x1b[2J": 1}), "unknown field(s) \\x1b[2J"),

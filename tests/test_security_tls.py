@@ -6,7 +6,8 @@ prefix) and a read-only viewer (tests/_security.py). Checked here:
 
 * a two-agent elastic job whose worker is SIGKILLed recovers in memory and ends with the
   reference's parameters, every agent and worker reaching etcd over TLS as the job user, the
-  password never on a command line;
+  password never on a command line (the suite's shared worker-kill run,
+  ``_elastic_job.worker_kill_run``, runs over TLS for this);
 * every tool (the launcher, status, dashboard, inject) refuses to run without a client
   certificate, with a certificate etcd does not trust, or with a wrong password: one line,
   non-zero exit, no traceback; a bad flag value is a usage error naming the flag;
@@ -30,7 +31,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from _elastic_job import ElasticLaunchJob
+from _elastic_job import KILL_VICTIM, shared_worker_kill_run
 from _security import PASSWORDS, Pki, SecureEtcd, clean_env
 from _wait import wait_for
 from launch_harness import LAUNCH, REPO
@@ -102,57 +103,36 @@ def _finished(proc: subprocess.Popen, tmp: Path, name: str, timeout: float = 60.
 
 
 # ------------------------------------------------------------------------------ the job
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """The suite's one worker-kill run (``tests/_elastic_job.py``): its etcd serves TLS only,
+    with client certificates and RBAC; read here for what the job's processes used."""
+    return shared_worker_kill_run(tmp_path_factory)
+
+
 @pytest.mark.multiproc
-def test_elastic_job_with_a_worker_kill_over_tls_and_auth(secure, pki, tmp_path, marker):
-    """2 agents x 1 worker as the job user (TLS, client certificate, password from a file);
-    node-b's worker SIGKILLed at the pause step; the survivor switches in memory and matches the
-    reference."""
-    job = ElasticLaunchJob(secure.cluster, tmp_path, marker)
-    job.client.close()
-    job.client = EtcdClient(secure.endpoint, timeout=5.0, security=pki.security("job"))
-    job.name = JOB  # the job the RBAC role grants
-    password_file = tmp_path / "etcd-password"
-    password_file.write_text(PASSWORDS["job"] + "\n")
-    password_file.chmod(0o600)
-    job.env = {k: v for k, v in job.env.items() if not k.startswith("HSPMD_ETCD_")}
-    job.env.update(secure.env(None), HSPMD_ETCD_USER="job",
-                   HSPMD_ETCD_PASSWORD_FILE=str(password_file))
-    try:
-        job.start("node-a", nproc=1)
-        job.start("node-b", nproc=1)
-        pids = job.wait_paused(["node-a:0", "node-b:0"])
-        for proc in _marked(marker):  # the password is on no command line
-            assert not any(PASSWORDS["job"] in arg for arg in proc.cmdline()), proc.cmdline()
-        worker_env = psutil.Process(pids["node-a:0"]).environ()
-        assert worker_env["HSPMD_ETCD_USER"] == "job"
-        assert worker_env["HSPMD_ETCD_PASSWORD_FILE"] == str(password_file)
-        os.kill(pids["node-b:0"], signal.SIGKILL)
-        job.release.touch()
-        job.finish()
-        results = job.assert_recovered({"node-a:0": pids["node-a:0"]})
-        assert results["node-a:0"]["plan_version"] >= 2, results["node-a:0"]["switches"]
-        failure = next(e for e in job.events() if e.type == "failure")
-        assert failure.detail["device"] == "node-b:0"
-    finally:
-        job.close()
-
-
-def _marked(marker: str) -> list[psutil.Process]:
-    out = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("HSPMD_TEST_MARKER") == marker:
-                out.append(proc)
-        except psutil.Error:
-            continue
-    return out
+@pytest.mark.timeout(180)  # it may start the shared run (30-60 s on two busy cores)
+def test_elastic_job_with_a_worker_kill_over_tls_and_auth(killed):
+    """The shared run: 2 agents (3 + 2 workers) as the job user (TLS, client certificate,
+    password from a file, RBAC on the job's prefix only); node-b:1 SIGKILLed at the pause
+    step; the survivors switch in memory and match the reference."""
+    run = killed.checked()
+    assert run.cmdlines, "no process of the job seen at the pause"
+    for cmdline in run.cmdlines:  # the password is on no command line
+        assert not any(PASSWORDS["job"] in arg for arg in cmdline), cmdline
+    assert run.worker_etcd_env["HSPMD_ETCD_USER"] == "job"
+    assert run.worker_etcd_env["HSPMD_ETCD_PASSWORD_FILE"] == run.password_file
+    results = run.assert_recovered(run.survivors())
+    assert results["node-a:0"]["plan_version"] >= 2, results["node-a:0"]["switches"]
+    failure = next(e for e in run.events() if e.type == "failure")
+    assert schema.event_detail(failure).devices == [KILL_VICTIM]
 
 
 # ------------------------------------------------------------------------------ refusals
 def test_every_tool_refuses_a_missing_or_untrusted_certificate_and_a_wrong_password(
         secure, tmp_path, capfd, monkeypatch):
     with EtcdClient(secure.endpoint, security=secure.pki.security("job")) as client:
-        append_event(client, JOB, "join", node="n0")  # a job for status to find
+        append_event(client, JOB, "join", "n0", schema.ChangeDetail())  # a job for status
     cases = {
         "no-cert": (secure.env("job", cert=None), "TLS handshake", "none was given"),
         "rogue-cert": (secure.env("job", cert="rogue"), "TLS handshake",
@@ -215,7 +195,7 @@ def test_bad_security_flags_are_usage_errors_naming_the_flag(tmp_path, capfd, mo
 def test_the_read_only_role_runs_status_and_the_dashboard_but_cannot_write(
         secure, tmp_path, capfd, monkeypatch):
     with EtcdClient(secure.endpoint, security=secure.pki.security("job")) as client:
-        append_event(client, JOB, "join", node="n0")
+        append_event(client, JOB, "join", "n0", schema.ChangeDetail())
     viewer = secure.env("viewer")
     agent = _launcher(tmp_path, "viewer-agent", viewer, secure.endpoint)
     dash = subprocess.Popen(

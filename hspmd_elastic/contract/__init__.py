@@ -4,6 +4,11 @@ Each format is defined here once, and its writers and readers on both planes (th
 the leader, the ops and inject tools, the worker runtime, ``hspmd_elastic.heartbeat``) use it:
 
 * ``ids``: the id rule (job and node ids) and device ids (``<node_id>:<index>``);
+* ``keys``, ``records``, ``events`` and ``schema``: the etcd key schema (one builder per key),
+  its records (``NodeState``, ``VerdictOrigin``...), the event journal's typed details (one
+  dataclass per event type, ``switch_of`` the one switch-pairing reader), and the registry and
+  codec that tie keys to records (``from hspmd_elastic.contract import schema`` gives all four);
+* ``errors``: ``CoordinationError`` and ``RecordError``;
 * ``env``: every ``HSPMD_*`` environment variable: ``WorkerEnv`` (what an agent sets for its
   workers, ``to_env`` / ``from_env``), ``HangRule`` (the agent's ``HSPMD_HANG_*``),
   ``EtcdRestartEnv`` and the names of the other settings;
@@ -11,7 +16,7 @@ the leader, the ops and inject tools, the worker runtime, ``hspmd_elastic.heartb
 * ``text``: the one escaping rule for text from etcd or another process shown in a log or on a
   terminal.
 
-The etcd key schema and its records are in ``hspmd_elastic.contract.schema``.
+``hspmd_elastic.coord`` is the etcd transport that carries these records; it holds no format.
 
 Promise: torch-free and etcd-free. Importing this package imports neither ``torch`` nor
 ``etcd3`` nor ``grpc`` (nor ``hspmd_elastic.coord``, whose package imports the etcd client), so

@@ -101,6 +101,17 @@ def plan_head_key(job: str) -> str:
     return job_prefix(job) + "plan/head"
 
 
+def plan_stamp_key(job: str) -> str:
+    """The current plan's version and digests: what every worker watches, written with
+    ``plan/current``."""
+    return job_prefix(job) + "plan/stamp"
+
+
+def plan_layout_key(job: str) -> str:
+    """What a worker's switch needs of the current plan, written with ``plan/current``."""
+    return job_prefix(job) + "plan/layout"
+
+
 def plan_history_prefix(job: str) -> str:
     return job_prefix(job) + "plan/history/"
 

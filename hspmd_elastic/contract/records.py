@@ -13,22 +13,41 @@ Promises:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from hspmd_elastic.contract.errors import RecordError
+from hspmd_elastic.contract.events import EVENT_TYPES
 
-SCHEMA_VERSION = 1
+# 2: event details are typed (``contract.events``) and device verdicts carry their ``origin``;
+# a value of schema 1 is an older release's and is refused in one line (``schema.decode_as``).
+SCHEMA_VERSION = 2
+
+
+class NodeState(str, enum.Enum):
+    """The states a node agent writes in ``nodes/<node>`` (``NodeRecord.state``)."""
+
+    JOINING = "joining"  # registered, waiting for a plan (elastic) or a round (restart)
+    READY = "ready"  # elastic: registered, in no plan yet (a spare, or before the first plan)
+    RUNNING = "running"  # its workers run the current plan (or round)
+    LEAVING = "leaving"  # restart mode: the agent is ending (its lease goes next)
+    FAILED = "failed"  # restart mode: the job failed; the agent stops its workers
+
+
+class VerdictOrigin(str, enum.Enum):
+    """Who made a device verdict (``DeviceHealthRecord.origin``)."""
+
+    HEALTH = "health"  # the node's health source (NVML, a fault script)
+    EXIT = "exit"  # its worker died; the agent journaled a ``failure`` event already
+    STALL = "stall"  # its worker hung and was killed; the agent journaled a ``stall`` event
 
 
 DEVICE_STATES = ("healthy", "degraded", "suspect", "failed")
-NODE_STATES = ("joining", "ready", "running", "switching", "draining", "leaving", "failed")
-EVENT_TYPES = (
-    "failure", "join", "leave", "degrade", "recover", "stall", "replan",
-    "switch-start", "switch-done", "switch-failed", "restart", "fallback", "drain", "drained",
-    "unreachable", "retry",
-)
+NODE_STATES = tuple(s.value for s in NodeState)
+GONE_NODE_STATES = (NodeState.LEAVING.value, NodeState.FAILED.value)
+VERDICT_ORIGINS = tuple(o.value for o in VerdictOrigin)
 SWITCH_STATES = ("joined", "ready", "done", "failed")
 RDZV_STATES = ("joining", "closed", "succeeded", "failed")
 
@@ -36,7 +55,8 @@ RDZV_STATES = ("joining", "closed", "succeeded", "failed")
 # Plans, the rendezvous state and fault scripts grow with the cluster; the others do not.
 MAX_VALUE_BYTES = 64 * 1024
 MAX_VALUE_BYTES_BY_KIND = {"plan": 1 << 20, "plan_head": 1 << 20, "rdzv_state": 1 << 20,
-                           "fault_script": 1 << 20, "event": 256 * 1024}
+                           "fault_script": 1 << 20, "event": 256 * 1024,
+                           "plan_layout": 1 << 20}
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -89,13 +109,15 @@ class NodeRecord(Record):
 @dataclass
 class DeviceHealthRecord(Record):
     KIND: ClassVar[str] = "device_health"
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": DEVICE_STATES}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"state": DEVICE_STATES,
+                                                     "origin": VERDICT_ORIGINS}
 
     state: str
     reason: str
     xid: Optional[int]
     slowdown: Optional[float]
     at: float
+    origin: str = VerdictOrigin.HEALTH.value  # who made it (``VerdictOrigin``)
 
 
 @dataclass
@@ -207,7 +229,7 @@ class EventRecord(Record):
     seq: int
     type: str
     node: Optional[str]
-    detail: dict[str, Any]
+    detail: dict[str, Any]  # the JSON of ``events.EVENT_DETAILS[type]`` (``schema.event_detail``)
     timings: dict[str, float]
     at: float
 
@@ -292,9 +314,43 @@ class RdzvDoneRecord(Record):
     at: float
 
 
+@dataclass
+class PlanStampRecord(Record):
+    """The current plan's version and digests, written with ``plan/current`` (``coord.plans``):
+    the few bytes every worker watches to learn that a plan superseded its own."""
+
+    KIND: ClassVar[str] = "plan_stamp"
+
+    version: int
+    created_at: float
+    digest: str  # sha256 of the plan record's bytes as stored in plan/current ("sha256:<hex>")
+    # sha256 of the plan/layout value written in the same transaction ("" when none was)
+    layout_digest: str
+
+
+@dataclass
+class PlanLayoutRecord(Record):
+    """What a worker's switch needs of the current plan, written with ``plan/current``
+    (``coord.plans``): its devices and drains as runs and its strategy with pipelines as runs."""
+
+    KIND: ClassVar[str] = "plan_layout"
+
+    version: int
+    created_at: float
+    store_endpoint: str
+    step: int
+    digest: str  # the plan record's digest, as in plan/head and plan/stamp
+    devices: list[str]  # the plan's devices as runs (as in plan/head)
+    drain: list[str]  # the plan's drain list as runs
+    # The plan's strategy with its pipelines as runs (``coord.strategy_runs``), or verbatim
+    # when it is no plan's strategy.
+    strategy: dict[str, Any]
+
+
 RECORD_TYPES: tuple[type[Record], ...] = (
     NodeRecord, DeviceHealthRecord, WorkerRecord, ReachRecord, RetryRecord, CandidateRecord,
     LeaderRecord, PlanRecord, PlanHeadRecord, EventRecord, CounterRecord, FaultScriptRecord,
     SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord, RdzvMasterRecord, RdzvDoneRecord,
+    PlanStampRecord, PlanLayoutRecord,
 )
 NESTED_TYPES: tuple[type, ...] = (DeviceInfo, RdzvParticipant)

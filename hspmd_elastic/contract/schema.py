@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from hspmd_elastic.contract.errors import RecordError
+from hspmd_elastic.contract.events import *  # noqa: F401,F403 (the event details)
+from hspmd_elastic.contract.events import EVENT_DETAILS, Detail, check_detail
 from hspmd_elastic.contract.ids import ID_PATTERN
 from hspmd_elastic.contract.keys import *  # noqa: F401,F403 (the schema's key builders)
 from hspmd_elastic.contract.keys import ID_RE, PAD, ROOT
@@ -64,6 +66,8 @@ from hspmd_elastic.contract.records import (
     RetryRecord,
     SwitchAckRecord,
     WorkerRecord,
+    PlanStampRecord,
+    PlanLayoutRecord,
 )
 
 # ---------------------------------------------------------------------------------------- registry
@@ -125,6 +129,8 @@ REGISTRY: tuple[KeySpec, ...] = (
     KeySpec("rdzv/rounds/<round>/master", RdzvMasterRecord, "agent", "node 0 of the round"),
     KeySpec("rdzv/rounds/<round>/done/<node_id>", RdzvDoneRecord, "none", "node agent",
             (("node_id", "node"),)),
+    KeySpec("plan/stamp", PlanStampRecord, "none", "leader (fenced)"),
+    KeySpec("plan/layout", PlanLayoutRecord, "none", "leader (fenced)"),
 )
 
 
@@ -146,7 +152,9 @@ def match_key(key: str) -> tuple[str, KeySpec, dict[str, str]]:
 def encode(record: Record) -> bytes:
     """UTF-8 JSON of a record, validated as decode would validate it."""
     raw = record.to_json()
-    _from_dict(type(record), _parse(type(record), raw, "<encode>"), "<encode>", "")
+    decoded = _from_dict(type(record), _parse(type(record), raw, "<encode>"), "<encode>", "")
+    if isinstance(decoded, EventRecord):
+        _detail_of(decoded, "<encode>")
     return raw
 
 
@@ -174,12 +182,38 @@ def decode_as(cls: type[Record], raw: bytes | str, key: str = "<value>") -> Reco
     schema = body.pop("schema", None)
     if schema is None:
         raise RecordError(key, "missing 'schema' field")
+    if isinstance(schema, int) and not isinstance(schema, bool) and 0 < schema < SCHEMA_VERSION:
+        raise RecordError(key, f"schema {schema} was written by an older hspmd-elastic; this code "
+                               f"reads schema {SCHEMA_VERSION} (run the job under a new job id)")
     if schema != SCHEMA_VERSION:
         raise RecordError(key, f"unknown schema {schema!r} (this code reads {SCHEMA_VERSION})")
     kind = body.pop("kind", None)
     if kind != cls.KIND:
         raise RecordError(key, f"kind {kind!r} where {cls.KIND!r} ({cls.__name__}) belongs")
-    return _from_dict(cls, body, key, "")
+    record = _from_dict(cls, body, key, "")
+    if isinstance(record, EventRecord):
+        _detail_of(record, key)
+    return record
+
+
+# ----------------------------------------------------------------------------- event details
+def _detail_of(event: EventRecord, key: str) -> Detail:
+    cls = EVENT_DETAILS[event.type]  # the type was checked against EVENT_TYPES already
+    return _from_dict(cls, event.detail, key, "detail.")
+
+
+def event_detail(event: EventRecord) -> Detail:
+    """The typed detail of a decoded event (``events.EVENT_DETAILS[event.type]``); a detail
+    that does not fit its type (an event built by hand) raises ``RecordError``."""
+    return _detail_of(event, f"<{event.type} event #{event.seq}>")
+
+
+def new_event_record(seq: int, type_: str, node: Optional[str], detail: Detail,
+                     timings: dict[str, float], at: float) -> EventRecord:
+    """The ``EventRecord`` of a typed detail (``ValueError`` when the detail is not its type's)."""
+    check_detail(type_, detail)
+    return EventRecord(seq=seq, type=type_, node=node, detail=detail.to_dict(),
+                       timings=dict(timings), at=at)
 
 
 def _from_dict(cls: type, body: dict, key: str, path: str) -> Any:
@@ -197,7 +231,7 @@ def _from_dict(cls: type, body: dict, key: str, path: str) -> Any:
         raise RecordError(key, f"unknown field(s) {', '.join(path + n for n in unknown)}")
     values = {n: _coerce(body[n], hints[n], key, path + n) for n in names if n in body}
     for fname, allowed in getattr(cls, "CHOICES", {}).items():
-        if values[fname] is not None and values[fname] not in allowed:
+        if values.get(fname) is not None and values[fname] not in allowed:
             raise RecordError(
                 key, f"{path}{fname}={values[fname]!r} is not one of {', '.join(allowed)}"
             )

@@ -34,7 +34,9 @@ Usage (a node agent)::
         plan = schema.PlanRecord(version=version + 1, reason="start", devices=["gpu-3:0"],
                                  strategy={}, store_endpoint="gpu-3:29500", created_at=time.time())
         publish_plan(election, plan, read_rev, version)  # fenced on our leadership
-        append_event(client, "job1", "replan", node="gpu-3", detail={"version": version + 1})
+        append_event(client, "job1", "replan", "gpu-3", schema.ReplanDetail(
+            version=version + 1, previous_version=version, reason="start", device_count=1,
+            planner="dp", store_endpoint="gpu-3:29500"))
 
     watch.stop(); election.resign(); session.stop(); client.close()
 """

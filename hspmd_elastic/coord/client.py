@@ -16,7 +16,9 @@ a member); requests are sent on the chosen channel with a deadline per call. Pro
   (streams too) carries an auth token fetched on first use; a token etcd no longer knows (etcd
   restarted, or the token's TTL ran out) is fetched again and the call retried, within its
   deadline; a refused handshake, a wrong password or a denied key is ``EtcdAuthError`` at once
-  (one line, no retry); gRPC's own log lines are off unless ``GRPC_VERBOSITY`` says otherwise.
+  (one line, no retry); gRPC's own log lines are off unless ``GRPC_VERBOSITY`` says otherwise;
+* ``kv_bytes_received`` counts the bytes of the KV responses (reads, transactions, writes) it
+  received: each protobuf message's size, what etcd sent before gRPC's few bytes of framing.
 """
 
 from __future__ import annotations
@@ -205,6 +207,9 @@ class EtcdClient:
         self._closed = False
         self._auth = TokenAuth(security) if security.uses_auth else None
         self._wrapped: dict[int, grpc.Channel] = {}  # id(raw channel) -> channel with the token
+        # bytes of the KV responses (reads, transactions) received: what etcd sent this client
+        self.kv_bytes_received = 0
+        self._count_lock = threading.Lock()
 
     # ------------------------------------------------------------------------ plumbing
     @property
@@ -329,9 +334,13 @@ class EtcdClient:
             self._auth.drop(None)
 
     def _kv_call(self, what: str, method: str, request, timeout: Optional[float] = None):
-        return self.call(
+        resp = self.call(
             what, lambda ch, t: getattr(etcdrpc.KVStub(ch), method)(request, t), timeout
         )
+        size = resp.ByteSize()
+        with self._count_lock:
+            self.kv_bytes_received += size
+        return resp
 
     def _lease_call(self, what: str, method: str, request, timeout: Optional[float] = None):
         return self.call(

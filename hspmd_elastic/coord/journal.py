@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, EtcdTimeoutError, PutOp
@@ -23,22 +23,26 @@ EVENTS_PER_TXN = 100  # etcd refuses a transaction of more than 128 operations b
 
 @dataclass(frozen=True)
 class NewEvent:
-    """An event to append: its type, node, detail and timings (``EventRecord`` without the
+    """An event to append: its type, node, typed detail (``contract.events``: the dataclass
+    ``EVENT_DETAILS[type]`` names, checked here) and timings (``EventRecord`` without the
     sequence number and time, which the append assigns)."""
 
     type: str
-    node: Optional[str] = None
-    detail: dict[str, Any] = field(default_factory=dict)
+    node: Optional[str]
+    detail: schema.Detail
     timings: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        schema.check_detail(self.type, self.detail)
 
-def append_event(client: EtcdClient, job: str, type: str, node: Optional[str] = None,
-                 detail: Optional[dict[str, Any]] = None,
-                 timings: Optional[dict[str, float]] = None, timeout: float = 5.0,
+
+def append_event(client: EtcdClient, job: str, type: str, node: Optional[str],
+                 detail: schema.Detail, timings: Optional[dict[str, float]] = None,
+                 timeout: float = 5.0,
                  wall_clock: Callable[[], float] = time.time) -> schema.EventRecord:
     """Append one event to ``job``'s journal and return it (with its sequence number)."""
-    return append_events(client, job, [NewEvent(type, node, dict(detail or {}),
-                                                dict(timings or {}))], timeout, wall_clock)[0]
+    return append_events(client, job, [NewEvent(type, node, detail, dict(timings or {}))],
+                         timeout, wall_clock)[0]
 
 
 def append_events(client: EtcdClient, job: str, events: Sequence[NewEvent],
@@ -60,9 +64,8 @@ def _append_chunk(client, job, events, timeout, wall_clock) -> list[schema.Event
         kv = client.get(counter_key)
         last = schema.decode(counter_key, kv.value).value if kv else 0
         at = wall_clock()
-        records = [schema.EventRecord(seq=last + 1 + i, type=e.type, node=e.node,
-                                      detail=dict(e.detail), timings=dict(e.timings), at=at)
-                   for i, e in enumerate(events)]
+        records = [schema.new_event_record(last + 1 + i, e.type, e.node, e.detail, e.timings,
+                                           at) for i, e in enumerate(events)]
         payloads = [schema.encode(r) for r in records]
         res = client.txn(
             [Compare(counter_key, CompareTarget.MOD, "==", kv.mod_revision if kv else 0)],

@@ -1,5 +1,5 @@
-"""Reading and publishing the job's plan (``plan/current`` + ``plan/head`` +
-``plan/history/<version>``).
+"""Reading and publishing the job's plan (``plan/current`` + ``plan/head`` + ``plan/stamp`` +
+``plan/layout`` + ``plan/history/<version>``).
 
 Promises: ``publish_plan`` writes the three keys in one transaction fenced on the leader's
 election key and on the ``plan/current`` revision the leader decided from, so a deposed leader
@@ -11,15 +11,24 @@ term (its fence), so etcd's revisions show which leadership wrote each plan.
 a plan: its version, store, step, the digest of the full record, and its devices and drains in
 rank order as runs per node (``"node-7:0-7"``): a few bytes per node where the full record lists
 every device in its strategy and inventory too (367 KiB at 8,000 devices). Node agents follow
-the head; workers, which need the strategy, read ``plan/current``. ``read_plan_head`` falls back
-to the full record when the head is missing or older than ``plan/current`` (a plan published by
-a leader that predates the head).
+the head. ``read_plan_head`` falls back to the full record when the head is missing or older
+than ``plan/current`` (a plan published by a leader that predates the head).
+
+Workers need more than the head (the strategy) but not the inventory, and learn of a new plan
+from a smaller record still, as there are eight of them per node: ``plan/layout``
+(``PlanLayoutRecord``, built by the pure ``plan_layout``: the head's fields plus the strategy
+with its pipelines as runs, ``coord.strategy_runs``; ``layout_plan`` turns it back into the
+``PlanRecord`` a switch needs) and ``plan/stamp`` (``PlanStampRecord``: version, created_at,
+the digests of the record and of the layout: about 250 bytes). ``read_plan_stamp`` is the
+stamp's ``read_plan_head``: when ``plan/current`` has no stamp of its own it returns the full
+record, with a stamp built from it (``layout_digest`` empty).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import re
 from typing import Iterable, Optional, Union
 
@@ -28,6 +37,10 @@ from hspmd_elastic.coord.api import Compare, CompareTarget, ConflictError, GetOp
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.ids import device_id, parse_device_id
 from hspmd_elastic.coord.election import Election
+from hspmd_elastic.coord.strategy_runs import compact_strategy, expand_strategy
+from hspmd_elastic.contract.errors import RecordError
+
+log = logging.getLogger(__name__)
 
 AnyPlan = Union[schema.PlanRecord, schema.PlanHeadRecord]
 
@@ -43,28 +56,38 @@ def read_plan(client: EtcdClient, job: str) -> tuple[Optional[schema.PlanRecord]
 
 def publish_plan(election: Election, plan: schema.PlanRecord, read_revision: int,
                  current_version: int = 0) -> int:
-    """Publish ``plan`` (and its head) as the leader; ``read_revision`` is what ``read_plan``
-    returned (0: no plan yet). Returns the revision of the write."""
+    """Publish ``plan`` (with its head, stamp and layout) as the leader; ``read_revision`` is
+    what ``read_plan`` returned (0: no plan yet). Returns the revision of the write."""
     if plan.version != current_version + 1:
         raise ValueError(
             f"plan version {plan.version} must be current version {current_version} + 1"
         )
     job = election.job
     plan = dataclasses.replace(plan, leader=election.node, term=election.term)
-    payload = schema.encode(plan)
-    head = schema.encode(plan_head(plan, payload))
     current = schema.plan_current_key(job)
-    res = election.fenced_txn(
-        [Compare(current, CompareTarget.MOD, "==", read_revision)],
-        [PutOp(current, payload), PutOp(schema.plan_head_key(job), head),
-         PutOp(schema.plan_history_key(job, plan.version), payload)],
-    )
+    res = election.fenced_txn([Compare(current, CompareTarget.MOD, "==", read_revision)],
+                              plan_puts(job, plan))
     if not res.succeeded:
         raise ConflictError(
             f"plan v{plan.version} of job {job} not published: {current} changed after "
             f"revision {read_revision}"
         )
     return res.revision
+
+
+def plan_puts(job: str, plan: schema.PlanRecord) -> list[PutOp]:
+    """The writes that publish ``plan`` (pure): ``plan/current``, its head, its history entry,
+    its stamp and, when its strategy has a layout, ``plan/layout``. ``publish_plan`` sends them
+    in its fenced transaction; a test that plays the leader sends them in a plain one."""
+    payload = schema.encode(plan)
+    layout = _layout_payload(plan, payload)
+    puts = [PutOp(schema.plan_current_key(job), payload),
+            PutOp(schema.plan_head_key(job), schema.encode(plan_head(plan, payload))),
+            PutOp(schema.plan_history_key(job, plan.version), payload),
+            PutOp(schema.plan_stamp_key(job), schema.encode(plan_stamp(plan, payload, layout)))]
+    if layout is not None:
+        puts.append(PutOp(schema.plan_layout_key(job), layout))
+    return puts
 
 
 # ----------------------------------------------------------------------------- the head (pure)
@@ -116,6 +139,43 @@ def plan_head(plan: schema.PlanRecord, payload: Optional[bytes] = None) -> schem
         drain=device_runs(plan.drain))
 
 
+def plan_layout(plan: schema.PlanRecord,
+                payload: Optional[bytes] = None) -> schema.PlanLayoutRecord:
+    """The layout of ``plan``: what a worker's switch needs; ``payload`` as in ``plan_head``."""
+    head = plan_head(plan, payload)
+    return schema.PlanLayoutRecord(
+        version=plan.version, created_at=plan.created_at, store_endpoint=plan.store_endpoint,
+        step=plan.step, digest=head.digest, devices=head.devices, drain=head.drain,
+        strategy=compact_strategy(plan.strategy))
+
+
+def plan_stamp(plan: schema.PlanRecord, payload: Optional[bytes] = None,
+               layout: Optional[bytes] = None) -> schema.PlanStampRecord:
+    """The stamp of ``plan``; ``layout``: the bytes of its ``plan/layout`` value (None: none)."""
+    payload = schema.encode(plan) if payload is None else payload
+    return schema.PlanStampRecord(
+        version=plan.version, created_at=plan.created_at, digest=plan_digest(payload),
+        layout_digest=plan_digest(layout) if layout is not None else "")
+
+
+def layout_plan(layout: schema.PlanLayoutRecord) -> schema.PlanRecord:
+    """The ``PlanRecord`` a worker switches with, rebuilt from ``layout``: devices, drain,
+    strategy, store, step and times as published; ``reason``, ``inventory``, ``leader`` and
+    ``term`` are left empty (a switch reads none of them). ``ValueError`` on a bad run."""
+    return schema.PlanRecord(
+        version=layout.version, reason="", devices=expand_runs(layout.devices),
+        strategy=expand_strategy(layout.strategy), store_endpoint=layout.store_endpoint,
+        created_at=layout.created_at, drain=expand_runs(layout.drain), step=layout.step)
+
+
+def _layout_payload(plan: schema.PlanRecord, payload: bytes) -> Optional[bytes]:
+    try:
+        return schema.encode(plan_layout(plan, payload))
+    except (RecordError, ValueError) as exc:  # workers then read plan/current, as before
+        log.warning("plan v%d: no plan/layout written: %s", plan.version, exc)
+        return None
+
+
 def node_ranks(plan: AnyPlan, node: str) -> dict[int, int]:
     """Pure: slot -> rank of ``node``'s devices in ``plan`` (a full record or its head)."""
     out, rank = {}, 0
@@ -158,3 +218,33 @@ def read_plan_head(client: EtcdClient, job: str) -> Optional[schema.PlanHeadReco
     if full is None:
         return None
     return plan_head(schema.decode(current, full.value), full.value)
+
+
+def read_plan_stamp(client: EtcdClient, job: str, timeout: Optional[float] = None,
+                    ) -> tuple[Optional[schema.PlanStampRecord], Optional[schema.PlanRecord], int]:
+    """(stamp, record, revision) of the current plan ((None, None, 0) before the first plan).
+
+    ``plan/stamp`` when it was written with ``plan/current`` (same mod revision: one small read
+    and one compare; ``record`` None; a plan published between the two is checked the same
+    way, up to three times); otherwise the full record, with a stamp built from it
+    (``layout_digest`` empty): a plan published by a leader that predates stamps, or a stamp
+    that does not decode (logged). ``revision``: the mod revision of ``plan/current``."""
+    stamp_key, current = schema.plan_stamp_key(job), schema.plan_current_key(job)
+    kv = client.get(stamp_key, timeout=timeout)
+    for _ in range(3):
+        stamp = schema.decode_or_none(kv, log, f"job {job}")
+        if stamp is None:
+            break
+        res = client.txn([Compare(current, CompareTarget.MOD, "==", kv.mod_revision)],
+                         failure=[GetOp(stamp_key)], timeout=timeout)
+        if res.succeeded:
+            return stamp, None, kv.mod_revision
+        fresh = res.gets[0] if res.gets else None
+        if fresh is None or fresh.mod_revision == kv.mod_revision:
+            break  # plan/current moved on without its stamp
+        kv = fresh  # a newer plan came with its stamp: check that one
+    full = client.get(current, timeout=timeout)
+    if full is None:
+        return None, None, 0
+    record = schema.decode(current, full.value)
+    return plan_stamp(record, full.value), record, full.mod_revision

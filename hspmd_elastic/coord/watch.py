@@ -18,7 +18,9 @@ Promises:
 * with etcd's auth on, a stream etcd cancels for a stale token (etcd restarted, the token
   expired) is re-opened with a new token; one it cancels for a denied prefix is an
   ``EtcdAuthError``: ``start`` raises it at once, later ones go to ``on_error`` (the watch keeps
-  retrying, in case the user's roles are fixed).
+  retrying, in case the user's roles are fixed);
+* ``event_bytes`` counts the bytes of the stream's responses that carried events (each protobuf
+  message's size): what etcd sent this watch for the changes it delivered.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class PrefixWatch:
         self._gate: Optional[threading.Event] = None
         self._thread: Optional[threading.Thread] = None
         self.streams_opened = 0
+        self.event_bytes = 0  # bytes of the watch responses that carried events
         self.last_error: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -271,6 +274,7 @@ class PrefixWatch:
             raise _StreamBroken(f"watch cancelled by etcd: {reason}")
         if not resp.events:
             return
+        self.event_bytes += resp.ByteSize()
         top = 0
         for ev in resp.events:
             rev = ev.kv.mod_revision

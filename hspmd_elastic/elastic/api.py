@@ -25,6 +25,7 @@ from typing import Callable, Mapping, Optional, Protocol
 from hspmd_elastic.contract.env import (ETCD_ENDPOINTS_ENV, JOB_ID_ENV, NODE_ID_ENV, EnvError,
                                         WorkerEnv)
 from hspmd_elastic.contract.ids import device_id
+from hspmd_elastic.contract.relay import relay_file_of
 from hspmd_elastic.contract.progress import (  # noqa: F401 - the worker's vocabulary, re-exported
     WorkerProgress,
     WorkerState,
@@ -105,7 +106,8 @@ class WorkerIdentity:
     """Who this worker is: a device (worker slot) ``<node_id>:<local_rank>`` of a job, how it
     reaches etcd (endpoints; TLS and auth from ``HSPMD_ETCD_*``, as its agent has them), and
     where it may compute (``device_setting``: ``HSPMD_DEVICE``, auto, cuda or cpu; see
-    ``hspmd_elastic.devices``)."""
+    ``hspmd_elastic.devices``), and where its agent relays the plan (``relay_file``: beside its
+    ``HSPMD_PROGRESS_FILE``, ``contract.relay``; None: read from etcd)."""
 
     job: str
     node: str
@@ -113,6 +115,7 @@ class WorkerIdentity:
     etcd_endpoints: str
     etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
     device_setting: str = "auto"
+    relay_file: Optional[str] = None
 
     @property
     def device(self) -> str:
@@ -144,7 +147,7 @@ class WorkerIdentity:
         except EtcdSecurityError as exc:
             raise ConfigurationError(f"worker environment: {exc}") from exc
         return cls(worker.job, worker.node, local_rank, worker.etcd_endpoints, security,
-                   worker.device or "auto")
+                   worker.device or "auto", relay_file_of(worker.progress_file))
 
 
 # ------------------------------------------------------------------------------- progress
@@ -196,6 +199,7 @@ class SwitchTimings:
     resume_step: int = 0
     rolled_back: bool = False
     source: str = "bsr"  # bsr | checkpoint | init
+    plan_from: str = ""  # where the worker read the plan: relay | layout | current (plan_watch)
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:

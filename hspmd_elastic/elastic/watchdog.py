@@ -1,10 +1,9 @@
-"""Noticing plan changes, and waiting on communication without ever hanging on a dead peer.
+"""Waiting on communication without ever hanging on a dead peer, nor past a newer plan.
 
-``PlanWatcher`` keeps the newest ``plan/current`` record of the job, fed by a ``PrefixWatch`` on a
-background thread (list, then watch) and re-read from etcd while a caller waits for a plan, so a
-missed event is repaired on the next poll. ``Watchdog`` is a ``graph.comm.Waiter``: it waits for a
-pending ``Work`` until it completes, its deadline passes (``CommTimeoutError``) or a plan newer than
-the one the worker runs is published (``SwitchRequested``), whichever comes first.
+``Watchdog`` is a ``graph.comm.Waiter``: it waits for a pending ``Work`` until it completes, its
+deadline passes (``CommTimeoutError``) or a plan newer than the one the worker runs is published
+(``SwitchRequested``), whichever comes first. Newer plans come from a ``PlanWatcher``
+(``plan_watch.py``, re-exported here): a lock-only check, fed by a watch on ``plan/stamp``.
 
 What "completes" means depends on the backend, and the wait is written for the stricter one:
 
@@ -32,87 +31,15 @@ import threading
 import time
 from typing import Callable, Optional
 
-from hspmd_elastic.coord import EtcdClient, PrefixWatch, read_plan
-from hspmd_elastic.contract import schema
-from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent
 from hspmd_elastic.elastic.api import SwitchRequested
 from hspmd_elastic.elastic.monitor import AbortMonitor
+from hspmd_elastic.elastic.plan_watch import PlanWatcher
 from hspmd_elastic.graph.comm import CommTimeoutError
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.02  # how often a pending wait looks at the plan watch
 _POLL_FIRST_S = 0.0005  # the first poll of a device work's completion (then doubling)
-
-
-class PlanWatcher:
-    """The newest published plan of ``job``, and when this process first saw each version."""
-
-    def __init__(self, client: EtcdClient, job: str, wall_clock: Callable[[], float] = time.time):
-        self.client, self.job = client, job
-        self._wall = wall_clock
-        self._cond = threading.Condition()
-        self._latest: Optional[schema.PlanRecord] = None
-        self._seen_at: dict[int, float] = {}
-        self._watch = PrefixWatch(client, schema.plan_current_key(job), self._on_event,
-                                  decode=True, initial=True, name=f"plan watch {job}")
-
-    def start(self, timeout: Optional[float] = None) -> "PlanWatcher":
-        self._watch.start(timeout)
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._watch.stop(timeout)
-
-    def _on_event(self, event: WatchEvent) -> None:
-        if event.type is EventType.PUT and isinstance(event.record, schema.PlanRecord):
-            self._offer(event.record)
-
-    def _offer(self, record: schema.PlanRecord) -> None:
-        with self._cond:
-            if self._latest is not None and record.version <= self._latest.version:
-                return
-            self._latest = record
-            self._seen_at.setdefault(record.version, self._wall())
-            self._cond.notify_all()
-
-    @property
-    def latest(self) -> Optional[schema.PlanRecord]:
-        with self._cond:
-            return self._latest
-
-    def seen_at(self, version: int) -> Optional[float]:
-        with self._cond:
-            return self._seen_at.get(version)
-
-    def newer_than(self, version: int) -> Optional[schema.PlanRecord]:
-        """The newest plan if its version is above ``version`` (a cheap, lock-only check)."""
-        latest = self.latest
-        return latest if latest is not None and latest.version > version else None
-
-    def wait_newer(self, version: int, timeout: float,
-                   poll_s: float = 1.0) -> Optional[schema.PlanRecord]:
-        """Block until a plan newer than ``version`` is known (None after ``timeout`` seconds).
-
-        Re-reads ``plan/current`` every ``poll_s`` in case the watch stream lost an event."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._cond:
-                found = self._cond.wait_for(
-                    lambda: self._latest is not None and self._latest.version > version,
-                    max(0.0, min(poll_s, deadline - time.monotonic())))
-                if found:
-                    return self._latest
-            if time.monotonic() >= deadline:
-                return None
-            try:
-                record, _ = read_plan(self.client, self.job)
-            except CoordinationError as exc:
-                log.warning("job %s: reading plan/current failed (%s); still waiting", self.job,
-                            exc)
-                continue
-            if record is not None:
-                self._offer(record)
 
 
 class Watchdog:

@@ -87,6 +87,9 @@ class Verdict:
     xid: Optional[int] = None
     slowdown: Optional[float] = None
     at: float = 0.0
+    # who made it (``contract.records.VerdictOrigin``): the health source, or the node agent
+    # for a slot whose worker died (``exit``) or hung (``stall``) and which it journaled already
+    origin: str = "health"
 
     @classmethod
     def healthy(cls, at: float = 0.0) -> "Verdict":
@@ -104,8 +107,9 @@ class Verdict:
         return cls(DeviceState.SUSPECT, reason, None, None, at)
 
     @classmethod
-    def failed(cls, reason: str, xid: Optional[int] = None, at: float = 0.0) -> "Verdict":
-        return cls(DeviceState.FAILED, reason, xid, None, at)
+    def failed(cls, reason: str, xid: Optional[int] = None, at: float = 0.0,
+               origin: str = "health") -> "Verdict":
+        return cls(DeviceState.FAILED, reason, xid, None, at, origin)
 
     @property
     def is_failed(self) -> bool:
@@ -121,9 +125,9 @@ class Verdict:
 
     def same_as(self, other: Optional["Verdict"]) -> bool:
         """Equal in everything but ``at`` (the publisher writes only on such a change)."""
-        return other is not None and (self.state, self.reason, self.xid, self.slowdown) == (
-            other.state, other.reason, other.xid, other.slowdown
-        )
+        return other is not None and (self.state, self.reason, self.xid, self.slowdown,
+                                      self.origin) == (
+            other.state, other.reason, other.xid, other.slowdown, other.origin)
 
     def describe(self) -> str:
         if self.state is DeviceState.HEALTHY:

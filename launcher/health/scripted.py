@@ -1,8 +1,8 @@
 """``ScriptedHealthSource``: device verdicts from a script of timed faults (tests, fault drills).
 
 A fault script is JSON: a list of fault objects, the same objects one per line (JSON lines; blank
-lines and ``#`` comments are skipped), or an object ``{"schema": 1, "kind": "fault_script",
-"faults": [...]}`` (the form written to etcd). A fault::
+lines and ``#`` comments are skipped), or an object ``{"schema": 2, "kind": "fault_script",
+"faults": [...]}`` (the form written to etcd; a file may say ``"schema": 1``, the same format). A fault::
 
     {"at": 12.5, "device": 0, "kind": "xid", "xid": 79}
 
@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol, Sequence
 
+from hspmd_elastic.contract.records import SCHEMA_VERSION
 from launcher.health.api import (
     DEFAULT_STOP_TIMEOUT_S,
     Clock,
@@ -146,8 +147,9 @@ def _parse_object(body: dict, where: str) -> list[Fault]:
     if body.get("kind", FAULT_SCRIPT_KIND) != FAULT_SCRIPT_KIND:
         raise FaultScriptError(where, f"kind {body.get('kind')!r} where {FAULT_SCRIPT_KIND!r} "
                                       "belongs")
-    if body.get("schema", 1) != 1:
-        raise FaultScriptError(where, f"unknown schema {body.get('schema')!r} (this reads 1)")
+    if body.get("schema", SCHEMA_VERSION) not in (1, SCHEMA_VERSION):
+        raise FaultScriptError(where, f"unknown schema {body.get('schema')!r} (this reads 1 "
+                                      f"and {SCHEMA_VERSION})")
     faults = body["faults"]
     if not isinstance(faults, list):
         raise FaultScriptError(where, "faults must be a list of fault objects")
@@ -156,7 +158,7 @@ def _parse_object(body: dict, where: str) -> list[Fault]:
 
 def encode_fault_script(faults: Iterable[Fault]) -> bytes:
     """The etcd value of a fault script: a versioned JSON object (no bare list in etcd)."""
-    body = {"schema": 1, "kind": FAULT_SCRIPT_KIND, "faults": [f.to_dict() for f in faults]}
+    body = {"schema": SCHEMA_VERSION, "kind": FAULT_SCRIPT_KIND, "faults": [f.to_dict() for f in faults]}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 

@@ -86,7 +86,8 @@ class VerdictPublisher:
     def record(self, verdict: Verdict) -> DeviceHealthRecord:
         at = self._wall() - max(self._clock() - verdict.at, 0.0)
         return DeviceHealthRecord(state=verdict.state.value, reason=verdict.reason,
-                                  xid=verdict.xid, slowdown=verdict.slowdown, at=round(at, 3))
+                                  xid=verdict.xid, slowdown=verdict.slowdown, at=round(at, 3),
+                                  origin=verdict.origin)
 
     def publish(self, verdicts: Mapping[int, Verdict]) -> list[int]:
         """Write the verdicts that changed; returns the device indices written.

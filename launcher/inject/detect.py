@@ -1,9 +1,11 @@
 """What the job did about a fault: detection and recovery, from what it wrote to etcd.
 
-``JobObserver`` watches the job's ``events/`` and ``devices/`` keys with ``PrefixWatch`` (every
-change, in order, across etcd restarts), reads ``rdzv/state`` and ``plan/current`` on demand,
-and collects training progress from a ``ProgressSource`` (the ``workers/`` records, or the
-JSON-lines progress files a training script writes). The decisions are pure functions of those
+``JobObserver`` reads the job through one job view (``launcher.jobview.WatchedJob``: the
+``events/``, ``devices/``, ``workers/``, ``rdzv/`` and ``plan/head`` tables, one watch each,
+every change in order across etcd restarts; ``wait_change`` wakes on any of them), keeps the
+history of device verdicts the view delivered, and collects training progress from a
+``ProgressSource`` (the ``workers/`` records, or the JSON-lines progress files a training script
+writes). The decisions are pure functions of those
 observations, so they are unit-tested without a job:
 
 * ``match_detection``: the first reaction of the job after the injection that names the fault's
@@ -34,14 +36,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from hspmd_elastic.contract import schema
-from hspmd_elastic.coord.api import CoordinationError, EventType, WatchEvent
+from hspmd_elastic.coord.api import EventType, WatchEvent
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.ids import device_id, parse_device_id
-from hspmd_elastic.coord.watch import PrefixWatch
 from launcher.health.rules import classify_xid
 from launcher.inject.api import (
     AGENT_FAULTS,
@@ -53,6 +54,7 @@ from launcher.inject.api import (
 )
 from launcher.inject import progress as _progress
 from launcher.inject.progress import EtcdProgress, ProgressSource
+from launcher.jobview import Table, WatchedJob
 
 # The progress sources, importable from here too (the observer's callers use them together).
 FileProgress, default_progress = _progress.FileProgress, _progress.default_progress
@@ -73,7 +75,10 @@ REACTIONS = ("replan", "restart", "leave", "failure", "stall", "unreachable")
 log = logging.getLogger(__name__)
 
 WATCH_START_TIMEOUT_S = 10.0
-TERMINAL_RDZV = ("succeeded", "failed")
+# What the observer reads of the job view; its watches ask etcd for progress every second, so a
+# stalled member is left quickly.
+OBSERVED = (Table.EVENTS, Table.DEVICES, Table.WORKERS, Table.RDZV, Table.HEAD)
+WATCH_PROGRESS_S = 1.0
 
 
 # ------------------------------------------------------------------------------- observations
@@ -139,22 +144,24 @@ def expects_reaction(fault: str, xid: Optional[int] = None,
 
 
 # ------------------------------------------------------------------------------- pure matching
-def _event_pids(ev: schema.EventRecord) -> set[int]:
-    pids = {f.get("pid") for f in ev.detail.get("failures", []) if isinstance(f, dict)}
-    if isinstance(ev.detail.get("pid"), int):
-        pids.add(ev.detail["pid"])
-    return {p for p in pids if isinstance(p, int)}
+def _event_workers(detail: schema.Detail) -> tuple[set[int], set[int]]:
+    """(pids, local ranks) of the workers a ``failure`` or ``stall`` event names."""
+    if isinstance(detail, schema.FailureDetail):
+        return {e.pid for e in detail.exits}, {e.local_rank for e in detail.exits}
+    if isinstance(detail, schema.StallDetail):
+        return ({detail.pid} if detail.pid is not None else set(),
+                {detail.local_rank} if detail.local_rank is not None else set())
+    return set(), set()
 
 
 def _worker_event(ev: schema.EventRecord, inj: Injected) -> bool:
     if ev.type not in ("failure", "stall"):
         return False
-    pids = _event_pids(ev)
+    pids, slots = _event_workers(schema.event_detail(ev))
     if pids and inj.pids:
         return bool(pids & set(inj.pids))
     node, slot = inj.target.get("node"), inj.target.get("local_rank")
-    if isinstance(ev.detail.get("local_rank"), int) and slot is not None \
-            and ev.detail["local_rank"] != slot:
+    if slots and slot is not None and slot not in slots:
         return False  # e.g. a stall event: node and slot, no pid
     return node is None or ev.node == node
 
@@ -168,7 +175,7 @@ def _agent_event(ev: schema.EventRecord, node: str) -> bool:
     expiring lease publishes nothing and journals no ``leave``). For a partition the
     ``unreachable`` report is the data link cut."""
     if ev.type == "leave":
-        return ev.node == node or f"node {node} left" in str(ev.detail.get("reason", ""))
+        return ev.node == node or node in schema.event_detail(ev).nodes
     if ev.type == "unreachable":
         return ev.node == node
     return ev.type == "failure"
@@ -179,13 +186,8 @@ def _device_event(ev: schema.EventRecord, inj: Injected) -> bool:
             or ev.node != inj.target.get("node"):
         return False
     want = str(inj.target.get("device"))
-    devices = ev.detail.get("devices")  # the leader's change events: ["<node>:<index>", ...]
-    if isinstance(devices, list):
-        return any(_split_target(str(d))[1] == want for d in devices)
-    dev = ev.detail.get("device", ev.detail.get("index"))
-    if isinstance(dev, str):
-        dev = _split_target(dev)[1]
-    return dev is None or str(dev) == want
+    devices = schema.event_detail(ev).devices  # every change event names its devices
+    return not devices or any(_split_target(d)[1] == want for d in devices)
 
 
 def _split_target(target: str) -> tuple[str, str]:
@@ -199,11 +201,11 @@ def _split_target(target: str) -> tuple[str, str]:
 
 
 def switch_started(events: Sequence[schema.EventRecord], after_seq: int) -> Optional[float]:
-    """When the job started switching plans after ``after_seq`` (elastic jobs): a
-    ``switch-start`` event, or a ``replan`` that replaces a plan."""
+    """When the job started switching plans after ``after_seq`` (elastic jobs): the ``replan``
+    that replaces a plan (``contract.events.switch_of``)."""
     for ev in events:
-        if ev.seq > after_seq and (ev.type == "switch-start" or (
-                ev.type == "replan" and ev.detail.get("previous_version", 0))):
+        mark = schema.switch_of(ev) if ev.seq > after_seq else None
+        if mark is not None and mark.phase == "start":
             return ev.at
     return None
 
@@ -230,7 +232,7 @@ def match_detection(inj: Injected, base: Baseline, events: Sequence[schema.Event
             hit = _device_event(ev, inj)
         elif fault == "join":
             hit = ev.type == "join" and (ev.node in (None, inj.target["node"])
-                                         or "joined" in str(ev.detail.get("reason", "")))
+                                         or inj.target["node"] in schema.event_detail(ev).nodes)
         else:
             hit = False
         if hit:
@@ -238,21 +240,13 @@ def match_detection(inj: Injected, base: Baseline, events: Sequence[schema.Event
     return None
 
 
-def replan_changes(reason: str) -> list[tuple[str, tuple[str, ...]]]:
-    """Pure: the changes a ``replan`` event's ``reason`` names, as ``(kind, targets)``:
-    ``"failure node-a:1,node-a:2: why; join node-c"`` -> ``[("failure", ("node-a:1",
-    "node-a:2")), ("join", ("node-c",))]`` (targets: device ids, or the node of a join/leave)."""
-    out = []
-    for piece in str(reason).split("; "):
-        kind, _, rest = piece.strip().partition(" ")
-        if not kind or not rest:
-            continue
-        if kind in ("join", "leave"):
-            out.append((kind, (rest.strip(),)))
-            continue
-        targets = rest.split(": ", 1)[0]
-        out.append((kind, tuple(t.strip() for t in targets.split(",") if t.strip())))
-    return out
+def replan_changes(ev: schema.EventRecord) -> list[tuple[str, tuple[str, ...]]]:
+    """Pure: the changes a ``replan`` event lists (``ReplanDetail.changes``), as ``(kind,
+    targets)``: the node of a join/leave, else the devices (``[]`` for any other event)."""
+    if ev.type != "replan":
+        return []
+    return [(c.kind, (c.node,) if c.kind in ("join", "leave") else tuple(c.devices))
+            for c in schema.event_detail(ev).changes]
 
 
 def _names_fault(inj: Injected, kind: str, targets: tuple[str, ...]) -> bool:
@@ -283,20 +277,15 @@ def handling_plan(inj: Injected, events: Sequence[schema.EventRecord],
     reason names the fault's target (elastic jobs); None when there is none (yet)."""
     for ev in events:
         if ev.seq > after_seq and ev.type == "replan" and any(
-                _names_fault(inj, kind, targets)
-                for kind, targets in replan_changes(ev.detail.get("reason", ""))):
-            version = ev.detail.get("version")
-            return version if isinstance(version, int) else None
+                _names_fault(inj, kind, targets) for kind, targets in replan_changes(ev)):
+            return schema.event_detail(ev).version
     return None
 
 
 def _switch_version(ev: schema.EventRecord) -> Optional[int]:
     """The plan version a ``switch-done`` event switched to."""
-    for value in (ev.timings.get("to_version"), ev.detail.get("plan_version"),
-                  ev.detail.get("version")):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return int(value)
-    return None
+    mark = schema.switch_of(ev)
+    return mark.to_version if mark is not None and mark.phase == "done" else None
 
 
 def match_recovery(inj: Injected, base: Baseline, detection: Optional[Detection],
@@ -343,12 +332,11 @@ def match_rejoin(inj: Injected, events: Sequence[schema.EventRecord],
     node = inj.target["node"]
     version = None
     for ev in events:
-        if ev.type == "replan" and isinstance(ev.detail.get("version"), int) \
-                and ev.detail["version"] > away_version and any(
-                    (kind == "join" and node in targets) or
-                    (kind == "recover" and any(_split_target(d)[0] == node for d in targets))
-                    for kind, targets in replan_changes(ev.detail.get("reason", ""))):
-            version = ev.detail["version"]
+        if ev.type == "replan" and schema.event_detail(ev).version > away_version and any(
+                (kind == "join" and node in targets) or
+                (kind == "recover" and any(_split_target(d)[0] == node for d in targets))
+                for kind, targets in replan_changes(ev)):
+            version = schema.event_detail(ev).version
             break
     if version is None:
         return None
@@ -421,65 +409,70 @@ def lineage_gaps(points: Sequence[ProgressPoint]) -> Lineage:
 
 
 # ------------------------------------------------------------------------------------ observer
-@dataclass
-class _Seen:
-    events: list = field(default_factory=list)
-    seqs: set = field(default_factory=set)
-    verdicts: list = field(default_factory=list)
-
-
 class JobObserver:
-    """Watches one job; thread-safe snapshots of what it saw."""
+    """Watches one job through its job view; thread-safe snapshots of what it saw. ``view``:
+    a view to share (None: the observer makes, and closes, its own)."""
 
-    def __init__(self, client: EtcdClient, job: str, progress: Optional[ProgressSource] = None):
+    def __init__(self, client: EtcdClient, job: str, progress: Optional[ProgressSource] = None,
+                 view: Optional[WatchedJob] = None):
         self.client = client
         self.job = job
+        self.view = view if view is not None else WatchedJob(client, job, name="inject",
+                                                             progress_s=WATCH_PROGRESS_S)
+        self._own_view = view is None
         self._etcd_progress = EtcdProgress()
         self.progress: ProgressSource = progress or self._etcd_progress
-        self._seen = _Seen()
+        self._verdicts: list[DeviceVerdictSeen] = []
         self._lock = threading.Lock()
-        self._watches: list[PrefixWatch] = []
+        self._tokens: list[int] = []
+        self._holding = False
 
     def start(self, timeout: float = WATCH_START_TIMEOUT_S) -> "JobObserver":
-        specs = [(schema.events_prefix(self.job), self._on_event),
-                 (schema.devices_prefix(self.job), self._on_device),
-                 (schema.workers_prefix(self.job), self._etcd_progress.on_worker)]
-        for prefix, callback in specs:
-            watch = PrefixWatch(self.client, prefix, callback, decode=True, initial=True,
-                                name=f"inject {prefix}", progress_s=1.0)
-            self._watches.append(watch.start(timeout))
+        # listeners first: the tables' initial listings reach them too
+        self._tokens = [self.view.subscribe(self._on_device, [Table.DEVICES]),
+                        self.view.subscribe(self._etcd_progress.on_worker, [Table.WORKERS])]
+        try:
+            self.view.acquire(OBSERVED, timeout)
+        except BaseException:
+            self._unsubscribe()
+            raise
+        self._holding = True
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        for watch in self._watches:
-            watch.stop(timeout)
-        self._watches.clear()
+        self._unsubscribe()
+        if self._holding:
+            self._holding = False
+            self.view.release(OBSERVED, timeout)
+        if self._own_view:
+            self.view.close(timeout)
 
-    def _on_event(self, ev: WatchEvent) -> None:
-        if ev.type is EventType.PUT and isinstance(ev.record, schema.EventRecord):
-            with self._lock:
-                if ev.record.seq not in self._seen.seqs:  # a resync replays every event
-                    self._seen.seqs.add(ev.record.seq)
-                    self._seen.events.append(ev.record)
+    def _unsubscribe(self) -> None:
+        tokens, self._tokens = self._tokens, []
+        for token in tokens:
+            self.view.unsubscribe(token)
 
     def _on_device(self, ev: WatchEvent) -> None:
         if ev.type is not EventType.PUT or not isinstance(ev.record, schema.DeviceHealthRecord):
             return
-        rest = ev.key[len(schema.devices_prefix(self.job)):]
-        node, _, index = rest.partition("/")
+        node, _, index = ev.key[len(schema.devices_prefix(self.job)):].partition("/")
         with self._lock:
-            self._seen.verdicts.append(DeviceVerdictSeen(
-                len(self._seen.verdicts), node, int(index), ev.record.state, ev.record.reason,
+            self._verdicts.append(DeviceVerdictSeen(
+                len(self._verdicts), node, int(index), ev.record.state, ev.record.reason,
                 ev.record.at))
+
+    def wait_change(self, since: int, timeout: float) -> int:
+        """Wait (at most ``timeout``) for the view to change after generation ``since``
+        (``self.view.generation``); returns the generation then."""
+        return self.view.wait(since, timeout)
 
     # ---------------------------------------------------------------------------- snapshots
     def events(self) -> list[schema.EventRecord]:
-        with self._lock:
-            return sorted(self._seen.events, key=lambda e: e.seq)
+        return self.view.events_after(0)
 
     def verdicts(self) -> list[DeviceVerdictSeen]:
         with self._lock:
-            return list(self._seen.verdicts)
+            return list(self._verdicts)
 
     def points(self) -> list[ProgressPoint]:
         return self.progress.poll()
@@ -497,25 +490,11 @@ class JobObserver:
 
     def _etcd_round(self) -> int:
         """The restart round (rdzv/state) or the plan version, whichever the job has."""
-        out = -1
-        for key in (schema.rdzv_state_key(self.job), schema.plan_current_key(self.job)):
-            try:
-                kv = self.client.get(key)
-                if kv is not None:
-                    rec = schema.decode(key, kv.value)
-                    out = max(out, getattr(rec, "round", getattr(rec, "version", -1)))
-            except CoordinationError as exc:
-                log.debug("[%s] cannot read %s: %s", self.job, key, exc)
-        return out
+        state, head = self.view.round_state(), self.view.head()
+        return max(state.round if state is not None else -1,
+                   head.version if head is not None else -1)
 
     def job_ended(self) -> Optional[str]:
-        """``succeeded``/``failed`` once the restart-mode rendezvous says so, else None."""
-        key = schema.rdzv_state_key(self.job)
-        try:
-            kv = self.client.get(key)
-            state = schema.decode(key, kv.value).state if kv is not None else None
-        except CoordinationError as exc:  # etcd down for a moment, or a bad record: not ended
-            log.debug("[%s] cannot read %s: %s", self.job, key, exc)
-            return None
-        return state if state in TERMINAL_RDZV else None
-
+        """``succeeded``/``failed`` once ``rdzv/state`` says so, else None."""
+        ended = self.view.job_end()
+        return ended.state if ended is not None else None

@@ -112,7 +112,7 @@ def target_endpoint(endpoints: list[str], member: Any) -> str:
 
 
 def _local_ips(host: str) -> Optional[set[str]]:
-    from launcher.node.rendezvous import is_local_address
+    from launcher.node.addresses import is_local_address
 
     if not is_local_address(host):
         return None

@@ -14,9 +14,11 @@ off) is ``survived`` only when training went on after it and the journal shows n
 ``wait_end_s`` the run then waits (bounded) for the job to end, so that the totals (samples lost,
 last step) cover the whole run.
 
-Promises: every wait has a deadline on ``time.monotonic``; a fault that cannot be applied (its
-target is gone, the harness does not own the etcd) or whose trigger never comes (the job ended)
-is reported ``not injected`` with the reason (a process a record names that is not provably
+Promises: every wait has a deadline on ``time.monotonic``, and waits on the observer's job
+view (``JobObserver.wait_change``: woken by the job's next change, at most ``poll_s`` so that
+follow-ups, progress files and ``stop`` are checked that often), never a plain sleep; a fault
+that cannot be applied (its target is gone, the harness does not own the etcd) or whose trigger
+never comes (the job ended) is reported ``not injected`` with the reason (a process a record names that is not provably
 the job's is refused, never signalled, and the refusal is in the row's note), and the run goes
 on; nothing is marked detected that the job did not record itself; ``run`` always ends with
 ``InjectContext.close`` (stopped processes resumed, started agents stopped).
@@ -62,7 +64,6 @@ from launcher.inject.scenario import FaultSpec, Scenario
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
-ENDED_CHECK_S = 0.5
 TARGET_WAIT_S = 10.0
 
 
@@ -82,7 +83,7 @@ class Harness:
         self._start_mono = 0.0
         self._start_wall = 0.0
         self._ended: Optional[str] = None
-        self._ended_checked = 0.0
+        self._generation = 0  # the observer's view generation last waited from
 
     def stop(self) -> None:
         """Ask a running ``run`` to stop at its next wait (remaining faults: not injected)."""
@@ -142,7 +143,7 @@ class Harness:
                 log.warning("[%s] job still running %.0fs after the last fault; reporting "
                             "progress so far", self.ctx.job, self.wait_end_s)
                 return
-            self._stop.wait(self.poll_s * 4)
+            self._await(deadline)
         while self.wait_end_s > 0 and time.monotonic() < deadline and not self._stop.is_set() \
                 and any(p.poll() is None for p in self.ctx.spawned.values()):
             self._stop.wait(self.poll_s * 4)
@@ -175,6 +176,11 @@ class Harness:
         self._finish_timers(inj, base, det, row)
         if det is None and reaction and inj.injected.ended_at is not None:
             rec = self._went_on(spec, base, inj)
+        if rec is None and not reaction and inj.injected.ended_at is not None \
+                and self._job_ended() == "succeeded":
+            # The job ended well after the fault (an etcd fault near the last step: no
+            # progress record came after it, but the end record needs etcd back): it survived.
+            rec = Recovery(time.time(), "the job succeeded after the fault ended")
         back = det is None or rec is None or self._rejoined(spec, base, inj, row)
         if det is not None:
             row.detected_at, row.detected_by = self._rel(det.at), det.by
@@ -198,10 +204,17 @@ class Harness:
         return row, base, rec.round if rec else None
 
     # ---------------------------------------------------------------------------- phases
+    def _await(self, deadline: Optional[float] = None) -> None:
+        """Wait for the job's next change (the observer's view), at most ``poll_s`` and never
+        past ``deadline``; at once when it changed since the last wait."""
+        left = self.poll_s if deadline is None else \
+            min(self.poll_s, max(deadline - time.monotonic(), 0.0))
+        if self._stop.is_set():
+            return
+        self._generation = self.observer.wait_change(self._generation, left)
+
     def _job_ended(self) -> Optional[str]:
-        now = time.monotonic()
-        if self._ended is None and now - self._ended_checked >= ENDED_CHECK_S:
-            self._ended_checked = now
+        if self._ended is None:  # the observer's view: no etcd read
             self._ended = self.observer.job_ended()
         return self._ended
 
@@ -232,7 +245,7 @@ class Harness:
                     return ""
                 return (f"trigger (step {spec.at_step}) did not come within "
                         f"{self.scenario.trigger_timeout_s:.0f}s")
-            self._stop.wait(min(self.poll_s, max(deadline - time.monotonic(), 0.0)))
+            self._await(deadline)
 
     def _inject(self, spec: FaultSpec) -> tuple[Baseline, Injection]:
         """Inject, retrying a little while the target is between restarts (or etcd blinks)."""
@@ -289,7 +302,7 @@ class Harness:
             if (time.monotonic() >= deadline and not escalation_due) or self._job_ended() \
                     or self._stop.is_set():
                 return None
-            self._stop.wait(self.poll_s)
+            self._await()
 
     def _wait_recovery(self, spec: FaultSpec, base: Baseline, inj: Injection,
                        det: Optional[Detection], row: FaultRow) -> Optional[Recovery]:
@@ -302,7 +315,7 @@ class Harness:
                 return rec
             if time.monotonic() >= deadline or self._job_ended() or self._stop.is_set():
                 return None
-            self._stop.wait(self.poll_s)
+            self._await(deadline)
 
     def _went_on(self, spec: FaultSpec, base: Baseline, inj: Injection) -> Optional[Recovery]:
         """After an unnoticed fault that ended (resume, thaw): did training go on?"""
@@ -312,7 +325,7 @@ class Harness:
             if rec is not None or time.monotonic() >= deadline or self._job_ended() \
                     or self._stop.is_set():
                 return rec
-            self._stop.wait(self.poll_s)
+            self._await(deadline)
 
     def _rejoined(self, spec: FaultSpec, base: Baseline, inj: Injection, row: FaultRow) -> bool:
         """After a fault that planned a node away and ended (thaw, heal): wait (bounded by
@@ -335,7 +348,7 @@ class Harness:
                     f"node {inj.injected.target['node']} did not come back within "
                     f"{spec.recover_timeout_s:g}s after the fault ended"])
                 return False
-            self._stop.wait(self.poll_s)
+            self._await(deadline)
 
     def _finish_timers(self, inj: Injection, base: Baseline, det: Optional[Detection],
                        row: FaultRow) -> None:
@@ -354,6 +367,6 @@ def _about(ev, nodes: set) -> bool:
     replan names)."""
     if ev.type != "replan":
         return ev.node in nodes
-    changes = replan_changes(ev.detail.get("reason", ""))
+    changes = replan_changes(ev)
     return bool(changes) and all(
         targets and all(t.split(":")[0] in nodes for t in targets) for _, targets in changes)

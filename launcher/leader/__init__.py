@@ -2,8 +2,8 @@
 
 Package map (pure parts first; only ``loop`` does I/O):
 
-* ``snapshot``: records -> ``ClusterSnapshot`` (``build_snapshot``); the verdict-reason
-  prefixes ``EXIT_PREFIX`` / ``STALL_PREFIX`` of failures an agent journaled itself;
+* ``snapshot``: records -> ``ClusterSnapshot`` (``build_snapshot``), with each verdict's
+  ``origin`` (an agent's own ``exit`` / ``stall`` verdicts were journaled already);
 * ``decide``: the pure decision: ``decide(snapshot, current_plan)`` -> ``PlanDecision`` or
   None, with ``select_nodes`` (planned nodes and hot spares under ``--nnodes`` max);
 * ``planning``: the typed planner adapter: ``make_layout`` calls a ``PlannerFn`` (normally
@@ -36,9 +36,7 @@ from launcher.leader.planning import (
     plan_record,
 )
 from launcher.leader.snapshot import (
-    EXIT_PREFIX,
     GONE_NODE_STATES,
-    STALL_PREFIX,
     ClusterSnapshot,
     DeviceView,
     NodeView,
@@ -46,7 +44,7 @@ from launcher.leader.snapshot import (
 )
 
 __all__ = [
-    "EXIT_PREFIX", "GONE_NODE_STATES", "STALL_PREFIX", "TRANSITIONS", "Change", "ChangeKind",
+    "GONE_NODE_STATES", "TRANSITIONS", "Change", "ChangeKind",
     "ClusterSnapshot", "DeviceView", "Leader", "LeaderError", "LeaderState", "NodeView",
     "Outcome", "PlanDecision", "PlannedLayout", "PlannerFn", "PlanningFailed", "Publication",
     "RedundantPlanner",

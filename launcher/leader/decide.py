@@ -21,8 +21,8 @@ Promises:
 * when nothing else changed but a node of the current plan asks for a retry (its workers wait
   after their switch into that very plan failed: ``ClusterSnapshot.retry``), the decision is
   the same plan again, one ``retry`` change per asking node (the leader bounds how often);
-* failures and stalls an agent already journaled (the verdict reasons ``EXIT_PREFIX`` /
-  ``STALL_PREFIX``) are marked ``journaled``;
+* failures and stalls an agent already journaled (verdicts of origin ``exit`` / ``stall``)
+  are marked ``journaled``;
 * ``PlanDecision.fingerprint`` is equal for decisions that would give the same plan (the
   leader's debounce compares these).
 """
@@ -35,21 +35,13 @@ from typing import Mapping, Optional, Sequence
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.ids import device_sort_key, node_of
-from launcher.leader.snapshot import EXIT_PREFIX, STALL_PREFIX, ClusterSnapshot, DeviceView
+from launcher.leader.snapshot import ClusterSnapshot, DeviceView
 
 
-class ChangeKind(str, enum.Enum):
-    """The kind of one change; also the type of its journal event."""
-
-    JOIN = "join"
-    LEAVE = "leave"
-    FAILURE = "failure"
-    STALL = "stall"
-    DRAIN = "drain"
-    UNREACHABLE = "unreachable"
-    DEGRADE = "degrade"
-    RECOVER = "recover"
-    RETRY = "retry"  # nothing changed, but the switch into the current plan failed: again
+# The kind of one change, also the type of its journal event (``contract.events.CHANGE_TYPES``,
+# in the order a decision lists them): JOIN, LEAVE, FAILURE, STALL, DRAIN, UNREACHABLE, DEGRADE,
+# RECOVER and RETRY (nothing changed, but the switch into the current plan failed: again).
+ChangeKind = enum.Enum("ChangeKind", [(t.upper(), t) for t in schema.CHANGE_TYPES], type=str)
 
 
 @dataclass(frozen=True)
@@ -62,11 +54,12 @@ class Change:
     detail: str = ""
     journaled: bool = False  # already in the journal (an agent reported it)
 
+    def record(self) -> schema.PlanChange:
+        """The change as a ``replan`` event lists it (``contract.events.PlanChange``)."""
+        return schema.PlanChange(self.kind.value, self.node, list(self.devices), self.detail)
+
     def describe(self) -> str:
-        if self.kind in (ChangeKind.JOIN, ChangeKind.LEAVE):
-            return f"{self.kind.value} {self.node}"
-        what = f"{self.kind.value} {','.join(self.devices)}"
-        return f"{what}: {self.detail}" if self.detail else what
+        return self.record().describe()
 
 
 @dataclass(frozen=True)
@@ -215,10 +208,10 @@ def _changes(snapshot: ClusterSnapshot, assumed: Mapping[str, float],
             add(ChangeKind.LEAVE, dev, "node spare: --nnodes max reached")
         elif seen is None:
             add(ChangeKind.FAILURE, dev, "device no longer reported")
-        elif seen.reason.startswith(STALL_PREFIX):
-            add(ChangeKind.STALL, dev, seen.reason[len(STALL_PREFIX):], journaled=True)
-        elif seen.reason.startswith(EXIT_PREFIX):
-            add(ChangeKind.FAILURE, dev, seen.reason[len(EXIT_PREFIX):], journaled=True)
+        elif seen.origin == schema.VerdictOrigin.STALL.value:
+            add(ChangeKind.STALL, dev, seen.reason, journaled=True)
+        elif seen.origin == schema.VerdictOrigin.EXIT.value:
+            add(ChangeKind.FAILURE, dev, seen.reason, journaled=True)
         elif seen.state == "suspect":
             add(ChangeKind.DRAIN, dev, seen.reason)
         else:

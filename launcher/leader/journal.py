@@ -4,7 +4,8 @@ Promises: one event per change of the decision (``leave``, ``join``, ``failure``
 ``drain``, ``unreachable``,
 ``degrade``, ``recover``, ``retry``; changes marked ``journaled``, i.e. failures and stalls a node agent
 journaled already, are not repeated), then one ``replan`` event with the version, the reason,
-the planner, the store, the step and the timings of detection -> publication, all in as few
+the planner, the store, the step, the changes (``contract.events.PlanChange``, structured:
+readers never parse the reason) and the timings of detection -> publication, all in as few
 transactions as etcd allows (``coord.journal.append_events``). The plan is out
 already when this runs: a journal write that fails is logged, never retried, never raised.
 """
@@ -30,15 +31,15 @@ def journal_publication(client: EtcdClient, job: str, node: str, decision: PlanD
                         snap: ClusterSnapshot, timings: dict[str, float],
                         wall_clock: Callable[[], float]) -> None:
     """The change events and the replan event of one publication by ``node``'s leader."""
-    events = [NewEvent(c.kind.value, c.node, {"devices": list(c.devices), "detail": c.detail,
-                                               "plan_version": decision.version})
+    events = [NewEvent(c.kind.value, c.node,
+                       schema.change_detail(c.kind.value, list(c.devices), c.detail,
+                                            decision.version))
               for c in decision.changes if not c.journaled]
-    events.append(NewEvent("replan", node, {
-        "version": decision.version, "previous_version": current.version if current else 0,
-        "reason": decision.reason, "devices": len(layout.devices),
-        "planner": layout.planner, "store_endpoint": decision.store_endpoint,
-        "step": snap.step, "changes": [c.describe() for c in decision.changes],
-    }, timings))
+    events.append(NewEvent("replan", node, schema.ReplanDetail(
+        version=decision.version, previous_version=current.version if current else 0,
+        reason=decision.reason, device_count=len(layout.devices), planner=layout.planner,
+        store_endpoint=decision.store_endpoint, step=snap.step,
+        changes=[c.record() for c in decision.changes]), timings))
     try:
         append_events(client, job, events, wall_clock=wall_clock)
     except CoordinationError as exc:

@@ -1,9 +1,11 @@
 """The leader's effect loop: election, watches, debounce, replan, fenced publication.
 
 Every node agent runs a ``Leader``; it campaigns through ``coord.Election`` and only the elected
-one acts. While leading it watches ``nodes/``, ``devices/``, ``workers/`` and ``plan/current``
-(``PrefixWatch``, list-then-watch, into a ``WatchedWorld``) and runs a level-triggered loop over
-the pure ``decide``. Promises:
+one acts. While leading it holds the tables ``nodes/``, ``devices/``, ``workers/``, ``reach/``,
+``retry/`` and ``plan/current`` of the process's one job view (``launcher.jobview.WatchedJob``:
+list-then-watch, shared with the agent's elastic mode; a leader given none makes its own) and
+runs a level-triggered loop over the pure ``decide``, woken by the view's changes; the snapshot
+is built again only after one of its tables changed. Promises:
 
 * changes are debounced: a replan waits until the decision has been stable for ``debounce_s``
   (at most ``max_debounce_s`` after the first change), on the injected ``clock``; a storm of
@@ -46,9 +48,7 @@ from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import (
     ConflictError,
     CoordinationError,
-    EventType,
     FencedWriteRejected,
-    WatchEvent,
 )
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.ids import node_of
@@ -56,7 +56,7 @@ from hspmd_elastic.coord.election import Election
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.lifecycle import StateMachine, Transition
 from hspmd_elastic.coord.plans import publish_plan, read_plan
-from hspmd_elastic.coord.watch import PrefixWatch
+from launcher.jobview import Table, WatchedJob
 from launcher.leader.decide import ChangeKind, PlanDecision, decide, select_nodes
 from launcher.leader.journal import journal_publication
 from launcher.leader.planning import (
@@ -85,6 +85,9 @@ WATCH_START_S = 5.0
 STOP_TIMEOUT_S = 5.0
 MAX_SWITCH_RETRIES = 3  # publications of the same plan again, per furthest step
 HISTORY_KEEP = 256  # transitions kept in the leader's history
+# What the leader reads of the job view, held only while it leads.
+LEADER_TABLES = (Table.NODES, Table.DEVICES, Table.WORKERS, Table.REACH, Table.RETRY,
+                 Table.PLAN)
 
 Clock = Callable[[], float]
 
@@ -135,70 +138,6 @@ class Publication:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-class WatchedWorld:
-    """What the leader's watches delivered, keyed like the records; one lock, no I/O. The
-    snapshot is built again only after a change (a generation counter), not on every tick."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.nodes: dict[str, schema.NodeRecord] = {}
-        self.verdicts: dict[tuple[str, int], schema.DeviceHealthRecord] = {}
-        self.workers: dict[tuple[str, int], schema.WorkerRecord] = {}
-        self.reach: dict[str, schema.ReachRecord] = {}
-        self.retry: dict[str, schema.RetryRecord] = {}
-        self.plan: Optional[schema.PlanRecord] = None
-        self.plan_rev = 0
-        self._generation = 0  # bumped by every change: the snapshot is rebuilt only after one
-        self._cached: Optional[tuple[int, str, ClusterSnapshot]] = None
-
-    def apply(self, ev: WatchEvent) -> None:
-        try:
-            _, spec, params = schema.match_key(ev.key)
-        except CoordinationError:
-            return
-        put = ev.type is EventType.PUT
-        with self.lock:
-            if spec.record is schema.PlanRecord:
-                if spec.pattern == "plan/current" and put:
-                    self.set_plan_locked(ev.record, ev.revision)
-                return
-            if spec.record is schema.NodeRecord:
-                table, key = self.nodes, params["node_id"]
-            elif spec.record is schema.DeviceHealthRecord:
-                table, key = self.verdicts, (params["node_id"], int(params["index"]))
-            elif spec.record is schema.WorkerRecord:
-                table, key = self.workers, (params["node_id"], int(params["local_rank"]))
-            elif spec.record is schema.ReachRecord:
-                table, key = self.reach, params["node_id"]
-            elif spec.record is schema.RetryRecord:
-                table, key = self.retry, params["node_id"]
-            else:
-                return
-            if put:
-                table[key] = ev.record
-            else:
-                table.pop(key, None)
-            self._generation += 1
-
-    def set_plan_locked(self, plan: Optional[schema.PlanRecord], revision: int) -> None:
-        if plan is not None and revision >= self.plan_rev:
-            self.plan, self.plan_rev = plan, revision
-            self._generation += 1
-
-    def snapshot(self, self_node: str) -> tuple[ClusterSnapshot, Optional[schema.PlanRecord]]:
-        with self.lock:
-            cached = self._cached
-            if cached is not None and cached[:2] == (self._generation, self_node):
-                return cached[2], self.plan
-            planned = frozenset(node_of(d) for d in self.plan.devices) if self.plan else \
-                frozenset()
-            snap = build_snapshot(dict(self.nodes), dict(self.verdicts), self_node,
-                                  dict(self.workers), reach=dict(self.reach), planned=planned,
-                                  retry=dict(self.retry))
-            self._cached = (self._generation, self_node, snap)
-            return snap, self.plan
-
-
 class Leader:
     """The leader side of one node agent (see the module docstring). ``start`` / ``stop``."""
 
@@ -209,7 +148,7 @@ class Leader:
                  max_nodes: Optional[int] = None,
                  planner_options: Optional[PlannerOptions] = None,
                  wall_clock: Clock = time.time, election_recheck_s: float = 1.0,
-                 hold: Optional[Callable[[], bool]] = None):
+                 hold: Optional[Callable[[], bool]] = None, view: Optional[WatchedJob] = None):
         if debounce_s < 0 or max_debounce_s < debounce_s:
             raise ValueError(f"need 0 <= debounce_s ({debounce_s}) <= max_debounce_s "
                              f"({max_debounce_s})")
@@ -241,8 +180,12 @@ class Leader:
         self._no_devices = False
         self._retries = (-1, 0)  # (furthest step, retry-only publications at that step)
         self._spares: set[str] = set()  # nodes said to be spares (logged once each)
-        self._world: Optional[WatchedWorld] = None
-        self._watches: list[PrefixWatch] = []
+        # The process's job view (the agent's, shared); without one the leader makes its own.
+        self.view = view if view is not None else WatchedJob(client, job, name=f"leader {node}")
+        self._own_view = view is None
+        self._listener: Optional[int] = None  # the view listener while its tables are held
+        self._cached: Optional[tuple[tuple[int, ...], ClusterSnapshot,
+                                     Optional[schema.PlanRecord]]] = None
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._tick_cost = 0.0  # real seconds of the last tick's snapshot and decision
@@ -275,7 +218,9 @@ class Leader:
             if self._thread.is_alive():
                 log.warning("[%s] leader %s: loop did not stop within %.1fs", self.job,
                             self.node, timeout)
-        self._stop_watches(timeout)
+        self._release_view(timeout)
+        if self._own_view:
+            self.view.close(timeout)
         self.election.resign(timeout)
         if self.state is not LeaderState.STOPPED:
             self._transition(LeaderState.STOPPED, "stopped")
@@ -324,7 +269,7 @@ class Leader:
         if self.state is LeaderState.FOLLOWER:
             self._take_office()
         started = time.monotonic()
-        snap, current = self._world.snapshot(self.node)
+        snap, current = self._snapshot()
         self._note_spares(snap, current)
         decision = decide(snap, current, self.min_nodes, self.max_nodes)
         self._tick_cost = time.monotonic() - started
@@ -378,38 +323,35 @@ class Leader:
         self._spares = set(spares)
 
     def _take_office(self) -> None:
-        world = WatchedWorld()
-        prefixes = [schema.nodes_prefix(self.job), schema.devices_prefix(self.job),
-                    schema.workers_prefix(self.job), schema.reach_prefix(self.job),
-                    schema.retry_prefix(self.job), schema.plan_current_key(self.job)]
-        watches = []
-        try:
-            for prefix in prefixes:
-                watch = PrefixWatch(self.client, prefix, lambda ev, w=world: self._on_event(w, ev),
-                                    decode=True, initial=True,
-                                    name=f"leader {self.node} {prefix.rstrip('/').split('/')[-1]}")
-                watches.append(watch.start(WATCH_START_S))
-        except BaseException:
-            for watch in watches:
-                watch.stop(STOP_TIMEOUT_S)
-            raise
-        self._world, self._watches = world, watches
+        self.view.acquire(LEADER_TABLES, WATCH_START_S)
+        self._listener = self.view.subscribe(lambda _ev: self._wake.set(), LEADER_TABLES)
         self._infeasible = None
         self._transition(LeaderState.WATCHING, f"elected (term {self.election.term})")
 
-    def _on_event(self, world: WatchedWorld, ev: WatchEvent) -> None:
-        world.apply(ev)
-        self._wake.set()
+    def _snapshot(self) -> tuple[ClusterSnapshot, Optional[schema.PlanRecord]]:
+        """The cluster as the view has it; built again only after one of its tables changed."""
+        cached = self._cached
+        if cached is not None and cached[0] == self.view.generations(LEADER_TABLES):
+            return cached[1], cached[2]
+        gens, t = self.view.copy(LEADER_TABLES)
+        plan = t[Table.PLAN].get("current")
+        planned = frozenset(node_of(d) for d in plan.devices) if plan else frozenset()
+        snap = build_snapshot(t[Table.NODES], t[Table.DEVICES], self.node, t[Table.WORKERS],
+                              reach=t[Table.REACH], planned=planned, retry=t[Table.RETRY])
+        self._cached = (gens, snap, plan)
+        return snap, plan
 
     def _step_down(self, reason: str) -> None:
-        self._stop_watches(STOP_TIMEOUT_S)
+        self._release_view(STOP_TIMEOUT_S)
         self.pending = None
         self._transition(LeaderState.FOLLOWER, reason)
 
-    def _stop_watches(self, timeout: float) -> None:
-        watches, self._watches = self._watches, []
-        for watch in watches:
-            watch.stop(timeout)
+    def _release_view(self, timeout: float) -> None:
+        token, self._listener = self._listener, None
+        if token is not None:
+            self.view.unsubscribe(token)
+            self.view.release(LEADER_TABLES, timeout)
+        self._cached = None
 
     # ------------------------------------------------------------------ replan
     def _replan(self, first_at: float) -> Outcome:
@@ -421,9 +363,8 @@ class Leader:
             current, rev = read_plan(self.client, self.job)
         except CoordinationError as exc:
             return self._back(Outcome.ETCD_ERROR, f"reading the plan: {exc}")
-        with self._world.lock:
-            self._world.set_plan_locked(current, rev)
-        snap, _ = self._world.snapshot(self.node)
+        self.view.note_plan(current, rev)
+        snap, _ = self._snapshot()
         decision = decide(snap, current, self.min_nodes, self.max_nodes)
         if decision is None:
             return self._back(Outcome.NO_CHANGE, "nothing to do after a fresh read")
@@ -464,8 +405,7 @@ class Leader:
         except CoordinationError as exc:
             return self._back(Outcome.ETCD_ERROR, f"publishing v{decision.version}: {exc}")
         t2 = self._clock()
-        with self._world.lock:
-            self._world.set_plan_locked(record, revision)
+        self.view.note_plan(record, revision)
         timings = {"debounce_s": t0 - first_at, "plan_s": t1 - t0, "publish_s": t2 - t1,
                    "detect_to_publish_s": t2 - first_at}
         log.info("[%s] leader %s: published plan v%d over %d device(s) (%s, store %s, step %s) "

@@ -9,13 +9,13 @@ Promises:
   failed devices have speed 0 and are not ``usable``; suspect devices (warning signs before a
   fatal fault) are not ``usable`` either, but they still work: ``decide`` drains the ones that
   hold state; nodes in ``GONE_NODE_STATES``
-  (draining, leaving, failed) are not ``alive`` and none of their devices is usable;
-* a verdict whose reason starts with ``EXIT_PREFIX`` or ``STALL_PREFIX`` was written by a node
-  agent that saw its worker die or hang and journaled it already; ``decide`` marks the change
-  ``journaled`` so the leader does not journal it twice;
+  (leaving, failed) are not ``alive`` and none of their devices is usable;
+* a verdict whose ``origin`` is ``exit`` or ``stall`` (``contract.records.VerdictOrigin``) was
+  written by a node agent that saw its worker die or hang and journaled it already; ``decide``
+  marks the change ``journaled`` so the leader does not journal it twice;
 * a node is *cut off* (``NodeView.cut_off``: the reason) when a strict majority of the other
   nodes of the current plan report it unreachable over the data network (``reach/<node>``,
-  ``launcher.node.reach``); its devices are not usable, and it hosts no store. When that rule
+  ``launcher.node.elastic.reach``); its devices are not usable, and it hosts no store. When that rule
   would cut half of the planned nodes or more, nobody is cut (two nodes that lose each other
   cannot tell which one is cut off);
 * ``ClusterSnapshot.retry`` holds, per live node, the plan version its workers wait after
@@ -33,9 +33,7 @@ from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.ids import device_id, node_of
 from launcher.health.verdicts import summarize_device_health
 
-EXIT_PREFIX = "worker exit: "  # verdict reason of a slot whose worker died (agent journaled it)
-STALL_PREFIX = "stall: "  # verdict reason of a slot whose worker hung (agent journaled it)
-GONE_NODE_STATES = ("draining", "leaving", "failed")
+GONE_NODE_STATES = schema.GONE_NODE_STATES
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,7 @@ class DeviceView:
     speed: float = 1.0
     reason: str = ""
     declared_speed: float = 1.0
+    origin: str = "health"  # who made its verdict (``contract.records.VerdictOrigin``)
 
 
 @dataclass(frozen=True)
@@ -132,9 +131,10 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
                 reason = verdicts[where].reason
             else:
                 state, speed, reason = "healthy", 1.0, ""
+            origin = verdicts[where].origin if where in verdicts else "health"
             devs.append(DeviceView(device_id(name, info.index), name, info.index, info.type,
                                    info.memory_bytes, state, speed, reason,
-                                   info.speed))
+                                   info.speed, origin))
         views[name] = NodeView(name, rec.host, rec.state, rec.store_endpoint, tuple(devs),
                                cut.get(name, ""))
     steps = [w.step for w in (workers or {}).values()]

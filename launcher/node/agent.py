@@ -68,10 +68,10 @@ class NodeAgent:
 
     def make_mode(self) -> Mode:
         if self.config.elastic is not None:
-            from launcher.node.elastic import ElasticMode  # late: pulls in the leader, planner
+            from launcher.node.elastic.mode import ElasticMode  # late: pulls in the leader, planner
 
             return ElasticMode(self.ctx)
-        from launcher.node.restart import RestartMode
+        from launcher.node.restart.mode import RestartMode
 
         return RestartMode(self.ctx)
 

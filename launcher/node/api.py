@@ -12,7 +12,7 @@ etcd-outage policy. It runs one **mode** through the small protocol ``Mode``:
   run); it stops and reaps the mode's workers, records the mode's terminal state and returns
   the final ``ModeOutcome``. It never raises.
 
-Restart mode (``restart.py``, torchrun's semantics) and elastic mode (``elastic.py``,
+Restart mode (``restart/mode.py``, torchrun's semantics) and elastic mode (``elastic/mode.py``,
 ``--hspmd-elastic``) are the two implementations. A mode reaches the shell's resources only
 through ``AgentContext``, never through the shell's fields.
 """
@@ -27,9 +27,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
+from hspmd_elastic.contract.rounds import Participant
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.lease import LeasedSession
-from launcher.api import LaunchConfig, SignalReceived
+from launcher.api import LaunchConfig, RankAssignment, SignalReceived
 from launcher.console import WaitBar
 from launcher.logs import RunLogDir
 from launcher.node.outage import EtcdOutagePolicy
@@ -119,3 +120,13 @@ class Mode(Protocol):
     def tick(self) -> Optional[ModeOutcome]: ...
 
     def stop(self, cause: Optional[StopCause]) -> ModeOutcome: ...
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """A closed restart-mode round as one node sees it (its workers' ranks: ``env.worker_env``)."""
+
+    round: int  # HSPMD_ROUND
+    restart_count: int  # TORCHELASTIC_RESTART_COUNT
+    participants: tuple[Participant, ...]  # in node order: the round's closing order
+    assignment: RankAssignment  # this node's ranks (RANK, GROUP_RANK, WORLD_SIZE, ...)

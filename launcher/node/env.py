@@ -34,7 +34,7 @@ import psutil
 
 from hspmd_elastic.contract.env import SECRET_ENV, WorkerEnv
 from launcher.api import LaunchConfig
-from launcher.node.rendezvous import RoundInfo
+from launcher.node.api import RoundInfo
 
 LOCAL_RANK_MACRO = "${local_rank}"
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"

@@ -26,7 +26,7 @@ from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.api import LaunchConfig, LaunchError, RendezvousConnectionError, SignalReceived
 from launcher.node.agent import ETCD_TIMEOUT_S, NodeAgent
-from launcher.node.rendezvous import is_local_address
+from launcher.node.addresses import is_local_address
 from launcher.standalone import AgentEtcd, EtcdNotFoundError, EtcdStartError
 
 log = logging.getLogger(__name__)

@@ -2,12 +2,11 @@
 
 Promises (pure functions of ``EventRecord`` lists, no I/O):
 
-* a switch starts with a ``switch-start`` event or with a ``replan`` that replaces a plan
-  (``previous_version`` > 0), and ends with ``switch-done``/``switch-failed`` of the same target
-  version (``detail.to_version``/``version``/``plan_version`` or ``timings.to_version``, as the
-  runtime's switch timings carry it); a switch overtaken by a newer plan is ``superseded``;
+* switches are paired by the contract's one reader (``contract.events.switch_of``): the
+  ``replan`` that replaces a plan starts one, the ``switch-done``/``switch-failed`` of the same
+  ``plan_version`` ends it; a switch overtaken by a newer plan is ``superseded``;
 * a switch's duration is ``timings.total_s``, else the sum of its ``*_s`` timings, else the time
-  from its start event; bytes moved are ``detail.bytes_moved`` or ``timings.bsr_bytes_total``;
+  from its start event; bytes moved are the ``switch-done`` detail's ``bytes_moved``;
 * counters (switches, failures, seconds, bytes, events by type) cover the whole journal;
 * ``event_summary`` says in one line what an event means.
 """
@@ -18,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hspmd_elastic.contract import schema
+from hspmd_elastic.contract.errors import RecordError
 
-SWITCH_TYPES = ("switch-start", "switch-done", "switch-failed")
+SWITCH_TYPES = ("switch-done", "switch-failed")
 
 
 @dataclass
@@ -41,30 +41,6 @@ class SwitchView:
 
 
 # -------------------------------------------------------------------------------- switches
-def _int(value: Any) -> Optional[int]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return int(value) if float(value).is_integer() else None
-
-
-def switch_version(event: schema.EventRecord) -> Optional[int]:
-    """The target plan version of a switch event: ``detail.to_version``/``version``/
-    ``plan_version``, else ``timings.to_version`` (the runtime's switch timings)."""
-    for name in ("to_version", "version", "plan_version"):
-        value = _int(event.detail.get(name))
-        if value is not None:
-            return value
-    return _int(event.timings.get("to_version"))
-
-
-def switch_from(event: schema.EventRecord) -> Optional[int]:
-    for value in (event.detail.get("from_version"), event.detail.get("previous_version"),
-                  event.timings.get("from_version")):
-        if _int(value) is not None:
-            return _int(value)
-    return None
-
-
 def switch_duration(done: schema.EventRecord, start: Optional[schema.EventRecord]
                     ) -> Optional[float]:
     """``timings.total_s``, else the sum of the ``*_s`` timings, else done.at - start.at."""
@@ -79,52 +55,37 @@ def switch_duration(done: schema.EventRecord, start: Optional[schema.EventRecord
     return None
 
 
-def _bytes(event: schema.EventRecord) -> int:
-    """Bytes a switch moved: ``detail.bytes_moved``, else ``timings.bsr_bytes_total``."""
-    for value in (event.detail.get("bytes_moved"), event.detail.get("bytes"),
-                  event.timings.get("bsr_bytes_total")):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return int(value)
-    return 0
-
-
-def _is_start(ev: schema.EventRecord) -> bool:
-    """A switch starts with ``switch-start``, or with a ``replan`` that replaces a plan."""
-    if ev.type == "switch-start":
-        return True
-    return ev.type == "replan" and (switch_from(ev) or 0) > 0
-
-
 def switches_of(events: list[schema.EventRecord]) -> list[SwitchView]:
+    """The journal's switches, paired by ``contract.events.switch_of``."""
     out: list[SwitchView] = []
-    open_by_version: dict[Optional[int], tuple[SwitchView, schema.EventRecord]] = {}
+    open_by_version: dict[int, tuple[SwitchView, schema.EventRecord]] = {}
     for ev in events:
-        if ev.type not in SWITCH_TYPES and not _is_start(ev):
+        mark = schema.switch_of(ev)
+        if mark is None:
             continue
-        version = switch_version(ev)
-        if _is_start(ev):
-            if version in open_by_version:
-                continue  # a replan and a switch-start of the same switch
+        if mark.phase == "start":
+            if mark.to_version in open_by_version:
+                continue
             for sw, _ in open_by_version.values():  # a newer plan overtook them
                 sw.state = "superseded"
             open_by_version.clear()
-            sw = SwitchView(version, switch_from(ev), "running", ev.at, None, None, 0, {},
-                            str(ev.detail.get("reason", "")))
+            sw = SwitchView(mark.to_version, mark.from_version, "running", ev.at, None, None, 0,
+                            {}, mark.reason)
             out.append(sw)
-            open_by_version[version] = (sw, ev)
+            open_by_version[mark.to_version] = (sw, ev)
             continue
-        sw, start = open_by_version.pop(version, (None, None))
+        sw, start = open_by_version.pop(mark.to_version, (None, None))
         if sw is None:  # a done/failed without a start we know of
-            sw = SwitchView(version, None, "running", None, None, None, 0, {}, "")
+            sw = SwitchView(mark.to_version, None, "running", None, None, None, 0, {}, "")
             out.append(sw)
-        sw.state = "done" if ev.type == "switch-done" else "failed"
+        sw.state = mark.phase
         sw.finished_at = ev.at
-        sw.from_version = switch_from(ev) if switch_from(ev) is not None else sw.from_version
+        sw.from_version = mark.from_version or sw.from_version
         sw.timings = dict(ev.timings)
-        sw.bytes_moved = _bytes(ev)
+        sw.bytes_moved = mark.bytes_moved
         sw.duration_s = switch_duration(ev, start)
         if sw.state == "failed":
-            sw.reason = str(ev.detail.get("error", ev.detail.get("reason", ""))) or sw.reason
+            sw.reason = mark.reason or sw.reason
     return out
 
 
@@ -163,44 +124,51 @@ def event_duration(ev: schema.EventRecord) -> Optional[float]:
 
 
 def event_summary(ev: schema.EventRecord) -> str:
-    """One line saying what an event means."""
-    d = ev.detail
-    if ev.type in SWITCH_TYPES:
-        return _switch_summary(ev)
-    if ev.type == "replan":
-        text = f"plan v{switch_version(ev)}"
-        n = d.get("devices")
-        text += f" over {n} device{'' if n == 1 else 's'}" if isinstance(n, int) else ""
-        return text + (f": {d['reason']}" if d.get("reason") else "")
-    if ev.type == "failure" and isinstance(d.get("failures"), list) and d["failures"]:
-        parts = [f"rank {f.get('global_rank', '?')} exitcode {f.get('exitcode', '?')}"
-                 for f in d["failures"][:4] if isinstance(f, dict)]
+    """One line saying what an event means (from its typed detail)."""
+    try:
+        d = schema.event_detail(ev)
+    except RecordError:
+        return "(a detail this version does not read)"
+    mark = schema.switch_of(ev, d)
+    if ev.type in ("switch-done", "switch-failed") and mark is not None:
+        return _switch_summary(ev, mark, d)
+    if isinstance(d, schema.ReplanDetail):
+        n = d.device_count
+        return f"plan v{d.version} over {n} device{'' if n == 1 else 's'}" + (
+            f": {d.reason}" if d.reason else "")
+    if isinstance(d, schema.FailureDetail) and d.exits and d.round is not None:
+        parts = [f"rank {'?' if e.global_rank is None else e.global_rank} exitcode "
+                 f"{e.exitcode if e.exitcode is not None else -(e.signal or 0)}"
+                 for e in d.exits[:4]]
         return "worker failure: " + ", ".join(parts)
-    if ev.type == "stall" and "device" in d:
-        return f"device {d['device']} stalled at step {d.get('step', '?')}" + (
-            f" for {d['stalled_s']}s" if "stalled_s" in d else "")
-    devices = d.get("devices") if isinstance(d.get("devices"), list) else []
-    for name in ("reason", "message", "error", "detail"):
-        if isinstance(d.get(name), str) and d[name]:
-            where = d["device"] if "device" in d else ", ".join(map(str, devices))
-            return d[name] + (f" (device {where})" if where else "")
-    if devices:
-        return "devices " + ", ".join(map(str, devices))
-    return ", ".join(f"{k}={v}" for k, v in sorted(d.items()) if not isinstance(v, (dict, list)))
+    if isinstance(d, schema.StallDetail) and d.step is not None:
+        return f"device {', '.join(d.devices)} stalled at step {d.step}" + (
+            f" for {d.stalled_s}s" if d.stalled_s is not None else "")
+    if isinstance(d, schema.ChangeDetail):
+        where = ", ".join(d.devices or d.nodes)
+        if d.reason:
+            return d.reason + (f" (device {where})" if d.devices else "")
+        return ("devices " if d.devices else "nodes ") + where if where else ev.type
+    if isinstance(d, schema.FallbackDetail):
+        return (f"plan v{d.plan_version} from the checkpoint of step {d.checkpoint_step} "
+                f"({d.steps_redone} step(s) redone): {d.error}")
+    if isinstance(d, schema.DrainedDetail):
+        return f"device {d.device} drained into plan v{d.plan_version}"
+    if isinstance(d, schema.RestartDetail):
+        return f"restart {d.restart_count} (round {d.round}): {d.reason}"
+    return ev.type
 
 
-def _switch_summary(ev: schema.EventRecord) -> str:
-    frm, to = switch_from(ev), switch_version(ev)
-    text = f"plan v{frm} -> v{to}" if frm is not None else f"to plan v{to}"
+def _switch_summary(ev: schema.EventRecord, mark: schema.SwitchMark, d: Any) -> str:
+    frm, to = mark.from_version, mark.to_version
+    text = f"plan v{frm} -> v{to}" if frm else f"to plan v{to}"
     if ev.type == "switch-done":
         dur = switch_duration(ev, None)
         text += "" if dur is None else f" in {dur:.2f}s"
-        moved = _bytes(ev)
-        text += f", {format_bytes(moved)} moved" if moved else ""
-        source = ev.detail.get("source")
-        text += f" (from {source})" if source in ("checkpoint", "init") else ""
-    if ev.type == "switch-failed" and ev.detail.get("error"):
-        text += f": {ev.detail['error']}"
+        text += f", {format_bytes(mark.bytes_moved)} moved" if mark.bytes_moved else ""
+        text += f" (from {d.source})" if d.source in ("checkpoint", "init") else ""
+    if ev.type == "switch-failed" and mark.reason:
+        text += f": {mark.reason}"
     return text
 
 

@@ -74,7 +74,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .t{font-weight:600}
 .t-failure,.t-switch-failed,.t-fallback{color:var(--failed)}
 .t-switch-done,.t-join,.t-recover{color:var(--healthy)}
-.t-switch-start,.t-replan{color:var(--accent)}
+.t-replan{color:var(--accent)}
 .t-restart,.t-degrade,.t-stall{color:#b07d00}.t-leave{color:var(--lost)}
 svg text{font:11px "DejaVu Sans",Arial,sans-serif;fill:var(--mute)}
 .big{font-size:22px;font-weight:700}
@@ -108,7 +108,7 @@ const SVGNS = "http://www.w3.org/2000/svg";
 const COLORS = {healthy:"#2e9d5b", degraded:"#e0a100", suspect:"#e06a00", failed:"#d6333a",
   unknown:"#9aa5b1", lost:"#8e44ad"};
 const EVCOLORS = {failure:"#d6333a", "switch-failed":"#d6333a", fallback:"#d6333a",
-  "switch-start":"#2f6fdf", "switch-done":"#2e9d5b", replan:"#2f6fdf", join:"#2e9d5b",
+  "switch-done":"#2e9d5b", replan:"#2f6fdf", join:"#2e9d5b",
   recover:"#2e9d5b", leave:"#8e44ad", restart:"#b07d00", degrade:"#e0a100", stall:"#e0a100",
   drain:"#e06a00", drained:"#e06a00", unreachable:"#8e44ad", retry:"#b7950b"};
 function el(tag, attrs, ...kids) {

@@ -29,10 +29,10 @@ from launcher.ops.view import JobView
 
 HEALTH_STYLE = {"healthy": "green", "degraded": "yellow", "suspect": "dark_orange", "failed": "bold red",
                 "unknown": "grey62", "lost": "magenta"}
-NODE_STYLE = {"running": "green", "ready": "green", "joining": "cyan", "switching": "yellow",
-              "draining": "yellow", "leaving": "grey62", "failed": "bold red", "lost": "magenta"}
+NODE_STYLE = {"running": "green", "ready": "green", "joining": "cyan", "leaving": "grey62",
+              "failed": "bold red", "lost": "magenta"}
 EVENT_STYLE = {"failure": "bold red", "leave": "magenta", "degrade": "yellow", "stall": "yellow",
-               "switch-start": "cyan", "switch-done": "green", "switch-failed": "bold red",
+               "switch-done": "green", "switch-failed": "bold red",
                "restart": "yellow", "fallback": "bold red", "join": "green", "recover": "green",
                "replan": "cyan", "retry": "yellow"}
 GLYPH = "\u25a0"  # a filled square per GPU

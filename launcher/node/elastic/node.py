@@ -5,9 +5,13 @@ workers can switch. ``ElasticNode`` bundles the small pieces beside it into one 
 * the node record ``nodes/<node>`` carries the device table (``devices.py``) and the endpoint
   of the store this agent hosts (``store.py``);
 * the agent follows the plan's head ``plan/head`` (``coord.plans``: version, store, step and
-  the devices and drains as runs per node, a few bytes per node) through a watch, plus a read
-  every ``PLAN_RECHECK_S`` (``read_plan_head``: the head and one compare, so a missed event
-  costs at most that long), not a read per tick; it never reads the full ``plan/current``
+  the devices and drains as runs per node, a few bytes per node) through the process's job view
+  (``launcher.jobview.WatchedJob``, given by the mode and shared with the leader and the
+  progress bar; a node given none makes its own), plus a read every ``PLAN_RECHECK_S``
+  (``read_plan_head``: the head and one compare, so a missed event costs at most that long; a
+  failed read is retried on the next tick, which is how an etcd outage shows in a quiet node),
+  not a read per tick; the plan's peers' store endpoints come from the view's node records;
+  it never reads the full ``plan/current``
   (every device's strategy and inventory: its workers read that) unless the head is missing or
   older than ``plan/current`` (a plan published by a leader without heads);
 * the agent owns ``workers/<node>/<local_rank>``: written when it starts a worker, updated from
@@ -17,16 +21,20 @@ workers can switch. ``ElasticNode`` bundles the small pieces beside it into one 
 * a worker exit is reported once (``exits.py``): a ``failure`` event and a sticky failed
   verdict for its slot; every exit's verdict is sticky before any etcd call, so a failed call
   loses none; a worker whose heartbeat stalls (``hangs.py``) gets a ``stall`` event and a
-  failed verdict with ``leader.STALL_PREFIX``, and is SIGKILLed (its exit is not journaled
+  failed verdict of origin ``stall``, and is SIGKILLed (its exit is not journaled
   again); slot verdicts override the health source's (worst wins) and go to
   ``devices/<node>/<index>`` through the ``VerdictPublisher``;
-* surviving workers are never restarted (``elastic_workers.py``); a worker that left because
+* on each newer plan, before it starts any worker, the agent reads ``plan/layout`` once and
+  relays it to its workers' relay file (``launcher.plan_relay``, ``contract.relay``), so etcd
+  sends the layout once per node, not once per worker;
+* surviving workers are never restarted (``workers.py``); a worker that left because
   the newest plan does not use its device (final report ``excluded``) is no failure: no event,
   no failed verdict, and a later plan may use the slot again;
 * while a local worker waits for a plan after it trained (it left a collective), the agent
   probes its plan's peers over the data network (``reach.py``) and writes the ones it cannot
-  reach to ``reach/<node>`` under its lease until they answer again (the leader replans a node
-  that a majority cannot reach away);
+  reach to ``reach/<node>`` under its lease until they answer again, probing them on after a
+  plan left them out (the leader replans a node that a majority cannot reach away, and takes it
+  back only once it answers);
 * while a local worker waits after its switch into the current plan failed, with nothing in the
   cluster to explain it (``retry.py``), the agent writes ``retry/<node>`` under its lease once
   that lasted its ``retry_after_s``, and deletes it when no worker waits so any more (the
@@ -42,7 +50,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from typing import Callable, Optional
 
@@ -54,20 +61,19 @@ from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.contract import worker_record
 from hspmd_elastic.coord.journal import append_event
 from hspmd_elastic.coord.lease import LeasedSession
-from hspmd_elastic.coord.api import EventType, WatchEvent
 from hspmd_elastic.coord.plans import plan_nodes, read_plan_head
-from hspmd_elastic.coord.watch import PrefixWatch
-from hspmd_elastic.contract.schema import decode_or_none
 from launcher.health.api import HealthSource, Verdict
 from launcher.health.verdicts import VerdictPublisher
-from launcher.leader import STALL_PREFIX, Leader
-from launcher.node.acks import ACK_KEEP, ACK_ORDER, ack_state
-from launcher.node.devices import node_record
-from launcher.node.elastic_workers import ElasticWorkers, new_local_ranks
-from launcher.node.exits import SlotVerdicts, WorkerExit, report_worker_exit
+from launcher.leader import Leader
+from launcher.jobview import Table, WatchedJob
+from launcher.node.elastic.acks import ACK_KEEP, ACK_ORDER, ack_state
+from launcher.node.elastic.devices import node_record
+from launcher.node.elastic.workers import ElasticWorkers, new_local_ranks
+from launcher.node.elastic.exits import SlotVerdicts, WorkerExit, report_worker_exit
 from launcher.node.hangs import ProgressMonitor, watched_slots
-from launcher.node.reach import ReachProbe
-from launcher.node.retry import StuckSwitches, retry_after_s
+from launcher.node.elastic.reach import ReachProbe
+from launcher.plan_relay import relay_plan
+from launcher.node.elastic.retry import StuckSwitches, retry_after_s
 from launcher.node.store import StoreServer
 from launcher.node.workers import Worker
 
@@ -75,11 +81,13 @@ log = logging.getLogger(__name__)
 
 PLAN_RECHECK_S = 5.0  # a plain read of plan/current at least this often, besides the watch
 PROGRESS_WRITE_S = 1.0  # progress records: at most one write per this long per agent
+NODE_TABLES = (Table.HEAD, Table.NODES)  # what a node reads of the job view
 
 
 class ElasticNode:
     """The agent's elastic mode in one object: ``start()``, ``tick()`` every monitor interval,
     ``stop()``. ``leader`` is this agent's ``launcher.leader.Leader`` (None: never leads).
+    ``view``: the process's job view (None: the node makes, and closes, its own).
     ``plan_recheck_s``: how often ``tick`` reads ``plan/current`` besides the watch (0: every
     tick, synchronous)."""
 
@@ -91,8 +99,11 @@ class ElasticNode:
                  plan_recheck_s: float = PLAN_RECHECK_S,
                  retry_after: Optional[float] = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time,
+                 view: Optional[WatchedJob] = None):
         self.client, self.session, self.job, self.node, self.host = client, session, job, node, host
+        self.view = view if view is not None else WatchedJob(client, job, name=f"node {node}")
+        self._own_view, self._holding = view is None, False
         self.devices, self.workers, self.leader, self.health = devices, workers, leader, health
         self.monitor = monitor or ProgressMonitor(clock=clock, wall_clock=wall_clock)
         self.slots = SlotVerdicts()
@@ -116,9 +127,7 @@ class ElasticNode:
                                    else retry_after_s(session.ttl), clock=clock)
         self._retry_written: Optional[tuple[int, tuple[int, ...]]] = None  # retry/<node>
         self._peers: dict[str, str] = {}  # the plan's other nodes -> their store endpoints
-        self._plan_lock = threading.Lock()
-        self._watched: Optional[schema.PlanHeadRecord] = None  # the newest head delivered
-        self._plan_watch: Optional[PrefixWatch] = None
+        self._newest: Optional[schema.PlanHeadRecord] = None  # the newest head seen
         self._plan_read_at = float("-inf")
         self._plan_recheck_s = plan_recheck_s
         self._progress_written_at = float("-inf")
@@ -127,9 +136,8 @@ class ElasticNode:
 
     def start(self, state: str = "ready") -> "ElasticNode":
         self.store.start()
-        self._plan_watch = PrefixWatch(self.client, schema.plan_head_key(self.job),
-                                       self._on_plan, decode=True, initial=True,
-                                       name=f"plan-{self.node}").start(self.client.timeout)
+        self.view.acquire(NODE_TABLES, self.client.timeout)
+        self._holding = True
         self.put_node(state)
         self.publish_verdicts()
         if self.leader is not None:
@@ -147,6 +155,10 @@ class ElasticNode:
         cannot be reached (the agent decides how long to tolerate that)."""
         plan = self._newest_plan()
         if plan is not None and plan.version > self.plan_version:
+            if isinstance(plan, schema.PlanHeadRecord):
+                # One read of plan/layout for the whole node, before any new worker starts:
+                # the workers take it from the relay file (``contract.relay``), not from etcd.
+                relay_plan(self.client, self.job, plan, self.workers.progress_dir)
             for w in self.workers.apply_plan(plan):
                 self._put_worker(w, plan.version)
             self.plan = plan
@@ -184,39 +196,34 @@ class ElasticNode:
         self.monitor.observe(watched_slots(self.records, self.reports))
         for hang in self.monitor.new_hangs():
             log.warning("[%s] node %s: %s", self.job, self.node, hang.reason())
-            self.slots.fail(hang.worker, Verdict.failed(STALL_PREFIX + hang.reason(),
-                                                        at=hang.since))
+            self.slots.fail(hang.worker, Verdict.failed(
+                hang.reason(), at=hang.since, origin=schema.VerdictOrigin.STALL.value))
             pid = self.workers.running().get(hang.worker)
-            append_event(self.client, self.job, "stall", node=self.node, detail={
-                "device": device_id(self.node, hang.worker), "local_rank": hang.worker,
-                "pid": pid, "step": hang.step, "stalled_s": round(hang.stalled_s, 3),
-                "plan_version": self.plan_version}, wall_clock=self._wall)
+            append_event(self.client, self.job, "stall", self.node, schema.StallDetail(
+                devices=[device_id(self.node, hang.worker)], reason=hang.reason(),
+                plan_version=self.plan_version, local_rank=hang.worker, pid=pid,
+                step=hang.step, stalled_s=round(hang.stalled_s, 3)), wall_clock=self._wall)
             self._kill_hung(hang.worker, pid)
         self.publish_verdicts()
         self._probe_reach()
         self._request_retry()
         self._ack()  # last: whatever happens to this write, the verdicts above are out
 
-    def _on_plan(self, ev: WatchEvent) -> None:
-        rec = getattr(ev, "record", None)
-        if ev.type is EventType.PUT and isinstance(rec, schema.PlanHeadRecord):
-            with self._plan_lock:
-                if self._watched is None or rec.version > self._watched.version:
-                    self._watched = rec
+    def _note_head(self, head: Optional[schema.PlanHeadRecord]) -> None:
+        if head is not None and (self._newest is None or head.version > self._newest.version):
+            self._newest = head
 
     def _newest_plan(self) -> Optional[schema.PlanHeadRecord]:
-        """The newest head the watch delivered; a plain read (``read_plan_head``) when there
-        is no watch or the last read is ``PLAN_RECHECK_S`` old (level-triggered: a lost event
-        cannot stall the node, and a plan without a head is found too)."""
+        """The newest head the job view holds; a plain read (``read_plan_head``) as well when the
+        last one is ``PLAN_RECHECK_S`` old (level-triggered: a lost event cannot stall the node,
+        and a plan without a head is found too)."""
         now = self._clock()
-        if self._plan_watch is None or now - self._plan_read_at >= self._plan_recheck_s:
+        if now - self._plan_read_at >= self._plan_recheck_s:
             head = read_plan_head(self.client, self.job)
             self._plan_read_at = now
-            if head is not None:
-                self._on_plan(WatchEvent(EventType.PUT, schema.plan_head_key(self.job),
-                                         b"", 0, record=head))
-        with self._plan_lock:
-            return self._watched
+            self._note_head(head)
+        self._note_head(self.view.head())
+        return self._newest
 
     def _probe_reach(self) -> None:
         """Arm the data-link probe while a local worker waits for a plan after it trained,
@@ -229,13 +236,11 @@ class ElasticNode:
         if (armed or self.reach.unreachable()) and \
                 now - self._reach_peers_at >= self.reach.interval_s:
             self._reach_peers_at = now
-            self._peers = {}
-            for kv in self.client.get_prefix(schema.nodes_prefix(self.job)):
-                name = kv.key.rsplit("/", 1)[-1]
-                rec = decode_or_none(kv, log, "node record") \
-                    if name in self.plan_nodes and name != self.node else None
-                if rec is not None:
-                    self._peers[name] = rec.store_endpoint
+            # A peer found unreachable stays probed after a plan leaves it out, so its report
+            # lasts as long as the cut: the leader does not take it back while the cut lasts.
+            probed = set(self.plan_nodes) | self.reach.unreachable()
+            self._peers = {name: rec.store_endpoint for name, rec in self.view.nodes().items()
+                           if name in probed and name != self.node}
         self.reach.update(armed, self._peers)
         now_unreachable = self.reach.unreachable()
         if now_unreachable == self._reach_written:
@@ -371,8 +376,11 @@ class ElasticNode:
         """Stop the workers and the leader, close the store (the agent owns the session)."""
         self.workers.stop(grace_s)
         self.reach.stop(timeout)
-        if self._plan_watch is not None:
-            self._plan_watch.stop(timeout)
         if self.leader is not None:
             self.leader.stop(timeout)
+        if self._holding:
+            self._holding = False
+            self.view.release(NODE_TABLES, timeout)
+        if self._own_view:
+            self.view.close(timeout)
         self.store.close()

@@ -2,8 +2,8 @@
 
 Promises: a worker exit is a ``WorkerExit`` (exit code, or the killing signal); it is journaled
 once as a ``failure`` event (``report_worker_exit``: pid, exit code, signal, device, plan
-version) and fails its slot with a verdict whose reason starts with ``EXIT_PREFIX`` (so the
-leader does not journal it again); ``SlotVerdicts`` keeps such verdicts (exits, hangs) sticky
+version) and fails its slot with a verdict of origin ``exit`` (so the leader does not
+journal it again); ``SlotVerdicts`` keeps such verdicts (exits, hangs) sticky
 and lets the worst of them and the health source's win.
 """
 
@@ -19,7 +19,6 @@ from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.ids import device_id
 from hspmd_elastic.coord.journal import append_event
 from launcher.health.api import DeviceState, Verdict
-from launcher.leader import EXIT_PREFIX
 
 _SEVERITY = {DeviceState.HEALTHY: 0, DeviceState.DEGRADED: 1, DeviceState.SUSPECT: 2,
              DeviceState.FAILED: 3}
@@ -54,18 +53,18 @@ class WorkerExit:
         return f"worker pid {self.pid} exited with code {self.exitcode}"
 
     def verdict(self, at: float = 0.0) -> Verdict:
-        return Verdict.failed(EXIT_PREFIX + self.describe(), at=at)
+        return Verdict.failed(self.describe(), at=at, origin=schema.VerdictOrigin.EXIT.value)
 
 
 def report_worker_exit(client: EtcdClient, job: str, node: str, exit: WorkerExit,
                        plan_version: Optional[int] = None,
                        wall_clock: Callable[[], float] = time.time) -> schema.EventRecord:
     """Journal a worker exit as a ``failure`` event (pid, exit code, signal, device)."""
-    return append_event(client, job, "failure", node=node, detail={
-        "device": device_id(node, exit.local_rank), "local_rank": exit.local_rank,
-        "pid": exit.pid, "exitcode": exit.exitcode, "signal": exit.signal,
-        "plan_version": plan_version, "reason": exit.describe(),
-    }, wall_clock=wall_clock)
+    return append_event(client, job, "failure", node, schema.FailureDetail(
+        devices=[device_id(node, exit.local_rank)], reason=exit.describe(),
+        plan_version=plan_version or 0,
+        exits=[schema.ExitInfo(exit.local_rank, exit.pid, exit.exitcode, exit.signal)],
+    ), wall_clock=wall_clock)
 
 
 class SlotVerdicts:

@@ -51,7 +51,7 @@ from launcher.logs import WorkerLogPaths
 from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
 from launcher.node.env import worker_argv, worker_env
 from launcher.node.hangs import ProgressMonitor
-from launcher.node.rendezvous import (
+from launcher.node.restart.rendezvous import (
     CLOSED,
     FAILED,
     SUCCEEDED,
@@ -60,7 +60,7 @@ from launcher.node.rendezvous import (
     RoundMoved,
     append_event,
 )
-from launcher.node.restart_health import (
+from launcher.node.restart.health import (
     FAIL,
     LEAVE,
     DeviceWatch,
@@ -265,8 +265,13 @@ class RestartMode:
             _, ours = self.rdzv.move_on(st, reason, count_restart=False,
                                         max_restarts=self.config.max_restarts)
             if ours:  # one event per membership change, from the node that acted on it
+                if what == "join":
+                    nodes = sorted({p.node for p in self.rdzv.joined(self.round.round + 1)})
+                else:
+                    nodes = [what[5:]]
                 append_event(self.client, self.job, "join" if what == "join" else "leave",
-                             self.node_id, {"round": self.round.round, "reason": reason})
+                             self.node_id, schema.ChangeDetail(
+                                 reason=reason, round=self.round.round, nodes=nodes))
         self.transition(RestartState.RESTARTING, what)
 
     def _on_worker_failure(self, cause: str = "") -> None:
@@ -286,8 +291,9 @@ class RestartMode:
         for f in self.failures:  # torchrun's line, for log scrapers that know it
             log.error("failed (exitcode: %d) local_rank: %d (pid: %d) of binary: %s",
                       f.exitcode, f.local_rank, f.pid, self.config.entrypoint[0])
-        append_event(self.client, self.job, "failure", self.node_id,
-                     {"round": info.round, "failures": [f.to_dict() for f in self.failures]})
+        append_event(self.client, self.job, "failure", self.node_id, schema.FailureDetail(
+            devices=[device_id(self.node_id, f.local_rank) for f in self.failures],
+            reason=reason, round=info.round, exits=[f.exit_info() for f in self.failures]))
         st, ours = self.rdzv.read_state(), False
         if st is not None and st.round == info.round and st.state == CLOSED:
             st, ours = self.rdzv.move_on(st, reason, count_restart=True,
@@ -299,8 +305,7 @@ class RestartMode:
                      "this node's failure" if ours else st.reason)
             if ours:
                 append_event(self.client, self.job, "restart", self.node_id,
-                             {"round": st.round, "restart_count": st.restart_count,
-                              "reason": st.reason})
+                             schema.RestartDetail(st.round, st.restart_count, st.reason))
             self.transition(RestartState.RESTARTING, reason)
             return
         summary = format_summary(self.config.entrypoint_name, self.failures, self.ctx.host)
@@ -406,9 +411,9 @@ class RestartMode:
         info, cfg = self.round, self.config
         reason = f"{self.devices.root_cause(bad)} on node {self.node_id}"
         log.error("[%s] node %s: %s; stopping workers", self.job, self.node_id, reason)
-        append_event(self.client, self.job, "failure", self.node_id, {
-            "round": info.round, "reason": reason,
-            "devices": [device_id(self.node_id, s.position) for s in bad]})
+        append_event(self.client, self.job, "failure", self.node_id, schema.FailureDetail(
+            devices=[device_id(self.node_id, s.position) for s in bad], reason=reason,
+            round=info.round))
         self._stop_workers()
         usable = len(self.devices.usable())
         if usable == 0:
@@ -425,8 +430,7 @@ class RestartMode:
                         usable, st.restart_count, cfg.max_restarts)
             if ours:
                 append_event(self.client, self.job, "restart", self.node_id,
-                             {"round": st.round, "restart_count": st.restart_count,
-                              "reason": reason})
+                             schema.RestartDetail(st.round, st.restart_count, reason))
             self.transition(RestartState.RESTARTING, reason)
             return
         used = f" (restarts used up: {st.restart_count}/{cfg.max_restarts})" if st else ""
@@ -459,10 +463,10 @@ class RestartMode:
                      f"{hang.step} (limit {hang.limit_s:.1f}s)")
             causes.append(cause)
             log.error("[%s] node %s: %s; killing it", self.job, self.node_id, cause)
-            append_event(self.client, self.job, "stall", self.node_id, {
-                "round": self.round.round, "local_rank": w.local_rank, "pid": w.pid,
-                "step": hang.step, "stalled_s": round(hang.stalled_s, 3), "reason": cause,
-                "device": device_id(self.node_id, w.local_rank)})
+            append_event(self.client, self.job, "stall", self.node_id, schema.StallDetail(
+                devices=[device_id(self.node_id, w.local_rank)], reason=cause,
+                round=self.round.round, local_rank=w.local_rank, pid=w.pid, step=hang.step,
+                stalled_s=round(hang.stalled_s, 3)))
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.kill()
                 try:

@@ -22,7 +22,7 @@ from hspmd_elastic.contract.progress import LEFT_STATES, read_progress
 from hspmd_elastic.coord.plans import AnyPlan, node_ranks
 from launcher.logs import WorkerLogPaths
 from launcher.node.env import elastic_worker_env, worker_argv
-from launcher.node.exits import WorkerExit
+from launcher.node.elastic.exits import WorkerExit
 from launcher.node.workers import Worker, WorkerGroup
 
 log = logging.getLogger(__name__)

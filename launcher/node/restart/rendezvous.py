@@ -31,15 +31,11 @@ Promises:
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
-
-import psutil
 
 from hspmd_elastic.coord.api import (CompareTarget, Compare, CoordinationError, LeaseLostError,
                                       PutOp, RecordError)
@@ -48,8 +44,18 @@ from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord import journal
 from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.schema import decode_valid
+from hspmd_elastic.contract.rounds import (  # noqa: F401 (the round state, re-exported)
+    CLOSED,
+    FAILED,
+    JOINING,
+    SUCCEEDED,
+    TERMINAL,
+    Participant,
+    RoundState,
+)
 
 from launcher.console import RendezvousWait
+from launcher.node.api import RoundInfo
 from launcher.api import (
     RankAssignment,
     RendezvousClosedError,
@@ -63,60 +69,10 @@ from launcher.api import (
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
-JOINING, CLOSED, SUCCEEDED, FAILED = "joining", "closed", "succeeded", "failed"
-TERMINAL = (SUCCEEDED, FAILED)
 
 
 class RoundMoved(RendezvousError):
     """The round this node was about to run ended first; join the next one."""
-
-
-@dataclass(frozen=True)
-class Participant:
-    node: str
-    host: str
-    local_world_size: int
-    node_rank: Optional[int] = None
-    create_revision: int = 0
-
-
-@dataclass(frozen=True)
-class RoundState:
-    """``rdzv/state`` as read (``mod_revision`` 0: absent), immutable."""
-
-    round: int
-    state: str
-    restart_count: int
-    participants: tuple[Participant, ...] = ()
-    reason: str = ""
-    at: float = 0.0
-    mod_revision: int = 0
-
-    def encode(self) -> bytes:
-        return schema.encode(schema.RdzvStateRecord(
-            round=self.round, state=self.state, restart_count=self.restart_count,
-            participants=[schema.RdzvParticipant(**asdict(p)) for p in self.participants],
-            reason=self.reason, at=self.at))
-
-    @classmethod
-    def decode(cls, key: str, raw: bytes, mod_revision: int) -> "RoundState":
-        rec = schema.decode(key, raw)
-        return cls(round=rec.round, state=rec.state, restart_count=rec.restart_count,
-                   participants=tuple(Participant(**asdict(p)) for p in rec.participants),
-                   reason=rec.reason, at=rec.at, mod_revision=mod_revision)
-
-    def nodes(self) -> list[str]:
-        return [p.node for p in self.participants]
-
-
-@dataclass(frozen=True)
-class RoundInfo:
-    """A closed round as one node sees it."""
-
-    round: int
-    restart_count: int
-    participants: tuple[Participant, ...]
-    assignment: RankAssignment
 
 
 # ----------------------------------------------------------------------------- pure decisions
@@ -154,7 +110,7 @@ def assign_ranks(participants: tuple[Participant, ...], node: str) -> RankAssign
 
 # ------------------------------------------------------------------------------------ effects
 def append_event(client: EtcdClient, job: str, type_: str, node: Optional[str],
-                 detail: dict[str, Any]) -> Optional[int]:
+                 detail: schema.Detail) -> Optional[int]:
     """Journal an event; best effort (events are for people and dashboards): a failure is
     logged, not raised."""
     try:
@@ -446,23 +402,3 @@ class EtcdRendezvous:
             return fn(*args)
         except CoordinationError as exc:
             raise RendezvousConnectionError(f"{what} for job {self.job!r}: {exc}") from exc
-
-
-# ------------------------------------------------------------------- addresses
-def is_local_address(host: str) -> bool:
-    """Whether ``host`` names this machine (like torchrun's c10d ``is_host`` guess)."""
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    local = {addr.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
-             for addr in addrs}
-    for ip in wanted:
-        try:
-            if ipaddress.ip_address(ip).is_loopback or ip in local:
-                return True
-        except ValueError:
-            continue
-    return False

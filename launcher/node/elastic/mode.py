@@ -3,7 +3,7 @@ never restart a surviving worker, and end as one job.
 
 The agent hosts the workers' store, advertises its device slots, campaigns for leadership (the
 elected agent's ``launcher.leader.Leader`` plans with ``hspmd_elastic.planner.plan_for`` for the
-``--hspmd-model`` and ``--hspmd-global-batch``) and runs ``launcher.node.elastic_node.ElasticNode``
+``--hspmd-model`` and ``--hspmd-global-batch``) and runs ``launcher.node.elastic.node.ElasticNode``
 every tick. Its lifecycle is ``ElasticState`` (WAITING_PLAN -> RUNNING -> FINISHING ->
 SUCCEEDED, or FAILED / INTERRUPTED) with its own ``TRANSITIONS`` table on the one
 ``coord.lifecycle.StateMachine``. Promises:
@@ -24,8 +24,16 @@ SUCCEEDED, or FAILED / INTERRUPTED) with its own ``TRANSITIONS`` table on the on
 * after success the agents stop leading and wait (at most ``FINISH_WAIT_S``) until every worker
   of the job has exited by itself, so the store a plan uses outlives every rank that needs it;
 * on a terminal (stderr), a progress bar shows the wait for the first plan (nodes up of
-  ``min_nodes``, time left) and a switch in progress (plan version, ``replan``/``switch-start``
+  ``min_nodes``, time left) and a switch in progress (plan version, the ``replan``
   seen, nodes acked when acks are written); without a terminal nothing is read for it;
+* the agent reads the job through ONE job view (``launcher.jobview.WatchedJob``: one watch per
+  prefix, made at ``start``, closed at ``stop``), shared by this mode (node records and verdicts
+  for the usable devices, the journal's ``switch-failed`` events paired by
+  ``contract.events.switch_of``, ``rdzv/`` for the job's end and the nodes done), the node (the
+  plan's head), the leader while it leads, and the progress bar; the view does no I/O on a
+  read, so the ``EtcdOutagePolicy`` is fed by the agent's own round trips: its tick's, and a
+  count-only read (no record: ``EtcdClient.revision``) with every judgement, which keeps an
+  outage seen within the client's deadline in a quiet agent, as before;
 * every wait is bounded: the first plan by ``join_timeout``, an etcd outage by the agent's
   ``EtcdOutagePolicy``,
   stopping workers by ``--shutdown-timeout``; signals stop the workers and exit 1.
@@ -45,8 +53,8 @@ from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp, RecordError
 from hspmd_elastic.contract.progress import DONE_STATES, LEFT_STATES
 from hspmd_elastic.coord.lifecycle import StateMachine
-from hspmd_elastic.coord.plans import plan_nodes, read_plan_head
-from hspmd_elastic.contract.schema import decode_or_none, decode_valid
+from hspmd_elastic.coord.plans import plan_nodes
+from hspmd_elastic.contract.events import switch_of
 from launcher.api import (
     LaunchError,
     RendezvousClosedError,
@@ -55,22 +63,26 @@ from launcher.api import (
 )
 from launcher.console import ElasticWaits
 from launcher.health.api import HealthSource
+from launcher.jobview import Table, WatchedJob
 from launcher.leader import Leader, RedundantPlanner, build_snapshot
 from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
-from launcher.node.devices import device_table
-from launcher.node.elastic_node import ElasticNode
-from launcher.node.elastic_workers import ElasticWorkers
+from launcher.node.elastic.devices import device_table
+from launcher.node.elastic.node import ElasticNode
+from launcher.node.elastic.workers import ElasticWorkers
 from launcher.node.env import node_address_env
 from launcher.node.hangs import ProgressMonitor
-from launcher.node.judge import JobView, judge
-from launcher.node.rendezvous import FAILED, SUCCEEDED, TERMINAL, RoundState
+from launcher.node.elastic.judge import JobView, judge
+from hspmd_elastic.contract.rounds import FAILED, SUCCEEDED, TERMINAL, RoundState
 from launcher.summary import WorkerFailure, format_summary
 
 log = logging.getLogger(__name__)
 
-JUDGE_S = 0.25  # how often the job-wide state is re-read from etcd
+JUDGE_S = 0.25  # how often the job-wide state is judged again (from the job view)
 FINISH_WAIT_S = 30.0  # after success: how long workers get to exit by themselves
-EVENTS_PER_TICK = 64  # journal events read per re-read of the job-wide state, at most
+END_WAIT_S = 1.0  # after a lost compare-and-set of the job's end: the winner's, from the view
+# What the mode reads of the job view (the node adds the plan's head, the leader its tables, the
+# progress bar the switch acks).
+MODE_TABLES = (Table.NODES, Table.DEVICES, Table.EVENTS, Table.RDZV)
 
 
 class ElasticState(enum.Enum):
@@ -125,6 +137,8 @@ class ElasticMode:
         self._unused_since = 0  # the plan version since which plans give this node no device
         self._started = self._plan_deadline = 0.0
         self._waits: Optional[ElasticWaits] = None
+        self.view: Optional[WatchedJob] = None  # the process's one job view
+        self._usable: tuple[tuple[int, ...], int] = ((), -1)  # (view generations, usable)
 
     @property
     def state(self) -> ElasticState:
@@ -147,12 +161,15 @@ class ElasticMode:
             raise LaunchError(str(exc)) from exc
         self.health.start()
         self._check_job_open()
+        self.view = WatchedJob(self.client, self.job, name=f"agent {self.node_id}")
+        tables = MODE_TABLES + ((Table.SWITCH,) if self.ctx.bar.enabled else ())
+        self.view.acquire(tables, self.client.timeout)
         self.node = self._build_node(self.health)
         self.node.start()
         self._started = self.clock()
         self._plan_deadline = self._started + self.cfg.rdzv.join_timeout_s
         if self.ctx.bar.enabled:  # a progress bar only on a terminal
-            self._waits = ElasticWaits(self.client, self.job, self.cfg.rdzv.min_nodes)
+            self._waits = ElasticWaits(self.view, self.cfg.rdzv.min_nodes)
         log.info("[%s] node %s: elastic mode, %d slot(s), store %s, planning for %s with global "
                  "batch %d", self.job, self.node_id, self.cfg.nproc_per_node,
                  self.node.store.endpoint, self.settings.model_spec, self.settings.global_batch)
@@ -202,6 +219,8 @@ class ElasticMode:
         finally:
             if self.health is not None:
                 self.health.stop()
+            if self.view is not None:
+                self.view.close()
         if cause is not None:
             outcome = cause.outcome()
             self.reason = outcome.error_line
@@ -238,7 +257,8 @@ class ElasticMode:
         leader = Leader(self.client, self.session, self.job, self.node_id, planner,
                         self.settings.model_profile, self.settings.global_batch,
                         debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes,
-                        max_nodes=cfg.rdzv.max_nodes, hold=ctx.outage.reconciling)
+                        max_nodes=cfg.rdzv.max_nodes, hold=ctx.outage.reconciling,
+                        view=self.view)
         store_host = cfg.local_addr or ("localhost" if cfg.rdzv.standalone else ctx.host)
         try:
             monitor = ProgressMonitor(hang_detector_from_env(os.environ))
@@ -249,7 +269,7 @@ class ElasticMode:
                                         memory_bytes=settings.device_memory_bytes,
                                         speed=settings.device_speed),
                            workers, leader=leader, health=health, store_host=store_host,
-                           monitor=monitor)
+                           monitor=monitor, view=self.view)
 
     def _check_job_open(self) -> None:
         st = self._read_end()
@@ -283,7 +303,7 @@ class ElasticMode:
     def _collect_exits(self) -> None:
         exits = self.node.workers.exits
         for ex, worker, final in exits[self._seen_exits:]:
-            if final in LEFT_STATES:  # not a failure, whatever the code (see elastic_node)
+            if final in LEFT_STATES:  # not a failure, whatever the code (see elastic/node.py)
                 continue
             if ex.ok:
                 if final in DONE_STATES and not self._finished_worker:
@@ -303,9 +323,14 @@ class ElasticMode:
 
     # ------------------------------------------------------------------ the job's end
     def _judge(self) -> tuple[str, str]:
+        """The job's end as the view shows it, declared once when this agent sees it first.
+        The view's reads do no I/O; etcd's liveness for the outage policy is one count-only
+        read (no record read: every fact comes from the view), then the writes (the done mark,
+        the declaration)."""
         started = self.clock()
         try:
-            view = self._view()
+            self.client.revision(prefix=schema.rdzv_state_key(self.job))  # etcd answers?
+            view = self._facts()
             outcome, reason = judge(view)
             if outcome != "running" and view.ended is None:
                 outcome, reason = self._declare(outcome, reason)
@@ -316,41 +341,29 @@ class ElasticMode:
         self.ctx.outage.reachable(started)
         return outcome, reason
 
-    def _view(self) -> JobView:
-        ended = self._read_end()
+    def _facts(self) -> JobView:
+        """What the job view says about the job's end (marks this node done first, once)."""
+        ended = self.view.job_end()
         if ended is not None:
             return JobView(ended=ended)
         version, nodes_done = self.node.plan_version, False
         if version and self.node.done:
             self._mark_done(version)
-            try:  # the plan's head: its nodes, not the full record
-                plan = read_plan_head(self.client, self.job)
-                need = plan_nodes(plan) if plan is not None and plan.version == version else None
-            except (RecordError, ValueError) as exc:  # bad: no verdict yet
+            try:  # the plan's head the node applied: its nodes, not the full record
+                need = plan_nodes(self.node.plan) if self.node.plan is not None else None
+            except ValueError as exc:  # bad: no verdict yet
                 log.warning("[%s] node %s: %s", self.job, self.node_id, exc)
                 need = None
-            if need is not None:
-                prefix = schema.rdzv_round_prefix(self.job, version) + "done/"
-                done = {rec.node for _, rec in self._records(prefix)}
-                nodes_done = need <= done
+            nodes_done = need is not None and need <= self.view.done_nodes(version)
         self._read_switch_failures()
-        nodes = {key.rsplit("/", 1)[-1]: rec
-                 for key, rec in self._records(schema.nodes_prefix(self.job))}
-        verdicts = {}
-        for key, rec in self._records(schema.devices_prefix(self.job)):
-            node, index = key.rsplit("/", 2)[-2:]
-            verdicts[(node, int(index))] = rec
-        usable = len(build_snapshot(nodes, verdicts, self.node_id).usable())
+        gens, tables = self.view.copy((Table.NODES, Table.DEVICES))
+        if gens != self._usable[0]:  # the snapshot only after a change of nodes or verdicts
+            snap = build_snapshot(tables[Table.NODES], tables[Table.DEVICES], self.node_id)
+            self._usable = (gens, len(snap.usable()))
         return JobView(finished_worker=self._finished_worker, nodes_done=nodes_done,
-                       switch_failed=self._switch_failed, nodes=len(nodes),
+                       switch_failed=self._switch_failed, nodes=len(tables[Table.NODES]),
                        plan_shortfall=self._planner.shortfall if self._planner else "",
-                       usable_devices=usable)
-
-    def _records(self, prefix: str) -> list[tuple[str, object]]:
-        """Decoded records under ``prefix``; one that cannot be decoded is logged (once) and
-        skipped."""
-        return decode_valid(self.client.get_prefix(prefix), log,
-                            f"[{self.job}] node {self.node_id}")
+                       usable_devices=self._usable[1])
 
     def _mark_done(self, version: int) -> None:
         """Record (once per plan version) that this node's slots of the plan all exited 0."""
@@ -364,21 +377,16 @@ class ElasticMode:
                  version)
 
     def _read_switch_failures(self) -> None:
-        where = f"[{self.job}] node {self.node_id}"
-        kv = self.client.get(schema.event_seq_key(self.job))
-        counter = decode_or_none(kv, log, where)
-        last = counter.value if counter is not None else 0 if kv is None else self._event_seq
-        last = min(last, self._event_seq + EVENTS_PER_TICK)  # a forged counter: still bounded
-        for seq in range(self._event_seq + 1, last + 1):
-            ev = decode_or_none(self.client.get(schema.event_key(self.job, seq)), log, where)
-            if ev is None:
-                continue
-            if ev.type == "switch-failed" and not self._switch_failed:
-                self._switch_failed = str(ev.detail.get("error") or ev.detail)
-        self._event_seq = max(self._event_seq, last)
+        """The first ``switch-failed`` in the journal since the last look (``switch_of``)."""
+        for ev in self.view.events_after(self._event_seq):
+            self._event_seq = ev.seq
+            mark = switch_of(ev)
+            if mark is not None and mark.phase == "failed" and not self._switch_failed:
+                self._switch_failed = mark.reason or f"plan v{mark.to_version}"
 
     def _read_end(self) -> Optional[RoundState]:
-        """``rdzv/state`` when it records the job's end, else None."""
+        """``rdzv/state`` when it records the job's end, else None: one read, before the job
+        view runs (is the job open?) and after a lost compare-and-set (whose end won)."""
         key = schema.rdzv_state_key(self.job)
         try:
             kv = self.client.get(key)
@@ -407,7 +415,7 @@ class ElasticMode:
             log.info("[%s] node %s: job %s under plan v%d: %s", self.job, self.node_id,
                      outcome, new.round, reason)
             return outcome, reason
-        ended = self._read_end()
+        ended = self.view.wait_for(self.view.job_end, END_WAIT_S) or self._read_end()
         return (ended.state, ended.reason) if ended is not None else ("running", "")
 
     # ------------------------------------------------------------------ endings
@@ -416,6 +424,13 @@ class ElasticMode:
         node = self.node
         self.ctx.bar.clear()
         self.transition(ElasticState.FINISHING, reason)
+        try:  # every worker of the job, from the view (a bad key is no worker); held before
+            # the leader lets go of it, so a leading agent's watch just goes on
+            self.view.acquire((Table.WORKERS,), self.client.timeout)
+            job_workers = self.view.workers
+        except CoordinationError as exc:
+            log.warning("[%s] node %s: finishing: %s", self.job, self.node_id, exc)
+            job_workers = None
         self._stop_leading()
         deadline = self.clock() + FINISH_WAIT_S
         while self.clock() < deadline and not self.ctx.abort.is_set():
@@ -423,8 +438,7 @@ class ElasticMode:
                 for ex in node.workers.poll():
                     self.session.delete(schema.worker_key(self.job, self.node_id, ex.local_rank))
                 self._collect_exits()
-                if not node.workers.running() and not self._records(
-                        schema.workers_prefix(self.job)):  # a bad key is no worker
+                if not node.workers.running() and (job_workers is None or not job_workers()):
                     break
             except CoordinationError as exc:
                 log.warning("[%s] node %s: finishing: %s", self.job, self.node_id, exc)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hspmd_elastic.contract.text import first_line
-from launcher.node.rendezvous import FAILED, SUCCEEDED, RoundState
+from hspmd_elastic.contract.rounds import FAILED, SUCCEEDED, RoundState
 
 MAX_REASON = 300  # characters of a root cause shown in the one-line error
 

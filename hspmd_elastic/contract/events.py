@@ -1,0 +1,253 @@
+"""The event journal's details: one dataclass per event type, registered like ``KeySpec``.
+
+An event (``records.EventRecord`` at ``events/<seq>``) is ``{seq, type, node, detail, timings,
+at}``. ``detail`` is the JSON of the dataclass ``EVENT_DETAILS[type]`` names; ``timings`` holds
+only numbers (seconds, bytes) for people and dashboards. Promises:
+
+* ``EVENT_DETAILS`` maps every event type to its detail dataclass; ``EVENT_TYPES`` is its keys,
+  in journal-reading order; docs/etcd-schema.md's event table is checked against it by a test;
+* writers build the dataclass (``NewEvent(type, node, detail)`` checks the pairing), readers get
+  it back with ``schema.event_detail(event)``; ``schema.decode`` refuses an event whose detail
+  does not fit its type (a missing, unknown or mistyped field), naming the field: no reader
+  guesses at a shape;
+* every change a leader journals (``join``, ``leave``, ``failure``, ``stall``, ``drain``,
+  ``unreachable``, ``degrade``, ``recover``, ``retry``) has at least ``devices``, ``reason`` and
+  ``plan_version``; a ``replan`` lists its changes as ``PlanChange`` objects, never as prose;
+* ``switch_of(event)`` is the one reader of switch pairing: the ``replan`` that replaces a plan
+  starts a switch, the ``switch-done`` / ``switch-failed`` of the same ``plan_version`` ends it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+
+class EventType(str, enum.Enum):
+    """The type of an event (the ``type`` field of ``events/<seq>``)."""
+
+    FAILURE = "failure"
+    JOIN = "join"
+    LEAVE = "leave"
+    DEGRADE = "degrade"
+    RECOVER = "recover"
+    STALL = "stall"
+    REPLAN = "replan"
+    SWITCH_DONE = "switch-done"
+    SWITCH_FAILED = "switch-failed"
+    RESTART = "restart"
+    FALLBACK = "fallback"
+    DRAIN = "drain"
+    DRAINED = "drained"
+    UNREACHABLE = "unreachable"
+    RETRY = "retry"
+
+
+@dataclass
+class Detail:
+    """Base of every event detail: a dataclass whose JSON is the event's ``detail``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ExitInfo:
+    """One worker process that ended (nested in ``FailureDetail.exits``): its exit code, or the
+    signal that killed it (``exitcode`` None, ``signal`` the number)."""
+
+    local_rank: int
+    pid: int
+    exitcode: Optional[int]
+    signal: Optional[int] = None
+    global_rank: Optional[int] = None
+    error_file: str = ""  # restart mode: the worker's torchrun error file
+    message: str = ""  # its first line of error, when the worker wrote one
+
+
+@dataclass
+class ChangeDetail(Detail):
+    """A change in the cluster the leader (elastic mode) or a node agent (restart mode) saw:
+    ``devices`` concerned (ids ``<node>:<index>``), why, and the plan it changes."""
+
+    devices: list[str] = field(default_factory=list)
+    reason: str = ""
+    plan_version: int = 0  # the plan the change leads to (0: none yet, or restart mode)
+    round: Optional[int] = None  # restart mode: the rendezvous round it ends
+    nodes: list[str] = field(default_factory=list)  # nodes that joined or left (membership)
+
+
+@dataclass
+class FailureDetail(ChangeDetail):
+    """Devices lost: a worker that died (``exits``, journaled by its agent), a device fault or
+    a device no longer reported (journaled by the leader)."""
+
+    exits: list[ExitInfo] = field(default_factory=list)
+
+
+@dataclass
+class StallDetail(ChangeDetail):
+    """A worker that made no progress for longer than the hang rule allows (killed by its
+    agent): where it stopped and for how long."""
+
+    local_rank: Optional[int] = None
+    pid: Optional[int] = None
+    step: Optional[int] = None
+    stalled_s: Optional[float] = None
+
+
+@dataclass
+class PlanChange:
+    """One change a plan answers (nested in ``ReplanDetail.changes``)."""
+
+    kind: str  # an EventType of a change: join, leave, failure, stall, drain, ...
+    node: str
+    devices: list[str] = field(default_factory=list)
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One line for people: ``failure n1:0,n1:1: why``, ``join n2``."""
+        if self.kind in (EventType.JOIN.value, EventType.LEAVE.value):
+            return f"{self.kind} {self.node}"
+        what = f"{self.kind} {','.join(self.devices)}"
+        return f"{what}: {self.reason}" if self.reason else what
+
+
+@dataclass
+class ReplanDetail(Detail):
+    """The leader published plan ``version`` over ``device_count`` devices."""
+
+    version: int
+    previous_version: int  # 0: the job's first plan
+    reason: str  # for people: the changes described, or "start"
+    device_count: int
+    planner: str
+    store_endpoint: str
+    step: Optional[int] = None  # the furthest step any worker had reported
+    changes: list[PlanChange] = field(default_factory=list)
+
+
+@dataclass
+class SwitchDoneDetail(Detail):
+    """The workers run plan ``plan_version`` (written once, by its rank 0)."""
+
+    plan_version: int
+    from_version: int  # 0: the job's first plan (workers started from the seed)
+    source: str  # where the state came from: bsr | checkpoint | init | hf (--init-from)
+    rolled_back: bool = False  # the step in flight was undone
+    bytes_moved: int = 0  # bytes the BSR moved between ranks (all ranks' sends)
+    resume_step: int = 0
+
+
+@dataclass
+class SwitchFailedDetail(Detail):
+    """The switch into ``plan_version`` could not complete (state lost, no checkpoint)."""
+
+    plan_version: int
+    error: str
+    why: str = ""
+    from_version: int = 0
+
+
+@dataclass
+class FallbackDetail(Detail):
+    """A switch took the state from a checkpoint: part of it was held by nobody alive."""
+
+    plan_version: int
+    error: str
+    checkpoint_step: int
+    steps_redone: int
+
+
+@dataclass
+class DrainedDetail(Detail):
+    """A drained (suspect) device handed its state over by BSR and left the plan."""
+
+    plan_version: int
+    device: str
+    resume_step: int
+
+
+@dataclass
+class RestartDetail(Detail):
+    """Restart mode: the worker group restarts in rendezvous round ``round``."""
+
+    round: int
+    restart_count: int
+    reason: str
+
+
+EVENT_DETAILS: dict[str, type[Detail]] = {
+    EventType.FAILURE.value: FailureDetail,
+    EventType.JOIN.value: ChangeDetail,
+    EventType.LEAVE.value: ChangeDetail,
+    EventType.DEGRADE.value: ChangeDetail,
+    EventType.RECOVER.value: ChangeDetail,
+    EventType.STALL.value: StallDetail,
+    EventType.REPLAN.value: ReplanDetail,
+    EventType.SWITCH_DONE.value: SwitchDoneDetail,
+    EventType.SWITCH_FAILED.value: SwitchFailedDetail,
+    EventType.RESTART.value: RestartDetail,
+    EventType.FALLBACK.value: FallbackDetail,
+    EventType.DRAIN.value: ChangeDetail,
+    EventType.DRAINED.value: DrainedDetail,
+    EventType.UNREACHABLE.value: ChangeDetail,
+    EventType.RETRY.value: ChangeDetail,
+}
+EVENT_TYPES: tuple[str, ...] = tuple(EVENT_DETAILS)
+NESTED_DETAIL_TYPES: tuple[type, ...] = (ExitInfo, PlanChange)
+# The event types a leader journals for the changes a plan answers (``PlanChange.kind``).
+CHANGE_TYPES: tuple[str, ...] = ("join", "leave", "failure", "stall", "drain", "unreachable",
+                                 "degrade", "recover", "retry")
+
+
+def check_detail(type_: str, detail: Detail) -> None:
+    """Raise ``ValueError`` unless ``detail`` is the dataclass ``type_``'s events carry."""
+    want = EVENT_DETAILS.get(type_)
+    if want is None:
+        raise ValueError(f"unknown event type {type_!r} (one of {', '.join(EVENT_TYPES)})")
+    if type(detail) is not want:
+        raise ValueError(f"a {type_} event carries a {want.__name__}, "
+                         f"not a {type(detail).__name__}")
+
+
+def change_detail(kind: str, devices: list[str], reason: str, plan_version: int) -> Detail:
+    """The detail of a change event the leader journals (any of ``CHANGE_TYPES``)."""
+    return EVENT_DETAILS[kind](devices=list(devices), reason=reason, plan_version=plan_version)
+
+
+# ----------------------------------------------------------------------------- switch pairing
+@dataclass(frozen=True)
+class SwitchMark:
+    """What an event says about a switch: it ``starts`` one into ``to_version`` (a ``replan``
+    that replaces a plan) or ends one (``done`` or ``failed``)."""
+
+    to_version: int
+    from_version: int
+    phase: str  # start | done | failed
+    bytes_moved: int = 0
+    reason: str = ""
+
+
+def switch_of(event: Any, detail: Optional[Detail] = None) -> Optional[SwitchMark]:
+    """The switch ``event`` (an ``EventRecord``) starts or ends, or None. ``detail``: its typed
+    detail when the caller has it already (else read from the event)."""
+    if event.type not in (EventType.REPLAN.value, EventType.SWITCH_DONE.value,
+                          EventType.SWITCH_FAILED.value):
+        return None
+    if detail is None:
+        from hspmd_elastic.contract.schema import event_detail
+
+        detail = event_detail(event)
+    if isinstance(detail, ReplanDetail):
+        if detail.previous_version <= 0:
+            return None  # the first plan: nothing to switch from
+        return SwitchMark(detail.version, detail.previous_version, "start", 0, detail.reason)
+    if isinstance(detail, SwitchDoneDetail):
+        return SwitchMark(detail.plan_version, detail.from_version, "done", detail.bytes_moved)
+    if isinstance(detail, SwitchFailedDetail):
+        return SwitchMark(detail.plan_version, detail.from_version, "failed", 0,
+                          detail.error + (f" ({detail.why})" if detail.why else ""))
+    return None
