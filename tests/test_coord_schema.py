@@ -58,7 +58,8 @@ def _event_strategy():
         return schema.new_event_record(seq, type_, node, detail, timings, at)
 
     return st.sampled_from(schema.EVENT_TYPES).flatmap(lambda t: st.builds(
-        build, st.just(t), _record_strategy(schema.EVENT_DETAILS[t]), st.integers(0, 2**40),
+        build, st.just(t), _record_strategy(schema.EVENT_DETAILS[t]),
+        st.integers(0, 10**schema.PAD - 1),  # an event's seq is a key's padded number
         st.none() | _ids, st.dictionaries(st.text(max_size=6), _finite, max_size=3), _finite))
 
 
