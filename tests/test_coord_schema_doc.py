@@ -108,6 +108,8 @@ def test_what_a_job_writes_decodes_and_is_documented(etcd_server):
     session = LeasedSession(client, ttl=5, name="agent node-a")
     election = Election(client, session, job, "node-a")
     try:
+        session.put(schema.claim_key(job, "node-a"), schema.NodeClaimRecord(
+            node="node-a", host="gpu-a", pid=1, mode="elastic", at=0.0).to_json())
         session.put(schema.node_key(job, "node-a"), schema.NodeRecord(
             host="gpu-a", agent_pid=1, devices=[schema.DeviceInfo(0, "H200", 1 << 30, "GPU-1")],
             state="running", started_at=0.0).to_json())

@@ -45,6 +45,15 @@ def node_key(job: str, node: str) -> str:
     return nodes_prefix(job) + _ident("node id", node)
 
 
+def claims_prefix(job: str) -> str:
+    """Node-id claims: one live agent owns a node id (its lease), in one mode."""
+    return job_prefix(job) + "claims/"
+
+
+def claim_key(job: str, node: str) -> str:
+    return claims_prefix(job) + _ident("node id", node)
+
+
 def devices_prefix(job: str, node: Optional[str] = None) -> str:
     base = job_prefix(job) + "devices/"
     return base if node is None else f"{base}{_ident('node id', node)}/"

@@ -50,6 +50,7 @@ GONE_NODE_STATES = (NodeState.LEAVING.value, NodeState.FAILED.value)
 VERDICT_ORIGINS = tuple(o.value for o in VerdictOrigin)
 SWITCH_STATES = ("joined", "ready", "done", "failed")
 RDZV_STATES = ("joining", "closed", "succeeded", "failed")
+AGENT_MODES = ("restart", "elastic")  # how a node agent runs the job (``NodeClaimRecord.mode``)
 
 # Largest value of a record, in bytes of JSON: ``encode`` refuses and ``decode`` rejects more.
 # Plans, the rendezvous state and fault scripts grow with the cluster; the others do not.
@@ -315,6 +316,22 @@ class RdzvDoneRecord(Record):
 
 
 @dataclass
+class NodeClaimRecord(Record):
+    """``claims/<node>``: the one live agent that owns a node id, under its lease
+    (``launcher.node.claim``). The earliest claim's ``mode`` is the job's: an agent of the other
+    mode, or a second agent with the same node id, is refused; the running job never is."""
+
+    KIND: ClassVar[str] = "node_claim"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"mode": AGENT_MODES}
+
+    node: str
+    host: str
+    pid: int
+    mode: str
+    at: float
+
+
+@dataclass
 class PlanStampRecord(Record):
     """The current plan's version and digests, written with ``plan/current`` (``coord.plans``):
     the few bytes every worker watches to learn that a plan superseded its own."""
@@ -351,6 +368,6 @@ RECORD_TYPES: tuple[type[Record], ...] = (
     NodeRecord, DeviceHealthRecord, WorkerRecord, ReachRecord, RetryRecord, CandidateRecord,
     LeaderRecord, PlanRecord, PlanHeadRecord, EventRecord, CounterRecord, FaultScriptRecord,
     SwitchAckRecord, RdzvStateRecord, RdzvJoinRecord, RdzvMasterRecord, RdzvDoneRecord,
-    PlanStampRecord, PlanLayoutRecord,
+    PlanStampRecord, PlanLayoutRecord, NodeClaimRecord,
 )
 NESTED_TYPES: tuple[type, ...] = (DeviceInfo, RdzvParticipant)

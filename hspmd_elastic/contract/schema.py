@@ -131,6 +131,8 @@ REGISTRY: tuple[KeySpec, ...] = (
             (("node_id", "node"),)),
     KeySpec("plan/stamp", PlanStampRecord, "none", "leader (fenced)"),
     KeySpec("plan/layout", PlanLayoutRecord, "none", "leader (fenced)"),
+    KeySpec("claims/<node_id>", NodeClaimRecord, "agent", "node agent (create-if-absent)",
+            (("node_id", "node"),)),
 )
 
 
@@ -315,6 +317,13 @@ def _finite(text: str) -> float:
     return value
 
 
+def _integer(text: str) -> int:
+    value = int(text)
+    if abs(value) > sys.float_info.max:  # as for floats: no number beyond a float's range
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
 def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -326,7 +335,8 @@ def parse_value(raw: bytes | str, key: str, limit: int, what: str = "values") ->
         raise RecordError(key, f"value of {len(data)} bytes is over the {limit}-byte limit of "
                                f"{what}")
     try:
-        return json.loads(data.decode("utf-8"), parse_float=_finite, parse_constant=_constant)
+        return json.loads(data.decode("utf-8"), parse_float=_finite, parse_int=_integer,
+                          parse_constant=_constant)
     except (UnicodeDecodeError, ValueError) as exc:
         raise RecordError(key, f"malformed JSON: {exc}") from exc
     except RecursionError:

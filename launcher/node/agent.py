@@ -6,8 +6,12 @@ policy (``EtcdOutagePolicy``). It hands them to its mode through an ``AgentConte
 mode through the ``launcher.node.api.Mode`` protocol: restart mode (``RestartMode``, torchrun's
 semantics) by default, elastic mode (``ElasticMode``) with ``--hspmd-elastic``. Promises:
 
+* before its mode starts, the agent claims its node id (``launcher.node.claim``): a second
+  agent with the same ``--hspmd-node-id``, or one whose mode is not the job's, fails in one
+  line and leaves the running job alone;
 * a handled signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default) ends every wait; the mode
-  forwards it to the workers, which get ``--shutdown-timeout`` seconds before SIGKILL; the agent
+  forwards it to the workers, which get ``--shutdown-timeout`` seconds before SIGKILL (a second
+  signal cuts that short); the agent
   then leaves the job and exits 1, like torchrun;
 * a ``LaunchError`` (or etcd lost for longer than the outage policy allows) stops the mode with
   that one line, which ``launch`` prints after ``hspmd-launch: error:``;
@@ -34,6 +38,7 @@ from launcher.api import EXIT_FAILED, EXIT_OK, LaunchConfig, LaunchError, Signal
 from launcher.console import WaitBar
 from launcher.logs import RunLogDir
 from launcher.node.api import AgentContext, Mode, ModeOutcome, StopCause
+from launcher.node.claim import claim_node
 from launcher.node.outage import EtcdOutagePolicy
 
 log = logging.getLogger(__name__)
@@ -78,6 +83,16 @@ class NodeAgent:
     def run(self) -> int:
         """Run the mode to its end; returns the exit code (torchrun's: 0 or 1)."""
         ctx = self.ctx
+        try:  # before anything else of the job is written: one owner per node id, one mode
+            claim_node(ctx, timeout=ETCD_TIMEOUT_S)
+        except (LaunchError, CoordinationError) as exc:
+            cause = (StopCause(signum=ctx.signum or signal.SIGTERM)
+                     if isinstance(exc, SignalReceived) else
+                     StopCause(error=f"etcd: {exc}" if isinstance(exc, CoordinationError)
+                               else str(exc)))
+            self.outcome = cause.outcome()
+            self._leave()
+            return EXIT_FAILED
         mode = self.make_mode()
         cause: Optional[StopCause] = None
         try:
