@@ -5,18 +5,23 @@ transaction) allocates the next sequence number with a compare-and-set on ``even
 writes the event in the same transaction, so concurrent writers never share or
 skip a number; a transaction retried after a lost answer is recognised (the event is found
 written) instead of being appended twice; it gives up with ``EtcdTimeoutError`` after ``timeout``
-seconds of contention.
+seconds of contention. A bad record at ``event_seq`` is logged once and counted past, never
+taken for an outage.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from hspmd_elastic.contract import schema
+from hspmd_elastic.contract.errors import RecordError
 from hspmd_elastic.coord.api import Compare, CompareTarget, EtcdTimeoutError, PutOp
 from hspmd_elastic.coord.client import EtcdClient
+
+log = logging.getLogger(__name__)
 
 EVENTS_PER_TXN = 100  # etcd refuses a transaction of more than 128 operations by default
 
@@ -62,7 +67,7 @@ def _append_chunk(client, job, events, timeout, wall_clock) -> list[schema.Event
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         kv = client.get(counter_key)
-        last = schema.decode(counter_key, kv.value).value if kv else 0
+        last = _counter(client, job, kv)
         at = wall_clock()
         records = [schema.new_event_record(last + 1 + i, e.type, e.node, e.detail, e.timings,
                                            at) for i, e in enumerate(events)]
@@ -77,6 +82,30 @@ def _append_chunk(client, job, events, timeout, wall_clock) -> list[schema.Event
     kinds = ", ".join(sorted({e.type for e in events}))
     raise EtcdTimeoutError(f"append {kinds} event(s) to job {job}: sequence contended for "
                            f"{timeout}s")
+
+
+def _counter(client: EtcdClient, job: str, kv) -> int:
+    """The last allocated sequence number. A bad record at ``event_seq`` is not an outage: it
+    is logged once, and the count goes on from the newest event in the journal (the
+    compare-and-set then overwrites the bad value with a good one)."""
+    if kv is None:
+        return 0
+    key = schema.event_seq_key(job)
+    try:
+        return schema.decode(key, kv.value).value
+    except RecordError as exc:
+        newest = 0
+        for ev in client.get_prefix(schema.events_prefix(job)):
+            tail = ev.key.rsplit("/", 1)[-1]
+            if tail.isdigit():
+                newest = max(newest, int(tail))
+        if (job, kv.mod_revision) not in _bad_counters:
+            _bad_counters.add((job, kv.mod_revision))
+            log.warning("%s; the journal goes on from its newest event, seq %d", exc, newest)
+        return newest
+
+
+_bad_counters: set[tuple[str, int]] = set()  # (job, mod revision) of bad counters logged
 
 
 def _already_written(client: EtcdClient, job: str, seq: int, payload: bytes) -> bool:
