@@ -32,7 +32,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -44,6 +43,7 @@ import psutil
 
 from hspmd_elastic.contract.env import ETCD_BINARY_ENV
 from launcher.api import EtcdServerTLS
+from launcher.node import reaper
 from launcher.node.workers import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,12 @@ ELECTION_MS = 50
 AUTO_COMPACTION_RETENTION = "1h"
 START_TIMEOUT_S = 20.0
 STOP_GRACE_S = 5.0
+
+
+# Data directories of the etcd members the launcher starts: removed when their agent dies
+# (``launcher.node.reaper``), and swept at the next start when even that failed.
+DIR_PREFIX = "hspmd-etcd-"
+AGENT_DIR_PREFIX = DIR_PREFIX + "agent-"
 
 
 class EtcdNotFoundError(RuntimeError):
@@ -144,12 +150,12 @@ class EtcdMember:
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
+        return _url("http", self.host, self.peer_port)
 
     @property
     def endpoint(self) -> str:
         """``host:port`` as taken by ``--rdzv-endpoint`` and the coordination client."""
-        return f"{self.host}:{self.client_port}"
+        return _netloc(self.host, self.client_port)
 
     def command(self) -> list[str]:
         cluster = self.initial_cluster or f"{self.name}={self.peer_url}"
@@ -266,7 +272,9 @@ class EtcdCluster:
             if given is not None and len(given) != size:
                 raise ValueError(f"{what} must name {size} members, got {len(given)}")
         self._own_dir = base_dir is None
-        self.base_dir = base_dir or tempfile.mkdtemp(prefix="hspmd-etcd-")
+        if self._own_dir:
+            reaper.sweep_stale_dirs(DIR_PREFIX)
+        self.base_dir = base_dir or reaper.owned_tmpdir(DIR_PREFIX)
         os.makedirs(self.base_dir, exist_ok=True)
         binary = binary or find_etcd_binary()
         ports = [2379, 2380] * size if hosts else free_ports(2 * size)
@@ -318,7 +326,7 @@ class EtcdCluster:
             except Exception:  # noqa: BLE001 - keep stopping the others
                 log.exception("stopping etcd member %s", m.name)
         if self._own_dir:
-            shutil.rmtree(self.base_dir, ignore_errors=True)
+            reaper.remove_owned(self.base_dir)
 
     def __enter__(self) -> "EtcdCluster":
         return self.start()
@@ -368,14 +376,15 @@ class AgentEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.member.client_port}" if self.member else ""
+        return _netloc(self.host, self.member.client_port) if self.member else ""
 
     def start(self) -> bool:
         hosts = bind_addresses(self.host, self.local_addr) if self.port is not None else ()
         if self.port is not None and not _port_free(self.port, hosts):
             return False
         ports = free_ports(3)
-        self._dir = tempfile.mkdtemp(prefix="hspmd-etcd-agent-")
+        reaper.sweep_stale_dirs(DIR_PREFIX)  # what agents SIGKILLed with their guard left
+        self._dir = reaper.owned_tmpdir(AGENT_DIR_PREFIX)
         self.member = _AgentMember(
             name="agent", client_port=self.port or ports[0], peer_port=ports[1],
             data_dir=os.path.join(self._dir, "agent.etcd"), listen_hosts=hosts,
@@ -405,7 +414,7 @@ class AgentEtcd:
             self.member.stop()
             self.member = None
         if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            reaper.remove_owned(self._dir)
             self._dir = None
 
 
@@ -449,8 +458,13 @@ def _is_ip(text: str) -> bool:
         return False
 
 
+def _netloc(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (as etcd's URLs and gRPC targets take it)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _url(scheme: str, host: str, port: int) -> str:
-    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+    return f"{scheme}://{_netloc(host, port)}"
 
 
 def _port_free(port: int, hosts: Sequence[str] = ()) -> bool:

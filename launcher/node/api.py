@@ -33,6 +33,7 @@ from hspmd_elastic.coord.lease import LeasedSession
 from launcher.api import LaunchConfig, RankAssignment, SignalReceived
 from launcher.console import WaitBar
 from launcher.logs import RunLogDir
+from launcher.node import reaper
 from launcher.node.outage import EtcdOutagePolicy
 
 
@@ -97,9 +98,12 @@ class AgentContext:
         return self.config.node_id
 
     def signal(self, signum: int) -> None:
-        """A handled signal arrived: the first one is kept, and every wait ends."""
+        """A handled signal arrived: the first one is kept, and every wait ends. A second one
+        (a second Ctrl-C) escalates: the workers get SIGKILL without their grace period."""
         if self.signum is None:
             self.signum = signum
+        else:
+            reaper.escalate()
         self.abort.set()
 
     def check_abort(self) -> None:

@@ -7,10 +7,13 @@ Promises:
   (``PR_SET_PDEATHSIG``, set by an exec shim), so a SIGKILLed agent leaves no orphan;
 * ``poll()`` is level-triggered: it reports the state of every worker from ``waitpid`` and
   psutil (exit code, or ``-signum`` for a signal, like Popen), whatever was missed before;
+* every worker's process group is also registered with the agent's guard process
+  (``launcher.node.reaper``), which SIGKILLs the whole group, the worker's own children
+  included, when the agent dies in any way;
 * ``stop()`` sends the signal (SIGTERM by default) to each worker's process group and to every
   descendant found by psutil, waits up to the grace period, then SIGKILLs what is left and reaps
   it; it returns only when no process of the group is alive (or after the kill deadline, logging
-  the survivors by pid);
+  the survivors by pid); a second interrupt (``reaper.escalate``) cuts the grace period short;
 * nothing here talks to etcd; the agent records what this module reports.
 """
 
@@ -31,6 +34,7 @@ import psutil
 
 from launcher.api import WorkerSpawnError
 from launcher.logs import WorkerLogPaths, open_console_tails
+from launcher.node import reaper
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +126,7 @@ class WorkerGroup:
         except OSError as exc:
             raise WorkerSpawnError(f"cannot start worker {w.local_rank}: "
                                    f"{' '.join(w.argv)}: {exc}") from exc
+        reaper.guard_group(w.proc.pid)  # its whole tree dies with the agent, SIGKILL included
         log.debug("started worker local_rank=%s rank=%s pid=%s", w.local_rank, w.global_rank,
                   w.proc.pid)
 
@@ -169,7 +174,7 @@ class WorkerGroup:
         groups = [p.pid for p in procs]
         tree = [d for d in _descendants(procs) if _pgid(d) not in groups]
         if not _anything_alive(procs, groups, tree):
-            self._settle()
+            self._settle(groups)
             return
         log.info("stopping %d worker(s) with %s (grace %.1fs)",
                  sum(p.poll() is None for p in procs), signal.Signals(signum).name, grace_s)
@@ -177,13 +182,18 @@ class WorkerGroup:
         if not _wait_quiet(procs, groups, tree, time.monotonic() + grace_s):
             log.warning("sending SIGKILL to what is still alive after %.1fs", grace_s)
             _signal_all(groups, tree, signal.SIGKILL)
-            if not _wait_quiet(procs, groups, tree, time.monotonic() + KILL_WAIT_S):
+            if not _wait_quiet(procs, groups, tree, time.monotonic() + KILL_WAIT_S,
+                                   hurry=False):
                 log.error("processes survived SIGKILL: %s",
                           [p.pid for p in procs if p.poll() is None]
                           + [d.pid for d in tree if _alive(d)])
-        self._settle()
+                self._settle([g for g in groups if not _group_alive(g)])
+                return
+        self._settle(groups)
 
-    def _settle(self) -> None:
+    def _settle(self, reaped: list[int]) -> None:
+        for pgid in reaped:
+            reaper.release_group(pgid)
         for w in self.workers:
             if w.proc is not None and w.exitcode is None:
                 w.exitcode, w.exited_at = w.proc.poll(), time.time()
@@ -260,12 +270,12 @@ def _signal_all(groups: list[int], tree: list[psutil.Process], signum: int) -> N
 
 
 def _wait_quiet(procs: list[subprocess.Popen], groups: list[int], tree: list[psutil.Process],
-                deadline: float) -> bool:
+                deadline: float, hurry: bool = True) -> bool:
     """Reap workers until nothing of theirs is alive (True) or the deadline (False)."""
     while True:
         if not _anything_alive(procs, groups, tree):
             return True
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or (hurry and reaper.hurried()):  # 2nd Ctrl-C: KILL
             return False
         time.sleep(0.05)
 

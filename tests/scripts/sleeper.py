@@ -1,6 +1,6 @@
 """A worker that records its pid (and its child's) and sleeps until stopped.
 
-``IGNORE_TERM=1`` ignores SIGTERM (so only SIGKILL ends it); ``SPAWN_CHILD=1`` starts a
+``IGNORE_TERM=1`` ignores SIGTERM (so only SIGKILL ends it), ``IGNORE_INT=1`` SIGINT too; ``SPAWN_CHILD=1`` starts a
 grandchild process that sleeps too. Pids go to ``$PID_DIR/<RANK>.pids``.
 """
 
@@ -14,6 +14,8 @@ import time
 def main() -> None:
     if os.environ.get("IGNORE_TERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.environ.get("IGNORE_INT") == "1":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     pids = [os.getpid()]
     if os.environ.get("SPAWN_CHILD") == "1":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
