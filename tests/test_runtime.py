@@ -186,7 +186,7 @@ def test_checkpoint_written_under_tp2_pp2_reads_back_under_one_device(tmp_path):
     assert writer.flush(10.0) and not writer.errors
     assert latest_complete(str(tmp_path)) == 3
     assert sorted(p.name for p in (tmp_path / "step-00000003").iterdir()) == [
-        "manifest.json", "shard-0.pt", "shard-1.pt", "shard-2.pt", "shard-3.pt"]
+        "manifest.json", *(f"shard-{r}.{ext}" for r in range(4) for ext in ("json", "pt"))]
     new = simple_plan(num_layers=2, global_batch=4)
     stats: dict = {}
     loaded = load_shards(str(tmp_path), 3, CONFIG, new, 0, stats)

@@ -2,11 +2,21 @@
 any plan: the fallback when a switch finds a slice with no live owner.
 
 Layout: ``<dir>/step-<8 digits>/shard-<rank>.pt`` holds one rank's local state tensors with their
-global index ranges; ``manifest.json`` lists the shards the step needs. Only the devices of the
-plan's first pipeline write (together they hold one full replica of every state tensor). A
-checkpoint is complete when its manifest and every listed shard exist; files are written to a
-temporary name and renamed, so a reader never sees half a file. Writing happens on a background
-thread from a copy taken at the step boundary; ``flush`` waits for it with a deadline.
+global index ranges; ``manifest.json`` lists the shards the step needs; ``shard-<rank>.json``,
+written by the shard's own writer right after the shard, is the shard's entry in the manifest:
+its size in bytes and its SHA-256, taken at save time. Only the devices of the plan's first
+pipeline write (together they hold one full replica of every state tensor). Files are written
+to a temporary name and renamed, so a reader never sees half a file. Writing happens on a
+background thread from a copy taken at the step boundary; ``flush`` waits for it with a deadline.
+
+A checkpoint is complete when its manifest, every listed shard and every shard's entry exist
+and every shard *verifies*: its size and SHA-256 are the ones its entry recorded (a manifest
+of a release before the entries, without ``"format": 2``, is checked as then: every listed
+shard exists and is not empty). ``latest_complete`` is the newest complete checkpoint: a newer
+one that does not verify (truncated, overwritten, bit rot) is skipped, and the skip is logged
+in one line saying which step and why (once per process). A shard's digest is computed once
+per process and file identity (device, inode, size, mtime), so a rank that asks again at every
+switch hashes each shard once. ``load_shards`` reads a step chosen that way (the agreed one).
 
 A shard holds only tensors, dicts, tuples, ints and strings (``{"step": int, "tensors": {name:
 (((lo, hi), ...), tensor)}}``), and is read with ``torch.load(weights_only=True)``: a file
@@ -17,6 +27,7 @@ contents do not fit the plan's tensors is a ``CheckpointError`` naming the file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +35,7 @@ import queue
 import re
 import shutil
 import threading
+from collections import OrderedDict
 from typing import Mapping, Optional
 
 import torch
@@ -38,6 +50,9 @@ log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 _SHARD_RE = re.compile(r"^shard-\d+\.pt$")
+MANIFEST_FORMAT = 2  # manifests whose shards have size and digest entries (shard-<rank>.json)
+_CHUNK = 1 << 20
+_MEMO_KEEP = 4096  # digests remembered per process (file identities), and skip lines logged
 
 
 class CheckpointError(ElasticError):
@@ -46,6 +61,11 @@ class CheckpointError(ElasticError):
 
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
+
+
+def entry_name(shard: str) -> str:
+    """The name of a shard's size and digest entry: ``shard-<rank>.json``."""
+    return shard[:-len(".pt")] + ".json"
 
 
 def _atomic_save(obj, path: str, as_json: bool = False) -> None:
@@ -58,33 +78,154 @@ def _atomic_save(obj, path: str, as_json: bool = False) -> None:
     os.replace(tmp, path)
 
 
+class _Digests:
+    """SHA-256 of files, computed once per file identity (device, inode, size, mtime) in this
+    process: shards never change in place (they are replaced by rename, a new inode)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._memo: "OrderedDict[tuple, str]" = OrderedDict()
+
+    @staticmethod
+    def _key(st: os.stat_result) -> tuple:
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def note(self, path: str, digest: str) -> None:
+        """Remember ``digest`` for ``path`` as it is now (its writer computed it)."""
+        self._put(self._key(os.stat(path)), digest)
+
+    def of(self, path: str, st: os.stat_result) -> str:
+        key = self._key(st)
+        with self._lock:
+            if key in self._memo:
+                return self._memo[key]
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(_CHUNK), b""):
+                h.update(chunk)
+        self._put(key, h.hexdigest())
+        return h.hexdigest()
+
+    def _put(self, key: tuple, digest: str) -> None:
+        with self._lock:
+            self._memo[key] = digest
+            while len(self._memo) > _MEMO_KEEP:
+                self._memo.popitem(last=False)
+
+
+_DIGESTS = _Digests()
+_SKIPS_LOGGED: "OrderedDict[str, None]" = OrderedDict()
+
+
 def latest_complete(root: Optional[str]) -> int:
-    """The newest complete checkpoint step under ``root`` (``NO_STEP`` if none)."""
+    """The newest complete checkpoint step under ``root`` (``NO_STEP`` if none): newer ones that
+    are incomplete or do not verify are skipped, and said in one line (once per process)."""
     if not root or not os.path.isdir(root):
         return NO_STEP
     steps = sorted((int(m.group(1)) for m in map(_STEP_RE.match, os.listdir(root)) if m),
                    reverse=True)
+    skipped: list[tuple[int, str, bool]] = []
+    found = NO_STEP
     for step in steps:
-        if _complete(step_dir(root, step)):
-            return step
-    return NO_STEP
+        why, corrupt = check_step(step_dir(root, step))
+        if not why:
+            found = step
+            break
+        skipped.append((step, why, corrupt))
+    if skipped:
+        _log_skips(root, skipped, found)
+    return found
+
+
+def _log_skips(root: str, skipped: list[tuple[int, str, bool]], found: int) -> None:
+    line = (f"checkpoint {root}: skipped "
+            + ", ".join(f"step {step} ({why})" for step, why, _ in skipped)
+            + (f"; using step {found}" if found != NO_STEP else "; no checkpoint verifies"))
+    if line in _SKIPS_LOGGED:
+        return
+    _SKIPS_LOGGED[line] = None
+    while len(_SKIPS_LOGGED) > _MEMO_KEEP:
+        _SKIPS_LOGGED.popitem(last=False)
+    # An incomplete newest checkpoint is routine (being written, or a writer died first); one
+    # that does not verify is damage an operator should hear about.
+    log.log(logging.WARNING if any(c for _, _, c in skipped) else logging.INFO, "%s", line)
+
+
+def _manifest(path: str) -> tuple[Optional[list[str]], int, str]:
+    """``(shards, format, why)``: the shard files ``path``'s manifest lists (None, with why: no
+    manifest, an unreadable one, or one naming anything but ``shard-<rank>.pt`` files of its
+    own directory) and its format (1: written before shards had entries)."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None, 0, "no manifest yet"
+    except (OSError, ValueError) as exc:
+        return None, 0, f"unreadable manifest: {type(exc).__name__}"
+    shards = data.get("shards") if isinstance(data, dict) else None
+    if not isinstance(shards, list) or not all(isinstance(s, str) and _SHARD_RE.match(s)
+                                               for s in shards):
+        return None, 0, "the manifest lists no valid shard names"
+    fmt = data.get("format", 1)
+    return shards, fmt if isinstance(fmt, int) and not isinstance(fmt, bool) else 0, ""
+
+
+def _entry(path: str, shard: str) -> Optional[tuple[int, str]]:
+    """A shard's (size, sha256) entry; None when missing or malformed."""
+    try:
+        with open(os.path.join(path, entry_name(shard))) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    size = data.get("size") if isinstance(data, dict) else None
+    digest = data.get("sha256") if isinstance(data, dict) else None
+    if type(size) is not int or size < 0 or not isinstance(digest, str) \
+            or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return None
+    return size, digest
+
+
+def check_step(path: str) -> tuple[str, bool]:
+    """Why the checkpoint directory ``path`` cannot be used ("" when it verifies), and whether
+    that is damage (True) rather than a checkpoint still being written (False)."""
+    shards, fmt, why = _manifest(path)
+    if shards is None:
+        return why, why != "no manifest yet"
+    if fmt not in (1, MANIFEST_FORMAT):
+        return f"manifest format {fmt} is not one this release reads", True
+    for shard in shards:
+        file = os.path.join(path, shard)
+        try:
+            st = os.stat(file)
+        except OSError:
+            return f"{shard} is missing", False
+        if fmt == 1:  # no entries: as before, a listed shard only has to be there
+            if st.st_size == 0:
+                return f"{shard} is empty", True
+            continue
+        entry = _entry(path, shard)
+        if entry is None:
+            name = entry_name(shard)
+            present = os.path.exists(os.path.join(path, name))
+            return (f"{name} is unreadable", True) if present else (f"{name} is missing", False)
+        size, digest = entry
+        if st.st_size != size:
+            return f"{shard} is {st.st_size} B, its entry says {size} B", True
+        try:
+            if _DIGESTS.of(file, st) != digest:
+                return f"{shard}'s SHA-256 differs from its entry's", True
+        except OSError as exc:
+            return f"{shard} is unreadable: {type(exc).__name__}", True
+    return "", False
 
 
 def _shards(path: str) -> Optional[list[str]]:
-    """The shard files ``path``'s manifest lists (None: no manifest, or one naming anything
-    but ``shard-<rank>.pt`` files of its own directory)."""
-    try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            shards = json.load(f)["shards"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(shards, list) or not all(isinstance(s, str) and _SHARD_RE.match(s)
-                                               for s in shards):
-        return None
-    return shards
+    return _manifest(path)[0]
 
 
 def _complete(path: str) -> bool:
+    """Every shard the manifest lists exists (what ``load_shards`` needs to start; whether the
+    shards verify is ``latest_complete``'s question, asked before the step is chosen)."""
     shards = _shards(path)
     return shards is not None and all(os.path.exists(os.path.join(path, s)) for s in shards)
 
@@ -126,10 +267,14 @@ class CheckpointWriter:
             try:
                 path = step_dir(self.root, step)
                 os.makedirs(path, exist_ok=True)
-                _atomic_save({"step": step, "tensors": specs},
-                             os.path.join(path, f"shard-{rank}.pt"))
+                shard = f"shard-{rank}.pt"
+                size, digest = _save_shard({"step": step, "tensors": specs},
+                                           os.path.join(path, shard))
+                _atomic_save({"file": shard, "step": step, "size": size, "sha256": digest},
+                             os.path.join(path, entry_name(shard)), as_json=True)
                 if rank == writers[0]:
-                    _atomic_save({"step": step, "shards": [f"shard-{w}.pt" for w in writers]},
+                    _atomic_save({"format": MANIFEST_FORMAT, "step": step,
+                                  "shards": [f"shard-{w}.pt" for w in writers]},
                                  os.path.join(path, "manifest.json"), as_json=True)
                     self._prune(step)
             except Exception as exc:  # noqa: BLE001 - reported, never kills training
@@ -150,6 +295,18 @@ class CheckpointWriter:
         """Wait until every queued checkpoint is written; False at the deadline."""
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+
+def _save_shard(obj, path: str) -> tuple[int, str]:
+    """Write one shard (temporary name, then rename); its size and SHA-256, hashed from the
+    temporary file before the rename (so a reader never sees a shard without its bytes)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    st = os.stat(tmp)
+    digest = _DIGESTS.of(tmp, st)
+    os.replace(tmp, path)
+    _DIGESTS.note(path, digest)
+    return st.st_size, digest
 
 
 def load_shards(root: str, step: int, config: ModelConfig, plan: Plan, rank: int,
