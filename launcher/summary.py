@@ -8,7 +8,12 @@ Promises:
 * the error file is the one ``torch.distributed.elastic.multiprocessing.errors.record`` writes to
   ``TORCHELASTIC_ERROR_FILE``; its traceback and timestamp are used when present, a signal name or
   a pointer to the ``@record`` docs otherwise;
-* the root cause is the failure with the smallest timestamp (ties: the lowest rank);
+* the root cause is the failure with the smallest timestamp (ties: the lowest rank), unless the
+  caller names it (elastic mode: the job's first failure, possibly another node's, rebuilt from
+  its journaled ``ExitInfo`` with ``WorkerFailure.from_exit``);
+* each failure shows its own host when it has one (another node's), else the agent's;
+* ``error_line`` is the exception line (``Type: message``) of an error file, the one line an
+  elastic agent journals with a worker's exit;
 * a malformed error file never hides the failure: its parse error becomes the message.
 """
 
@@ -42,8 +47,12 @@ class WorkerFailure:
     observed_at: float = field(default_factory=time.time)
     message: str = ""
     timestamp: int = 0
+    host: str = ""  # another node's failure: its host (empty: this agent's)
+    journaled: bool = False  # rebuilt from the journal: the error file is not read here
 
     def __post_init__(self) -> None:
+        if self.journaled:
+            return
         data = _read_error_file(self.error_file) if self.error_file else None
         if data is None:
             self.error_file = NOT_AVAILABLE
@@ -53,6 +62,17 @@ class WorkerFailure:
             self.message, self.timestamp = _message_and_time(data, self.observed_at)
             if not self.message:
                 self.message = self._fallback_message()
+
+    @classmethod
+    def from_exit(cls, info: ExitInfo, node: str, at: float) -> "WorkerFailure":
+        """A failure as another agent journaled it (``ExitInfo`` of a ``failure`` event at wall
+        clock ``at``): its error line is the message, its error file is named, not read."""
+        code = info.exitcode if info.exitcode is not None else -(info.signal or 0)
+        host = f"{info.host} (node {node})" if info.host else f"node {node}"
+        return cls(local_rank=info.local_rank, global_rank=info.global_rank or 0, pid=info.pid,
+                   exitcode=code, error_file=info.error_file or NOT_AVAILABLE,
+                   observed_at=at, message=info.message or NOT_AVAILABLE, timestamp=int(at),
+                   host=host, journaled=True)
 
     def signal_name(self) -> str:
         if self.exitcode >= 0:
@@ -93,6 +113,19 @@ def _read_error_file(path: str) -> Optional[dict]:
     return data if isinstance(data, dict) else {"message": str(data)}
 
 
+def error_line(path: str) -> str:
+    """The exception line (``Type: message``) of the error file ``path``; "" when there is none.
+    ``@record`` writes it as the error's ``message``; a plain message's first line otherwise."""
+    data = _read_error_file(path) if path else None
+    if data is None:
+        return ""
+    message = data.get("message", "")
+    if isinstance(message, dict):
+        message = message.get("message") or ""
+    lines = str(message).strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
 def _message_and_time(data: dict, default_ts: float) -> tuple[str, int]:
     """The traceback (or message) and timestamp of an error file written by ``@record``.
 
@@ -128,7 +161,7 @@ def _format_one(idx: int, failure: WorkerFailure, hostname: str) -> str:
     return "\n".join([
         f"[{idx}]:",
         f"  time      : {when}",
-        f"  host      : {hostname}",
+        f"  host      : {failure.host or hostname}",
         f"  rank      : {failure.global_rank} (local_rank: {failure.local_rank})",
         f"  exitcode  : {failure.exitcode} (pid: {failure.pid}) {sig_text}",
         f"  error_file: {failure.error_file}",
@@ -136,11 +169,16 @@ def _format_one(idx: int, failure: WorkerFailure, hostname: str) -> str:
     ])
 
 
-def format_summary(name: str, failures: list[WorkerFailure], hostname: Optional[str] = None) -> str:
-    """The summary block, starting and ending with a newline like torchrun's."""
+def format_summary(name: str, failures: list[WorkerFailure], hostname: Optional[str] = None,
+                   root: Optional[WorkerFailure] = None) -> str:
+    """The summary block, starting and ending with a newline like torchrun's. ``root``: the root
+    cause when the caller knows it (else ``root_cause``); it is listed if ``failures`` lacks it."""
     host = hostname or socket.getfqdn()
     title = f"{name} FAILED"
-    root = root_cause(failures)
+    if root is None:
+        root = root_cause(failures)
+    elif all(f is not root for f in failures):
+        failures = [*failures, root]
     ordered = sorted(failures, key=lambda f: f.global_rank)
     root_text, others = "", []
     width = len(title)

@@ -63,8 +63,9 @@ class ExitInfo:
     exitcode: Optional[int]
     signal: Optional[int] = None
     global_rank: Optional[int] = None
-    error_file: str = ""  # restart mode: the worker's torchrun error file
+    error_file: str = ""  # the worker's torchrun error file (TORCHELASTIC_ERROR_FILE)
     message: str = ""  # its first line of error, when the worker wrote one
+    host: str = ""  # the host its agent runs on (for the failure summary)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from launcher.leader.decide import (
     PlanDecision,
     assumed_inventory,
     decide,
+    largest_cluster,
     select_nodes,
 )
 from launcher.leader.loop import TRANSITIONS, Leader, LeaderState, Outcome, Publication
@@ -48,6 +49,7 @@ __all__ = [
     "ClusterSnapshot", "DeviceView", "Leader", "LeaderError", "LeaderState", "NodeView",
     "Outcome", "PlanDecision", "PlannedLayout", "PlannerFn", "PlanningFailed", "Publication",
     "RedundantPlanner",
-    "assumed_inventory", "build_snapshot", "decide", "default_planner_options", "make_layout",
+    "assumed_inventory", "build_snapshot", "decide", "default_planner_options", "largest_cluster",
+    "make_layout",
     "plan_record", "select_nodes",
 ]

@@ -24,7 +24,11 @@ Promises:
 * failures and stalls an agent already journaled (verdicts of origin ``exit`` / ``stall``)
   are marked ``journaled``;
 * ``PlanDecision.fingerprint`` is equal for decisions that would give the same plan (the
-  leader's debounce compares these).
+  leader's debounce compares these);
+* ``largest_cluster`` says when the usable devices are the most the job can ever have (the
+  maximum of ``--nnodes`` planned, every device of them usable; for a one-node job: its complete
+  node): a plan infeasible there is infeasible for good, and the job ends instead of waiting
+  for a change that cannot come.
 """
 
 from __future__ import annotations
@@ -150,6 +154,23 @@ def decide(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
         reasons.append(f"store {current.store_endpoint or '(none)'} -> {store}")
     return PlanDecision(current.version + 1, "; ".join(reasons), changes, ordered, store_node,
                         store, drain_of(snapshot, current, usable))
+
+
+def largest_cluster(snapshot: ClusterSnapshot, max_nodes: Optional[int]) -> str:
+    """Pure: "" unless the usable devices are the largest cluster the job can ever have: the
+    maximum of ``--nnodes`` (``max_nodes``; None: no maximum, more may come) of live nodes, none
+    cut off, every device of them usable (a failed or suspect one may come back). Else one
+    phrase for people: ``"2 node(s) of --nnodes max 2, 4 device(s)"``."""
+    if max_nodes is None:
+        return ""
+    planned, _spares = select_nodes(snapshot, None, max_nodes)
+    views = [snapshot.nodes[n] for n in planned]
+    if len(views) < max_nodes or any(v.cut_off or not v.alive for v in views):
+        return ""
+    devices = [d for v in views for d in v.devices]
+    if not devices or any(d.state in ("failed", "suspect") for d in devices):
+        return ""
+    return f"{len(views)} node(s) of --nnodes max {max_nodes}, {len(devices)} device(s)"
 
 
 def drain_of(snapshot: ClusterSnapshot, current: schema.PlanRecord,

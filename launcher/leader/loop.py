@@ -18,7 +18,10 @@ is built again only after one of its tables changed. Promises:
   transaction fenced on leadership and on the revision decided from); a conflict re-reads and
   decides again; a rejected fence means leadership is lost: the leader steps down and the next
   one re-reads the world and converges; a plan the planner finds infeasible is not retried
-  until the cluster changes again (the current plan stays);
+  until the cluster changes again (the current plan stays), unless the cluster is already the
+  largest the job can have (``decide.largest_cluster``): then no change can help, and
+  ``impossible`` says why in one line (the planner's shortfall: memory needed against
+  available), which ends the job at once (the agent's judge);
 * the store of a new plan is the TCPStore a live agent advertises in its node record: the
   leader's own when it has one, else the lowest node id's (deterministic);
 * a decision made only of ``retry`` changes (workers wait after a switch that failed with no
@@ -57,7 +60,8 @@ from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.lifecycle import StateMachine, Transition
 from hspmd_elastic.coord.plans import publish_plan, read_plan
 from launcher.jobview import Table, WatchedJob
-from launcher.leader.decide import ChangeKind, PlanDecision, decide, select_nodes
+from launcher.leader.decide import (ChangeKind, PlanDecision, decide, largest_cluster,
+                                    select_nodes)
 from launcher.leader.journal import journal_publication
 from launcher.leader.planning import (
     PlannerFn,
@@ -177,6 +181,8 @@ class Leader:
         self._first_at = self._last_at = 0.0
         self._fingerprint: Optional[tuple] = None
         self._infeasible: Optional[tuple] = None
+        # Why no plan can ever run the model ("" while one may): the agent ends the job.
+        self.impossible = ""
         self._no_devices = False
         self._retries = (-1, 0)  # (furthest step, retry-only publications at that step)
         self._spares: set[str] = set()  # nodes said to be spares (logged once each)
@@ -382,8 +388,14 @@ class Leader:
             layout = make_layout(decision, current, self.planner_fn, self.profile,
                                  self.global_batch, self.planner_options)
         except PlanningFailed as exc:
-            log.error("[%s] leader %s: %s; waiting for the cluster to change", self.job,
-                      self.node, exc)
+            whole = largest_cluster(snap, self.max_nodes)
+            if whole:
+                self.impossible = (f"no plan fits the model even on the largest cluster this "
+                                   f"job can have ({whole}): {exc}")
+                log.error("[%s] leader %s: %s", self.job, self.node, self.impossible)
+            else:
+                log.error("[%s] leader %s: %s; waiting for the cluster to change", self.job,
+                          self.node, exc)
             self._infeasible = decision.fingerprint()
             return self._back(Outcome.INFEASIBLE, str(exc))
         t1 = self._clock()

@@ -3,9 +3,12 @@
 ``judge(view)`` maps what one agent knows at one moment (``JobView``) to ``"running"``,
 ``SUCCEEDED`` or ``FAILED`` with a one-line reason; a recorded end (``rdzv/state``) always wins,
 so every agent ends the same way. A worker that finished the job, or every node of the plan
-done, is success; a ``switch-failed`` event, no usable device left, or (this agent leading) no
-plan that keeps the ``--hspmd-redundancy`` guarantee, is failure. A cause that came from etcd
-is shown by its first line, escaped and cut (``contract.text.first_line``).
+done, is success; a ``switch-failed`` event, the same error journaled by two worker exits (the
+script's error, ``exits.ScriptErrors``: it wins over "no usable device", which is only its
+consequence), no usable device left, or (this agent leading) no plan that keeps the
+``--hspmd-redundancy`` guarantee or a model that no plan fits even on the largest cluster the
+job can have, is failure. A cause that came from etcd is shown by its first line, escaped and
+cut (``contract.text.first_line``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class JobView:
     nodes: int = 0  # live node records
     usable_devices: int = -1  # -1: not known
     plan_shortfall: str = ""  # this agent's leader found no plan keeping --hspmd-redundancy
+    script_error: str = ""  # two worker exits journaled the same error (ScriptError.describe)
+    plan_impossible: str = ""  # this agent's leader: no plan fits the largest cluster possible
 
 
 def judge(view: JobView) -> tuple[str, str]:
@@ -42,10 +47,14 @@ def judge(view: JobView) -> tuple[str, str]:
         return SUCCEEDED, "every node of the plan finished its workers"
     if view.switch_failed:
         return FAILED, "switch failed: " + first_line(view.switch_failed, MAX_REASON)
+    if view.script_error:
+        return FAILED, first_line(view.script_error, MAX_REASON * 2)
     if view.nodes and view.usable_devices == 0:
         return FAILED, "no usable device left in the job"
     if view.plan_shortfall:
         return FAILED, ("no plan keeps the redundancy guarantee: "
                         + first_line(view.plan_shortfall, MAX_REASON))
+    if view.plan_impossible:
+        return FAILED, first_line(view.plan_impossible, MAX_REASON * 2)
     return "running", ""
 

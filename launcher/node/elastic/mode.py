@@ -17,10 +17,14 @@ SUCCEEDED, or FAILED / INTERRUPTED) with its own ``TRANSITIONS`` table on the on
   finishes a worker only after every rank of its plan finished the last step; or, for scripts
   that report no progress, when every node of the current plan marked its slots done
   (``rdzv/rounds/<version>/done/<node>``). It fails when a switch failed for good (a
-  ``switch-failed`` event: state with no live owner and no checkpoint), no usable device is
-  left, or this agent's leader found no plan that keeps ``--hspmd-redundancy``
-  (``RedundantPlanner.shortfall``); the agents then stop their workers, print torchrun's
-  failure summary of their own failed workers, and exit 1;
+  ``switch-failed`` event: state with no live owner and no checkpoint), the same error killed
+  two workers (the script's error, ``exits.ScriptErrors`` over the journal's ``failure``
+  events: on two devices, or again after a replan), no usable device is left, or this agent's
+  leader found no plan that keeps ``--hspmd-redundancy`` (``RedundantPlanner.shortfall``) or no
+  plan for the model even on the largest cluster the job can have (``Leader.impossible``);
+  the agents then stop their workers, print torchrun's failure summary of their own failed
+  workers (with the script's error, the job's first such exit as the root cause, whichever
+  node it was on), and exit 1;
 * after success the agents stop leading and wait (at most ``FINISH_WAIT_S``) until every worker
   of the job has exited by itself, so the store a plan uses outlives every rank that needs it;
 * on a terminal (stderr), a progress bar shows the wait for the first plan (nodes up of
@@ -52,6 +56,7 @@ from typing import Optional
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import Compare, CompareTarget, CoordinationError, PutOp, RecordError
 from hspmd_elastic.contract.progress import DONE_STATES, LEFT_STATES
+from hspmd_elastic.coord.journal import read_events
 from hspmd_elastic.coord.lifecycle import StateMachine
 from hspmd_elastic.coord.plans import plan_nodes
 from hspmd_elastic.contract.events import switch_of
@@ -71,6 +76,7 @@ from launcher.node.elastic.node import ElasticNode
 from launcher.node.elastic.workers import ElasticWorkers
 from launcher.node.env import node_address_env
 from launcher.node.hangs import ProgressMonitor
+from launcher.node.elastic.exits import ScriptErrors
 from launcher.node.elastic.judge import JobView, judge
 from hspmd_elastic.contract.rounds import FAILED, SUCCEEDED, TERMINAL, RoundState
 from launcher.summary import WorkerFailure, format_summary
@@ -131,8 +137,10 @@ class ElasticMode:
         self._finished_worker = ""
         self._event_seq = 0
         self._switch_failed = ""
+        self._script_errors = ScriptErrors()  # the journal's worker exits, by error
         self._planner: Optional[RedundantPlanner] = None  # with --hspmd-redundancy
         self._marked_done: set[int] = set()
+        self._bad_records: set[str] = set()  # bad records logged (once each)
         self._next_judge = 0.0
         self._unused_since = 0  # the plan version since which plans give this node no device
         self._started = self._plan_deadline = 0.0
@@ -283,9 +291,18 @@ class ElasticMode:
         try:
             self.node.tick()
             self.ctx.outage.reachable(started)
+        except RecordError as exc:  # etcd answered: a bad record is skipped, not an outage
+            self.ctx.outage.reachable(started)
+            self._bad_record(exc)
         except CoordinationError as exc:
             self.ctx.outage.unreachable(RendezvousConnectionError(str(exc)))
         self._collect_exits()
+
+    def _bad_record(self, exc: RecordError) -> None:
+        """Log a bad record once (by its message), and go on."""
+        if str(exc) not in self._bad_records:
+            self._bad_records.add(str(exc))
+            log.warning("[%s] node %s: skipping a bad record: %s", self.job, self.node_id, exc)
 
     def _note_unused(self) -> None:
         """Say once when the plans start to give this node no device (a hot spare beyond the
@@ -334,6 +351,10 @@ class ElasticMode:
             outcome, reason = judge(view)
             if outcome != "running" and view.ended is None:
                 outcome, reason = self._declare(outcome, reason)
+        except RecordError as exc:
+            self.ctx.outage.reachable(started)
+            self._bad_record(exc)
+            return "running", ""
         except (CoordinationError, RendezvousConnectionError) as exc:
             self.ctx.outage.unreachable(exc if isinstance(exc, RendezvousConnectionError)
                                         else RendezvousConnectionError(str(exc)))
@@ -360,10 +381,18 @@ class ElasticMode:
         if gens != self._usable[0]:  # the snapshot only after a change of nodes or verdicts
             snap = build_snapshot(tables[Table.NODES], tables[Table.DEVICES], self.node_id)
             self._usable = (gens, len(snap.usable()))
+        if tables[Table.NODES] and self._usable[1] == 0:
+            # The verdicts may be seen before the exits' events (another watch): read the
+            # journal itself, so a script's error is not taken for its consequence.
+            self._read_journal()
+        leader = self.node.leader
+        found = self._script_errors.found
         return JobView(finished_worker=self._finished_worker, nodes_done=nodes_done,
                        switch_failed=self._switch_failed, nodes=len(tables[Table.NODES]),
                        plan_shortfall=self._planner.shortfall if self._planner else "",
-                       usable_devices=self._usable[1])
+                       usable_devices=self._usable[1],
+                       script_error=found.describe() if found is not None else "",
+                       plan_impossible=leader.impossible if leader is not None else "")
 
     def _mark_done(self, version: int) -> None:
         """Record (once per plan version) that this node's slots of the plan all exited 0."""
@@ -377,12 +406,29 @@ class ElasticMode:
                  version)
 
     def _read_switch_failures(self) -> None:
-        """The first ``switch-failed`` in the journal since the last look (``switch_of``)."""
+        """The first ``switch-failed`` in the journal since the last look (``switch_of``), and
+        the worker exits' errors (``ScriptErrors``)."""
         for ev in self.view.events_after(self._event_seq):
-            self._event_seq = ev.seq
-            mark = switch_of(ev)
-            if mark is not None and mark.phase == "failed" and not self._switch_failed:
-                self._switch_failed = mark.reason or f"plan v{mark.to_version}"
+            self._note_event(ev)
+
+    def _read_journal(self) -> None:
+        """Catch up on the journal with one read of etcd (not the view), unless a script's
+        error is known already; a failed read leaves what the view gave."""
+        if self._script_errors.found is not None:
+            return
+        try:
+            for ev in read_events(self.client, self.job, self._event_seq):
+                self._note_event(ev)
+        except (RecordError, CoordinationError) as exc:  # a bad record, etcd away
+            log.warning("[%s] node %s: reading the journal: %s", self.job, self.node_id, exc)
+
+    def _note_event(self, ev: schema.EventRecord) -> None:
+        self._event_seq = max(self._event_seq, ev.seq)
+        if ev.type == schema.EventType.FAILURE.value:
+            self._script_errors.note(ev, schema.event_detail(ev))
+        mark = switch_of(ev)
+        if mark is not None and mark.phase == "failed" and not self._switch_failed:
+            self._switch_failed = mark.reason or f"plan v{mark.to_version}"
 
     def _read_end(self) -> Optional[RoundState]:
         """``rdzv/state`` when it records the job's end, else None: one read, before the job
@@ -462,8 +508,13 @@ class ElasticMode:
                   reason)
         self._stop_workers()
         self._collect_exits()
-        if self.failures:
-            print(format_summary(self.cfg.entrypoint_name, self.failures, self.ctx.host),
+        self._read_journal()  # the job's first error, when another agent declared the end
+        found = self._script_errors.found
+        root = None if found is None else next(
+            (f for f in self.failures if found.node == self.node_id and f.pid == found.first.pid),
+            WorkerFailure.from_exit(found.first, found.node, found.at))
+        if self.failures or root is not None:
+            print(format_summary(self.cfg.entrypoint_name, self.failures, self.ctx.host, root),
                   file=sys.stderr, flush=True)
         self.reason = f"job failed: {reason}"
         self.transition(ElasticState.FAILED, reason)

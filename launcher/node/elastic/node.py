@@ -69,7 +69,8 @@ from launcher.jobview import Table, WatchedJob
 from launcher.node.elastic.acks import ACK_KEEP, ACK_ORDER, ack_state
 from launcher.node.elastic.devices import node_record
 from launcher.node.elastic.workers import ElasticWorkers, new_local_ranks
-from launcher.node.elastic.exits import SlotVerdicts, WorkerExit, report_worker_exit
+from launcher.node.elastic.exits import (SlotVerdicts, WorkerExit, report_worker_exit,
+                                         worker_of)
 from launcher.node.hangs import ProgressMonitor, watched_slots
 from launcher.node.elastic.reach import ReachProbe
 from launcher.plan_relay import relay_plan
@@ -186,7 +187,7 @@ class ElasticNode:
             self.session.delete(schema.worker_key(self.job, self.node, ex.local_rank))
             if not ex.ok and ex.pid not in self._killed_hung and not self._left(ex):
                 report_worker_exit(self.client, self.job, self.node, ex, self.plan_version,
-                                   self._wall)
+                                   self._wall, worker_of(self.workers.exits, ex), self.host)
         if self.plan is not None and any(self._left(ex) for ex in exits):
             # A worker that left an older plan may exit after a newer one took its slot back
             # (a healed partition): that plan gets a fresh worker now.
