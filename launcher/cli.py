@@ -36,6 +36,7 @@ from hspmd_elastic.contract.env import HangRule
 from hspmd_elastic.contract.ids import ID_RULE, is_id
 from launcher.api import (
     DEFAULT_ROLE,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_SIGNALS,
     EXIT_FAILED,
     EXIT_USAGE,
@@ -48,8 +49,9 @@ from launcher.api import (
 )
 from launcher.capacity import CAPACITY_FLAGS, capacity_settings
 from launcher.etcd_security import launcher_options, launcher_security, server_tls
-from launcher.logs import parse_ranks_filter, parse_std
+from launcher.logs import check_log_dir, parse_ranks_filter, parse_std
 from launcher.model_flag import parse_model
+from launcher.numbers import check, number, shutdown_timeout_from_env
 
 log = logging.getLogger("launcher")
 
@@ -103,21 +105,26 @@ def _opt(*names: str, **kw):
       help="Workers per node: an integer, auto, cpu, gpu or xpu.")
 @_opt("--rdzv-backend", default="static", show_default=True,
       help="etcd (etcd v3); etcd-v2, c10d and static are mapped onto it (see docs).")
-@_opt("--rdzv-endpoint", default="", help="etcd endpoint(s) host:port[,host:port...].")
+@_opt("--rdzv-endpoint", default="",
+      help="etcd endpoint(s) host:port[,host:port...]; IPv6 in brackets: [::1]:2379.")
 @_opt("--rdzv-id", default="none", show_default=True, help="Job id shared by all nodes.")
 @_opt("--rdzv-conf", default="", help="k=v,... : join_timeout, last_call_timeout, "
-      "close_timeout, exit_barrier_timeout, lease_ttl (seconds).")
-@_opt("--standalone", is_flag=True, help="Run an embedded single-member etcd (single node).")
+      "close_timeout, exit_barrier_timeout, lease_ttl (seconds, each finite and in its range: "
+      "docs/operations.md).")
+@_opt("--standalone", is_flag=True, help="Run an embedded single-member etcd (single node; "
+      "not with --hspmd-etcd-endpoints).")
 @_opt("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True)
-@_opt("--monitor-interval", type=click.FloatRange(min=0.0, min_open=True), default=0.1,
-      show_default=True)
+@_opt("--monitor-interval", type=number("--monitor-interval"), default=0.1, show_default=True,
+      help="Seconds between checks of the workers (> 0, at most 3600).")
 @_opt("--start-method", type=click.Choice(["spawn", "fork", "forkserver"]), default="spawn",
       show_default=True, help="Accepted for compatibility: workers are always new processes.")
 @_opt("--event-log-handler", default="null", hidden=True)
 @_opt("--role", default=DEFAULT_ROLE, show_default=True)
 @_opt("-m", "--module", is_flag=True, help="Run the script as a module (python -m).")
-@_opt("--no-python", is_flag=True, help="Execute the script directly, without python.")
-@_opt("--run-path", is_flag=True, help="Run the script with runpy.run_path.")
+@_opt("--no-python", is_flag=True, help="Execute the script directly, without python (a "
+      "program on PATH, or the path of an executable file).")
+@_opt("--run-path", is_flag=True, help="Run the script with runpy.run_path (not with -m or "
+      "--no-python).")
 @_opt("--log-dir", default=None)
 @_opt("-r", "--redirects", default="0", show_default=True,
       help="Redirect std streams to files: 0-3 or per rank, e.g. 0:3,1:1.")
@@ -135,14 +142,16 @@ def _opt(*names: str, **kw):
 @_opt("--logs-specs", default=None, hidden=True)
 @_opt("--numa-binding", default=None, hidden=True)
 @_opt("--signals-to-handle", default=DEFAULT_SIGNALS, show_default=True)
-@_opt("--shutdown-timeout", type=click.FloatRange(min=0.0), default=None,
-      help="Seconds between SIGTERM and SIGKILL when stopping workers (default 30).")
+@_opt("--shutdown-timeout", type=number("--shutdown-timeout"), default=None,
+      help="Seconds between SIGTERM and SIGKILL when stopping workers (0..3600; default "
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30).")
 @_opt("--virtual-local-rank", is_flag=True, hidden=True)
 @_opt("--hspmd-node-id", default=None,
             help="This agent's node id (default <hostname>-<pid>); lets several agents on one "
                  "host act as separate nodes.")
 @_opt("--hspmd-etcd-endpoints", default=None,
-            help="etcd endpoints for coordination (overrides --rdzv-endpoint).")
+            help="etcd endpoints for coordination, host:port[,...] or [ipv6]:port "
+                 "(overrides --rdzv-endpoint).")
 @_opt("--hspmd-health-source", default="auto", show_default=True,
             help="Where GPU verdicts come from: auto (NVML when the NVIDIA driver loads, "
                  "otherwise none, said once in the log), nvml, none, scripted:<file> or "
@@ -150,11 +159,11 @@ def _opt(*names: str, **kw):
                  "restart without it (fewer workers, CUDA_VISIBLE_DEVICES and WORLD_SIZE "
                  "follow); a script that calls hspmd_elastic.heartbeat(step) each step is "
                  f"also watched for hangs ({', '.join(HangRule.variables())}).")
-@_opt("--hspmd-lease-ttl", type=click.FloatRange(min=1.0), default=None,
-            help="TTL of the node's etcd lease in seconds (default 10).")
-@_opt("--hspmd-etcd-outage-limit", type=click.FloatRange(min=1.0), default=None,
-            help="Seconds the workers keep running while etcd cannot be reached (default "
-                 "120; at least 3 lease TTLs): training does not need etcd; past the limit "
+@_opt("--hspmd-lease-ttl", type=number("--hspmd-lease-ttl"), default=None,
+            help="TTL of the node's etcd lease in seconds (1..3600, default 10).")
+@_opt("--hspmd-etcd-outage-limit", type=number("--hspmd-etcd-outage-limit"), default=None,
+            help="Seconds the workers keep running while etcd cannot be reached (1..86400, "
+                 "default 120; at least 3 lease TTLs): training does not need etcd; past the limit "
                  "the agent stops its workers and exits 1 naming the outage.")
 @_opt("--hspmd-elastic", is_flag=True,
             help="Live elasticity for hspmd-aware scripts (hspmd_elastic.runtime): a worker "
@@ -167,14 +176,14 @@ def _opt(*names: str, **kw):
                  "one the script trains; plans are checked against it), an inline JSON object, "
                  "a preset (llama-7b, llama-13b, llama-32b), or a Hugging Face checkpoint "
                  "directory (holding config.json; needs --hspmd-seq-len).")
-@_opt("--hspmd-seq-len", type=int, default=None,
+@_opt("--hspmd-seq-len", type=number("--hspmd-seq-len"), default=None,
             help="Elastic mode, with a checkpoint directory as --hspmd-model: the training "
                  "sequence length (config.json does not hold it; the script's --seq-len).")
 @_opt("--hspmd-global-batch", type=int, default=None,
             help="Elastic mode: rows per training step, the same under every plan.")
-@_opt("--hspmd-debounce", type=float, default=None,
+@_opt("--hspmd-debounce", type=number("--hspmd-debounce"), default=None,
             help="Elastic mode: seconds the leader waits for the cluster to settle before it "
-                 "replans (default 0.25): longer folds a burst of failures into one switch, "
+                 "replans (0..60, default 0.25): longer folds a burst of failures into one switch, "
                  "shorter recovers sooner.")
 @_opt("--hspmd-device-memory", default=None, help="Elastic mode: memory of each device of "
       "this node as the planner sees it (24MiB, 1.5GiB): rehearse a cluster's layouts on CPUs.")
@@ -261,14 +270,7 @@ def parse_rdzv_conf(value: str) -> dict[str, float]:
         if not sep or not key:
             raise ConfigError(f"invalid --rdzv-conf entry {item!r}: use key=value[,key=value]")
         if key in RDZV_CONF_FLOATS:
-            try:
-                out[RDZV_CONF_FLOATS[key]] = float(val)
-            except ValueError:
-                raise ConfigError(
-                    f"invalid --rdzv-conf {key}={val!r}: must be a number of seconds"
-                ) from None
-            if out[RDZV_CONF_FLOATS[key]] < 0:
-                raise ConfigError(f"invalid --rdzv-conf {key}={val!r}: must be >= 0")
+            out[RDZV_CONF_FLOATS[key]] = check(key, val, f"--rdzv-conf {key}={val.strip()!r}")
         elif key in RDZV_CONF_IGNORED:
             log.info("--rdzv-conf %s is not used by the etcd rendezvous; ignored", key)
         else:
@@ -279,10 +281,10 @@ def parse_rdzv_conf(value: str) -> dict[str, float]:
 
 
 def _endpoints(spec: str, flag: str) -> tuple[str, ...]:
-    from hspmd_elastic.coord.client import parse_endpoints
+    from hspmd_elastic.coord.client import format_endpoint, parse_endpoints
 
-    try:
-        return tuple(f"{h}:{p}" for h, p in parse_endpoints(spec))
+    try:  # an IPv6 host keeps its brackets: [::1]:2379
+        return tuple(format_endpoint(h, p) for h, p in parse_endpoints(spec))
     except ValueError as exc:
         raise ConfigError(f"invalid {flag} value {spec!r}: {exc}") from None
 
@@ -290,6 +292,10 @@ def _endpoints(spec: str, flag: str) -> tuple[str, ...]:
 def _entrypoint(params: dict) -> tuple[tuple[str, ...], str]:
     script, args = params["training_script"], list(params["training_script_args"])
     if params["run_path"]:
+        for flag, other in (("--module", "module"), ("--no-python", "no_python")):
+            if params[other]:
+                raise ConfigError(f"--run-path and {flag} cannot be used together (--run-path "
+                                  "runs the script file with runpy.run_path)")
         if not os.path.isfile(script):
             raise ConfigError(f"training script {script!r} does not exist")
         code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
@@ -298,8 +304,7 @@ def _entrypoint(params: dict) -> tuple[tuple[str, ...], str]:
     if params["no_python"]:
         if params["module"]:
             raise ConfigError("--no-python and --module cannot be used together")
-        if not (shutil.which(script) or os.path.isfile(script)):
-            raise ConfigError(f"program {script!r} does not exist (--no-python runs it directly)")
+        _check_program(script)
         return (script, *args), script
     python = os.environ.get("PYTHON_EXEC", sys.executable)
     if params["module"]:
@@ -307,6 +312,22 @@ def _entrypoint(params: dict) -> tuple[tuple[str, ...], str]:
     if not os.path.isfile(script):
         raise ConfigError(f"training script {script!r} does not exist")
     return (python, "-u", script, *args), script
+
+
+def _check_program(program: str) -> None:
+    """``--no-python``: ``program`` is what ``execvp`` will run: a name found on PATH, or a
+    path (with a ``/``) to an executable file."""
+    if os.sep not in program:
+        if shutil.which(program):
+            return
+        here = (f"; to run the file here use ./{program}" if os.path.isfile(program) else "")
+        raise ConfigError(f"program {program!r} is not on PATH (--no-python runs it "
+                          f"directly){here}")
+    if not os.path.isfile(program):
+        raise ConfigError(f"program {program!r} does not exist (--no-python runs it directly)")
+    if not os.access(program, os.X_OK):
+        raise ConfigError(f"program {program!r} is not executable (--no-python runs it "
+                          "directly: chmod +x it, or leave out --no-python)")
 
 
 def _check_id(flag: str, value: str) -> str:
@@ -325,6 +346,10 @@ def _rendezvous(params: dict, min_nodes: int, max_nodes: int) -> RendezvousSetti
     endpoint = params["rdzv_endpoint"].strip()
     run_id = params["rdzv_id"]
     standalone = bool(params["standalone"])
+    if standalone and params["hspmd_etcd_endpoints"]:
+        raise ConfigError(f"--standalone runs its own embedded etcd: --hspmd-etcd-endpoints "
+                          f"{params['hspmd_etcd_endpoints']!r} cannot be used with it (leave "
+                          "out one of them)")
     if backend not in KNOWN_BACKENDS:
         raise ConfigError(
             f"unknown --rdzv-backend {backend!r}: use etcd (also accepted: "
@@ -336,6 +361,10 @@ def _rendezvous(params: dict, min_nodes: int, max_nodes: int) -> RendezvousSetti
     # A single node needs no shared store: torchrun's static and c10d backends then run
     # standalone here, on an embedded etcd.
     standalone = standalone or (backend in ("static", "c10d") and max_nodes == 1)
+    if standalone and params["hspmd_etcd_endpoints"]:
+        raise ConfigError(f"--rdzv-backend {backend} with one node runs an embedded etcd: "
+                          f"--hspmd-etcd-endpoints {params['hspmd_etcd_endpoints']!r} would be "
+                          "ignored (use --rdzv-backend etcd to meet at that etcd)")
     host_etcd = False
     node_rank = params["node_rank"]
     if standalone:
@@ -381,7 +410,7 @@ def build_config(params: dict) -> LaunchConfig:
     red_default, red_map = parse_std("--redirects", params["redirects"])
     tee_default, tee_map = parse_std("--tee", params["tee"])
     logs = LogSettings(
-        log_dir=params["log_dir"], redirects=red_map, redirects_default=red_default,
+        log_dir=check_log_dir(params["log_dir"]), redirects=red_map, redirects_default=red_default,
         tee=tee_map, tee_default=tee_default,
         local_ranks_filter=parse_ranks_filter(params["local_ranks_filter"]),
     )
@@ -396,7 +425,7 @@ def build_config(params: dict) -> LaunchConfig:
     master_port = params["master_port"] if fixed and rdzv.standalone else None
     timeout = params["shutdown_timeout"]
     if timeout is None:
-        timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        timeout = shutdown_timeout_from_env(os.environ, DEFAULT_SHUTDOWN_TIMEOUT_S)
     elastic = _elastic(params, max_nodes)
     from launcher.placement import device_env
 
@@ -427,9 +456,8 @@ def _elastic(params: dict, max_nodes: int) -> Optional[ElasticSettings]:
                           "plans for)")
     if batch < 1:
         raise ConfigError(f"invalid --hspmd-global-batch value {batch}: must be >= 1")
-    debounce = params["hspmd_debounce"]
-    if debounce is not None and not 0 <= debounce <= 60:
-        raise ConfigError(f"invalid --hspmd-debounce value {debounce}: must be 0..60 seconds")
+    check("--hspmd-global-batch", batch)  # the upper bound (MAX_ROWS)
+    debounce = params["hspmd_debounce"]  # in range: its click type (launcher.numbers)
     if params["max_restarts"]:
         log.info("--max-restarts %d is not used with --hspmd-elastic: surviving workers are "
                  "never restarted", params["max_restarts"])

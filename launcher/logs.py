@@ -3,9 +3,11 @@
 Promises (torchrun's behaviour):
 
 * the run directory is ``<log_dir>/<rdzv_id>_<random>/`` (``log_dir`` defaults to a fresh temp
-  dir), one per agent, reused across restarts; each attempt gets
-  ``attempt_<restart_count>/<local_rank>/{stdout.log,stderr.log,error.json}``, and an attempt
-  directory is emptied when it is reused (a membership change restarts with the same count);
+  dir), one per agent, reused across restarts; a ``--log-dir`` that cannot be created or
+  written is a one-line ``ConfigError`` (``check_log_dir``, before the agent starts); each
+  attempt gets ``attempt_<restart_count>/<local_rank>/{stdout.log,stderr.log,error.json}``, and
+  an attempt directory is emptied when it is reused (a membership change restarts with the
+  same count);
 * ``error.json`` is the worker's ``TORCHELASTIC_ERROR_FILE``;
 * a redirected stream goes only to its file; a tee'd stream goes to its file and to the agent's
   console with the ``[<role><local_rank>]:`` prefix on every line; other streams are inherited
@@ -80,16 +82,34 @@ class WorkerLogPaths:
     console: bool  # False: left out by --local-ranks-filter
 
 
+def check_log_dir(path: Optional[str]) -> Optional[str]:
+    """``--log-dir``: a directory this process can create (if missing) and write in, else
+    ``ConfigError`` naming it and the OS's reason (checked before anything starts)."""
+    if path is None:
+        return None
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--log-dir {path!r} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--log-dir {path!r} cannot be created: "
+                          f"{exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log-dir {path!r} is not writable by this user")
+    return path
+
+
 class RunLogDir:
     """The per-agent run directory and its attempt layout."""
 
     def __init__(self, settings: LogSettings, run_id: str):
         self.settings = settings
-        base = settings.log_dir or tempfile.mkdtemp(prefix="hspmd_elastic_")
-        if os.path.isfile(base):
-            raise ConfigError(f"--log-dir {base!r} is a file, not a directory")
-        os.makedirs(base, exist_ok=True)
-        self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+        try:
+            base = check_log_dir(settings.log_dir) or tempfile.mkdtemp(prefix="hspmd_elastic_")
+            self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+        except OSError as exc:  # a full disk, or the directory removed since the check
+            raise ConfigError(f"--log-dir {settings.log_dir or tempfile.gettempdir()!r}: "
+                              f"cannot create the run directory: {exc.strerror or exc}") from None
         log.info("log directory set to: %s", self.run_dir)
 
     def attempt(self, restart_count: int, local_world_size: int) -> dict[int, WorkerLogPaths]:

@@ -6,7 +6,9 @@ prints the plan the leader would choose (layout, estimated step time, memory per
 next-best alternatives); ``--json`` prints the same as JSON. ``--device-memory``,
 ``--redundancy`` and ``--all-devices`` ask what the leader of agents started with
 ``--hspmd-device-memory`` and ``--hspmd-redundancy`` on CPU workers would plan. It runs the pure planner only: no
-etcd, no processes. Bad input is a usage error (exit 2) with one line naming the bad value; a
+etcd, no processes. ``--fail`` takes device ids or ``NODE:INDEX``, the node by name (``node0``)
+or by position (``0``); ``--devices`` names at most ``MAX_DEVICES`` devices, counted before any
+is made. Bad input is a usage error (exit 2) with one line naming the bad value; a
 model that fits no layout exits 1 with the planner's shortfall. Also runnable as
 ``python -m launcher.plan_cmd``.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import replace
 from typing import Optional
 
@@ -25,6 +28,7 @@ from hspmd_elastic.plan import Plan, PlanError
 from hspmd_elastic.planner import (Inventory, PlanInfeasibleError, PlannerError, PlannerOptions,
                                    inventory_from_dict, inventory_from_nodes, parse_bytes,
                                    plan_for, preset, profile_from_dict)
+from launcher.numbers import number
 
 
 def _load_json(path: str, param: str) -> object:
@@ -38,14 +42,53 @@ def _load_json(path: str, param: str) -> object:
         raise click.BadParameter(f"{path!r} is not valid JSON: {exc}", param_hint=param) from None
 
 
+MAX_DEVICES = 65536  # --devices: more is a typo (the planner takes ~2 s at this size)
+
+
+def _count_devices(spec: str) -> int:
+    """Devices a ``COUNTxTYPE,...`` spec names, counted before any is made (a bad item counts
+    as one: the planner's parser names it)."""
+    total = 0
+    for item in str(spec).split(","):
+        match = re.match(r"\s*(\d+)\s*[xX*]", item)
+        total += int(match.group(1)) if match else 1
+    return total
+
+
+def _capped(count: int, spec: str) -> None:
+    if count > MAX_DEVICES:
+        shown = spec if len(spec) <= 60 else spec[:57] + "..."
+        raise click.BadParameter(f"{shown!r} names {count} devices; the most a plan can ask "
+                                 f"about is {MAX_DEVICES}", param_hint="--devices")
+
+
 def load_inventory(spec: str) -> Inventory:
+    """The inventory of ``--devices``: a ``COUNTxTYPE,...`` spec or an inventory JSON file,
+    at most ``MAX_DEVICES`` devices (``click.BadParameter`` otherwise)."""
     if spec.endswith(".json") or os.path.isfile(spec):
-        return inventory_from_dict(_load_json(spec, "--devices"))
+        data = _load_json(spec, "--devices")
+        if isinstance(data, dict) and isinstance(data.get("nodes"), str):
+            _capped(_count_devices(data["nodes"]), data["nodes"])
+        elif isinstance(data, dict) and isinstance(data.get("devices"), list):
+            _capped(len(data["devices"]), spec)
+        return inventory_from_dict(data)
+    _capped(_count_devices(spec), spec)
     return inventory_from_nodes(spec)
 
 
+def _node_named(node: str, nodes: list[str]) -> Optional[str]:
+    """``node`` as named, or a bare position (``0`` for the first node listed) when no node
+    has that name."""
+    if node in nodes:
+        return node
+    if node.isdigit() and int(node) < len(nodes):
+        return nodes[int(node)]
+    return None
+
+
 def resolve_device(token: str, inventory: Inventory, param: str) -> int:
-    """A device id, or ``NODE:INDEX`` (the INDEX-th device of that node, by id)."""
+    """A device id, or ``NODE:INDEX`` (the INDEX-th device of that node, by id); NODE is a
+    node's name (``node0``) or its position in the inventory (``0``)."""
     token = token.strip()
     if ":" in token:
         try:
@@ -53,11 +96,14 @@ def resolve_device(token: str, inventory: Inventory, param: str) -> int:
         except ValueError:
             raise click.BadParameter(f"{token!r} is not NODE:INDEX (INDEX: a number)",
                                      param_hint=param) from None
-        members = [d.id for d in inventory.devices if d.node == node]
+        nodes = list(dict.fromkeys(d.node for d in inventory.devices))  # in inventory order
+        name = _node_named(node, nodes)
+        members = [d.id for d in inventory.devices if d.node == name]
         if not members:
-            nodes = sorted({d.node for d in inventory.devices})
             raise click.BadParameter(f"node {node!r} in {token!r} is unknown; nodes: "
-                                     f"{', '.join(nodes)}", param_hint=param)
+                                     f"{', '.join(nodes)} (or their positions 0.."
+                                     f"{len(nodes) - 1})", param_hint=param)
+        node = name
         if index >= len(members):
             raise click.BadParameter(f"index '{index}' in {token!r}: node {node} has devices "
                                      f"0..{len(members) - 1}", param_hint=param)
@@ -124,13 +170,15 @@ def load_profile(model: str):
 
 @click.command("plan")
 @click.option("--devices", required=True, metavar="NODES|FILE.json",
-              help="One item per node, e.g. 8xH800,8xH800,16xH20; or an inventory JSON file.")
+              help="One item per node, e.g. 8xH800,8xH800,16xH20; or an inventory JSON file "
+                   f"(at most {MAX_DEVICES} devices).")
 @click.option("--model", default="llama-7b", show_default=True, metavar="NAME|FILE.json",
               help="llama-7b, llama-13b, llama-32b, or a profile / ModelConfig JSON file.")
-@click.option("--global-batch", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Sequences per step.")
+@click.option("--global-batch", type=number("plan --global-batch"), default=64,
+              show_default=True, help="Sequences per step.")
 @click.option("--fail", "fail", multiple=True, metavar="IDS",
-              help="Failed devices: ids or NODE:INDEX, comma-separated or repeated.")
+              help="Failed devices: ids or NODE:INDEX (NODE: a name such as node0, or a "
+                   "position such as 0), comma-separated or repeated.")
 @click.option("--degrade", multiple=True, metavar="ID=FACTOR",
               help="Slow devices, e.g. 3=2 (half speed) or node1:0=1.5.")
 @click.option("--current", type=click.Path(dir_okay=False), default=None,
@@ -146,7 +194,8 @@ def load_profile(model: str):
 @click.option("--all-devices", is_flag=True,
               help="Prefer plans that give every device a role (what the leader asks for on "
                    "CPU workers).")
-@click.option("--alternatives", type=click.IntRange(min=0), default=3, show_default=True)
+@click.option("--alternatives", type=number("plan --alternatives"), default=3, show_default=True,
+              help="Next-best plans to show (0..100).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, ...],
                  degrade: tuple[str, ...], current: Optional[str], tp: Optional[str],

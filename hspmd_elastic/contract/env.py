@@ -19,6 +19,8 @@ Every other module names a variable through a constant of this module, or throug
 
 Values are checked when a ``WorkerEnv`` or ``HangRule`` is made (by ``from_env`` or directly):
 a bad one raises an ``EnvError`` (a ``ValueError``), one line naming the variable and the value.
+A number is finite and in its range (``NumberRange``, the rule the launcher's numeric flags use
+too): ``nan``, ``inf`` and out-of-range values are refused, never taken as "no limit".
 A blank value counts as unset. Torch-free and etcd-free (``hspmd_elastic.contract``).
 """
 
@@ -70,6 +72,9 @@ ETCD_HOW_ENV = "HSPMD_ETCD_HOW"  # stop (SIGSTOP, then SIGCONT) or kill (then st
 ETCD_DOWN_S_ENV = "HSPMD_ETCD_DOWN_S"  # seconds the member stays down
 
 
+MAX_COUNT = 2**63 - 1  # a round or plan version: etcd's int64
+
+
 class EnvError(ValueError):
     """An environment variable (or the field that travels in it) has a bad value: one line
     naming the variable and the value."""
@@ -88,6 +93,49 @@ def parse_device_setting(value: Optional[str], where: str = DEVICE_ENV) -> str:
     if text not in DEVICE_SETTINGS:
         raise EnvError(f"{where}={_shown(value)}: use one of {', '.join(DEVICE_SETTINGS)}")
     return text
+
+
+# ------------------------------------------------------------------ numeric ranges
+@dataclass(frozen=True)
+class NumberRange:
+    """The values a numeric setting may take: finite, between ``lo`` and ``hi`` (``lo`` itself
+    excluded when ``lo_open``), an integer when ``integer``. ``parse`` is the one check every
+    numeric flag, ``--rdzv-conf`` key and environment variable of the launcher goes through
+    (``launcher.numbers``); it raises ``ValueError`` with the reason alone, e.g. ``'nan' is not
+    a number of seconds from 1 to 3600``, and each caller names the setting."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    integer: bool = False
+    unit: str = ""  # "seconds", or "" for a plain number
+
+    def describe(self) -> str:
+        noun = "an integer" if self.integer else "a number"
+        unit = f" of {self.unit}" if self.unit else ""
+        lo, hi = (f"{int(v)}" if self.integer else f"{v:g}" for v in (self.lo, self.hi))
+        return f"{noun}{unit} " + (f"> {lo} and <= {hi}" if self.lo_open else f"from {lo} to {hi}")
+
+    def parse(self, value: Any) -> Any:
+        """``value`` (a string or a number) as an ``int`` or ``float`` in range."""
+        number: Any = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = value
+        elif isinstance(value, str):
+            try:
+                number = int(value.strip()) if self.integer else float(value.strip())
+            except ValueError:
+                pass
+        if self.integer and isinstance(number, float) and number.is_integer():
+            number = int(number)
+        if isinstance(number, float) and not math.isfinite(number):
+            number = None
+        if self.integer and not isinstance(number, int):
+            number = None
+        if number is None or not (number > self.lo if self.lo_open else number >= self.lo) \
+                or number > self.hi:
+            raise ValueError(f"{_shown(str(value))} is not {self.describe()}")
+        return int(number) if self.integer else float(number)
 
 
 # ------------------------------------------------------------------ field rules
@@ -116,11 +164,11 @@ def _count(var: str, value: Any) -> Optional[int]:
         return None
     if isinstance(value, str):
         text = value.strip()
-        if text.isascii() and text.isdigit():
+        if text.isascii() and text.isdigit() and len(text) < 20 and int(text) <= MAX_COUNT:
             return int(text)
-    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
         return value
-    raise EnvError(f"{var}={_shown(value)} is not a non-negative integer")
+    raise EnvError(f"{var}={_shown(value)} is not a non-negative integer (at most {MAX_COUNT})")
 
 
 def _device(var: str, value: Any) -> Optional[str]:

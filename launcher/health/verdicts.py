@@ -106,8 +106,9 @@ class VerdictPublisher:
                                  timeout=self._timeout)
             except CoordinationError as exc:
                 if not self._failing:
-                    log.warning("node %s: cannot publish GPU %d verdict (%s); will re-publish "
-                                "all devices when etcd answers", self._node, index, exc)
+                    log.warning("node %s: cannot publish device %d verdict (%s); will "
+                                "re-publish all devices when etcd answers", self._node, index,
+                                exc)
                 self._failing = True
                 self._published.clear()
                 return written
@@ -116,7 +117,8 @@ class VerdictPublisher:
                 self._failing = False
             self._published[index] = verdict
             written.append(index)
-            log.info("node %s GPU %d: %s", self._node, index, verdict.describe())
+            # "device": a GPU under NVML, a worker slot on a machine without one
+            log.info("node %s device %d: %s", self._node, index, verdict.describe())
         return written
 
 
@@ -201,7 +203,8 @@ def select_health_source(
         why = probe_nvml(nvml)
         if why is None:
             return NvmlHealthSource(nvml, clock, node=node)
-        log.warning("node %s: GPU health: %s; monitoring worker processes only", node, why)
+        log.warning("node %s: GPU health: %s; monitoring worker processes only (its devices "
+                    "are worker slots)", node, why)
         return NullHealthSource(why)
     if target == "etcd":
         if etcd is None or job is None:
