@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import pytest
 from _wait import wait_for
 from launch_harness import SCRIPTS, Launcher, base_env, run_launch
 
+from hspmd_elastic.contract import schema
+from hspmd_elastic.coord import append_event
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.inject.api import NOT_INJECTED, NOT_RECOVERED, SURVIVED, NotOwnedError
 from launcher.inject.command import main as inject_main
@@ -25,12 +28,13 @@ from launcher.standalone import free_ports
 pytestmark = pytest.mark.multiproc
 
 
-def _scenario(tmp_path: Path, *faults: dict, recover_s: float = 30) -> str:
+def _scenario(tmp_path: Path, *faults: dict, recover_s: float = 30,
+              trigger_s: float = 120) -> str:
     path = tmp_path / "scenario.json"
     path.write_text(json.dumps({
         "schema": 1, "kind": "fault_scenario", "name": "etcd",
         "defaults": {"detect_timeout_s": 5, "recover_timeout_s": recover_s,
-                     "trigger_timeout_s": 120},
+                     "trigger_timeout_s": trigger_s},
         "faults": list(faults)}))
     return str(path)
 
@@ -90,10 +94,17 @@ def test_cli_restarts_the_etcd_its_agent_serves_by_pid(tmp_path, marker):
             agent.proc.wait(10)
 
 
+def _started(etcd_server, job: str) -> None:
+    """The job has a key (a node joined), as one that started has: inject acts on it."""
+    with EtcdClient(etcd_server.endpoints, timeout=2.0) as client:
+        append_event(client, job, "join", "n1", schema.ChangeDetail(round=0, nodes=["n1"]))
+
+
 def test_cli_restarts_etcd_through_the_users_command(tmp_path, etcd_server, capsys):
     """``--etcd-restart-cmd`` runs with the target in its environment; the report says so.
     Nobody trains in this job, so the row ends ``not recovered`` (nothing went on), but the
     restart itself happened the user's way."""
+    _started(etcd_server, "nobody")
     seen = tmp_path / "seen.txt"
     report = tmp_path / "report.json"
     cmd = f'echo "$HSPMD_ETCD_ENDPOINT $HSPMD_ETCD_HOW $HSPMD_ETCD_DOWN_S $HSPMD_JOB_ID" > {seen}'
@@ -116,6 +127,7 @@ def test_cli_restarts_etcd_through_the_users_command(tmp_path, etcd_server, caps
 def test_a_failing_restart_command_is_one_line_in_the_report(tmp_path, etcd_server, cmd,
                                                               timeout, why):
     report = tmp_path / "report.json"
+    _started(etcd_server, "nobody")
     code = inject_main([
         "--scenario", _scenario(tmp_path, {"fault": "etcd-restart"}), "--job", "nobody",
         "--etcd-endpoints", etcd_server.endpoint_str, "--etcd-restart-cmd", cmd,
@@ -126,17 +138,28 @@ def test_a_failing_restart_command_is_one_line_in_the_report(tmp_path, etcd_serv
     assert "\n" not in row["note"]
 
 
-def test_an_etcd_without_the_jobs_keys_is_never_signalled(tmp_path, etcd_server):
-    """The test session's own etcd answers at the endpoint, but holds no key of this job: not
-    provably the job's etcd, so it is left alone and the row says why."""
+def test_an_unknown_job_is_refused_at_once_and_its_etcd_never_signalled(tmp_path, etcd_server,
+                                                                         capfd):
+    """``--job`` with no key in etcd (a typo): one line at once, as ``status`` says it, before
+    any fault waits for its trigger; and an etcd that holds no key of the job is not provably
+    the job's etcd, so the restart fault would leave it alone, saying why."""
+    _started(etcd_server, "myjob")
     pid = etcd_server.members[0].proc.pid
     report = tmp_path / "report.json"
+    start = time.monotonic()
     code = inject_main([
-        "--scenario", _scenario(tmp_path, {"fault": "etcd-restart"}), "--job", "nobody",
-        "--etcd-endpoints", etcd_server.endpoint_str, "--report", str(report)])
-    assert code == 1
-    row = _report(report)["faults"][0]
-    assert row["outcome"] == NOT_INJECTED and "holds no key of job nobody" in row["note"]
+        "--scenario", _scenario(tmp_path, {"at": {"step": 3}, "fault": "etcd-restart"},
+                                {"at": {"step": 5}, "fault": "kill-worker",
+                                 "target": {"node": "n1", "local_rank": 0}}, trigger_s=10),
+        "--job", "myjbo", "--etcd-endpoints", etcd_server.endpoint_str,
+        "--report", str(report)])
+    took = time.monotonic() - start
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    assert code == 1 and took < 15, (code, took, err)
+    assert len(err) == 1 and "job 'myjbo' has no keys under" in err[0], err
+    assert not report.exists()
+    with pytest.raises(NotOwnedError, match="holds no key of job myjbo"):
+        find_member(etcd_server.endpoints[0], "myjbo")
     assert etcd_server.members[0].proc.pid == pid and etcd_server.members[0].running
     with EtcdClient(etcd_server.endpoints, timeout=2.0) as client:
         client.revision()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from _wait import wait_for
+
 from hspmd_elastic.coord import EtcdClient, append_event
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import DEFAULT_TIMEOUT_S
@@ -52,6 +54,8 @@ def seed(client: EtcdClient) -> None:
     (["dashboard", "--job", JOB, "--etcd-endpoints", "127.0.0.1:2379", "--port", "70000"],
      "70000"),
     (["status", "--job", JOB, "--etcd-endpoints", "127.0.0.1:2379", "--for", "2"], "--watch"),
+    # an IPv6 address without brackets: is 2379 its last group or the port?
+    (["status", "--job", JOB, "--etcd-endpoints", "::1:2379"], "'::1:2379'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, bad):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSPMD_")}
@@ -171,3 +175,33 @@ def test_mounted_under_hspmd_launch():
                          timeout=30, cwd=str(REPO))
     assert res.returncode == 2 and res.stderr.startswith("hspmd-launch: error: ")
     assert "'x/y'" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_status_wait_waits_for_a_job_that_has_not_started(etcd_server, client, tmp_path):
+    """``--wait`` on a job with no key yet says so in one line and waits (bounded by --for)
+    for its first key instead of exiting at once; ``--for`` running out names the start."""
+    args = ("status", "--job", JOB, "--etcd-endpoints", etcd_server.endpoint_str, "--wait")
+    start = time.monotonic()
+    res = ops(*args, "--for", "1.5")
+    assert res.returncode == 1 and time.monotonic() - start >= 1.5, res
+    assert res.stderr.strip().splitlines()[-1].endswith(
+        f"job {JOB} not settled: job start: no keys under {schema.job_prefix(JOB)} yet"), \
+        res.stderr
+    err = tmp_path / "wait.stderr"
+    with open(err, "w") as err_file:
+        waiting = subprocess.Popen([sys.executable, "-m", "launcher.ops.commands", *args,
+                                    "--json", "--for", "60"], stdout=subprocess.PIPE,
+                                   stderr=err_file, text=True, cwd=str(REPO),
+                                   stdin=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: "waiting for it to start" in err.read_text(), 30,
+                 lambda: f"status --wait to say it waits; stderr: {err.read_text()}",
+                 proc=waiting)
+        seed(client)  # the job starts: a node joins
+        out, _ = waiting.communicate(timeout=30)
+        assert waiting.returncode == 0, err.read_text()
+        assert [n["id"] for n in json.loads(out)["nodes"]] == ["n1"]
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait(10)

@@ -18,7 +18,10 @@ a member); requests are sent on the chosen channel with a deadline per call. Pro
   deadline; a refused handshake, a wrong password or a denied key is ``EtcdAuthError`` at once
   (one line, no retry); gRPC's own log lines are off unless ``GRPC_VERBOSITY`` says otherwise;
 * ``kv_bytes_received`` counts the bytes of the KV responses (reads, transactions, writes) it
-  received: each protobuf message's size, what etcd sent before gRPC's few bytes of framing.
+  received: each protobuf message's size, what etcd sent before gRPC's few bytes of framing;
+* ``answering_member`` is the member that answered the last call; when a call is answered by
+  another member than the one before, ``failovers`` counts it and one warning says
+  ``etcd client moved from member A to B`` (once per move, none while no member answers).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import os
 import threading
 import time
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Callable, Optional, TypeVar
 
 # gRPC core writes handshake failures to stderr itself; our errors already say what failed, in
@@ -68,6 +71,8 @@ from hspmd_elastic.coord.auth import (  # noqa: E402
     tls_message,
     tls_refusal,
 )
+from hspmd_elastic.coord.endpoints import (  # noqa: E402,F401 - re-exported
+    _normalize_endpoints, format_endpoint, parse_endpoints)
 from hspmd_elastic.coord.security import EtcdSecurity  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -106,43 +111,10 @@ def _patch_etcd3_watch_six() -> None:
 _patch_etcd3_watch_six()
 
 
-def parse_endpoints(spec: str) -> list[tuple[str, int]]:
-    """``"h1:2379,h2:2379"`` -> ``[("h1", 2379), ("h2", 2379)]``; ValueError names a bad entry."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"etcd endpoints {spec!r} are empty: expected host:port[,host:port...]")
-    out = []
-    for entry in spec.split(","):
-        out.append(_parse_one(entry.strip()))
-    return out
-
-
-def _parse_one(entry: str) -> tuple[str, int]:
-    text = entry
-    for scheme in ("http://", "https://"):
-        if text.startswith(scheme):
-            text = text[len(scheme):]
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(
-            f"bad etcd endpoint {entry!r}: expected host:port with a port in 1..65535"
-        )
-    return host, int(port)
-
-
-def _normalize_endpoints(endpoints: str | Iterable) -> list[tuple[str, int]]:
-    if isinstance(endpoints, str):
-        return parse_endpoints(endpoints)
-    out = []
-    for ep in endpoints:
-        if isinstance(ep, str):
-            out.extend(parse_endpoints(ep))
-        else:
-            host, port = ep
-            out.append((str(host), int(port)))
-    if not out:
-        raise ValueError("no etcd endpoints given: expected host:port[,host:port...]")
-    return out
+def _count_of(prefix: str) -> "etcdrpc.RangeRequest":
+    """A count-only read of every key under ``prefix`` (no value is sent)."""
+    return etcdrpc.RangeRequest(key=_b(prefix), range_end=prefix_range_end(_b(prefix)),
+                                count_only=True)
 
 
 def prefix_range_end(prefix: bytes) -> bytes:
@@ -197,9 +169,10 @@ class EtcdClient:
             security = security.checked() if security._pem is None else security
         self.security = security
         creds = security.channel_credentials() if security.uses_tls else None
+        # etcd3 makes the gRPC target "host:port": an IPv6 host goes in brackets ([::1]:2379)
         eps = [
-            etcd3.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=retry_after,
-                           opts=_CHANNEL_OPTIONS)
+            etcd3.Endpoint(f"[{h}]" if ":" in h else h, p, secure=creds is not None,
+                           creds=creds, time_retry=retry_after, opts=_CHANNEL_OPTIONS)
             for h, p in self._addresses
         ]
         self._etcd = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout, failover=True)
@@ -210,11 +183,13 @@ class EtcdClient:
         # bytes of the KV responses (reads, transactions) received: what etcd sent this client
         self.kv_bytes_received = 0
         self._count_lock = threading.Lock()
+        self.answering_member: Optional[str] = None  # host:port that answered the last call
+        self.failovers = 0  # calls answered by another member than the call before
 
     # ------------------------------------------------------------------------ plumbing
     @property
     def endpoints(self) -> list[str]:
-        return [f"{h}:{p}" for h, p in self._addresses]
+        return [format_endpoint(h, p) for h, p in self._addresses]
 
     @property
     def current_endpoint(self) -> str:
@@ -282,7 +257,9 @@ class EtcdClient:
             try:
                 if self._auth is not None:
                     token = self._auth.token(channel, attempt, what)
-                return fn(self._channel_for(channel), attempt)
+                result = fn(self._channel_for(channel), attempt)
+                self._answered_by(endpoint.netloc)
+                return result
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if is_stale_token(exc) and self._auth is not None and renewals < RENEWALS:
@@ -300,6 +277,14 @@ class EtcdClient:
                 last_exc = exc
             except ValueError as exc:  # grpc: "Cannot invoke RPC on closed channel!"
                 raise CoordinationError(f"{what}: etcd client is closed") from exc
+
+    def _answered_by(self, member: str) -> None:
+        with self._count_lock:
+            before, self.answering_member = self.answering_member, member
+            moved = before is not None and before != member
+            self.failovers += moved
+        if moved:
+            log.warning("etcd client moved from member %s to %s", before, member)
 
     def _deadline_error(self, what: str, budget: float,
                         last_exc: Optional[BaseException]) -> CoordinationError:
@@ -367,12 +352,14 @@ class EtcdClient:
         """The store's current revision (a linearizable read). ``prefix``: count the keys
         under it instead of reading key ``"\\0"``; with etcd's auth on, give one the user may
         read (a job's prefix)."""
-        if prefix is None:
-            req = etcdrpc.RangeRequest(key=b"\0", count_only=True)
-        else:
-            req = etcdrpc.RangeRequest(key=_b(prefix), range_end=prefix_range_end(_b(prefix)),
-                                       count_only=True)
+        req = etcdrpc.RangeRequest(key=b"\0", count_only=True) if prefix is None \
+            else _count_of(prefix)
         return self._kv_call("current revision", "Range", req, timeout).header.revision
+
+    def count_prefix(self, prefix: str, timeout: Optional[float] = None) -> int:
+        """How many keys are under ``prefix`` (a count-only read: no value is sent)."""
+        return int(self._kv_call(f"count prefix {prefix}", "Range", _count_of(prefix),
+                                 timeout).count)
 
     # ------------------------------------------------------------------------ writes
     def put(self, key: str, value: bytes | str, lease: int = 0,

@@ -8,7 +8,8 @@ Usage::
 
 Also runnable as ``python -m launcher.inject.command``. Promises: a bad scenario, job id or
 endpoint is one line naming the bad value and exit 2 (click's usage errors); an unreachable
-etcd is one line and exit 1; after the run the report is printed (a table, or JSON with
+etcd, or a job with no keys (a wrong ``--job``, as ``status`` says it), is one line and exit 1
+before any fault; after the run the report is printed (a table, or JSON with
 ``--json``) and written to ``--report`` as JSON; the exit code is 0 when every fault was
 detected and recovered (or, for faults a job rides through, survived), 1 otherwise.
 ``--progress`` names the job's progress files (JSON lines: ``step``, ``round``, ``rank``,
@@ -47,6 +48,8 @@ from launcher.inject.harness import Harness
 from launcher.inject.report import all_handled, render_json, render_table
 from launcher.inject.scenario import load_scenario
 from launcher.inject.topology import NetTopology, TopologyError, load_topology
+from launcher.ops.api import EtcdUnreachableError, JobNotFoundError
+from launcher.ops.state import require_job
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,8 @@ def _check_job(job: str) -> str:
               help="Scenario file (JSON, see examples/scenarios/).")
 @click.option("--job", required=True, help="The job's id (its --rdzv-id).")
 @click.option("--etcd-endpoints", required=True, envvar=ETCD_ENDPOINTS_ENV,
-              help="The job's etcd: host:port[,host:port...].")
+              help="The job's etcd: host:port[,host:port...], IPv6 in brackets "
+                   "([::1]:2379).")
 @click.option("--report", "report_path", default=None, help="Write the JSON report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--progress", default=None,
@@ -124,13 +128,16 @@ def _run(client: EtcdClient, scenario, job: str, report_path: Optional[str], as_
          progress: Optional[str], log_dir: Optional[str], wait_end: float,
          etcd_restart_cmd: Optional[str] = None, etcd_restart_timeout: float = 60.0,
          topology: Optional[NetTopology] = None) -> int:
-    try:
-        client.revision(prefix=job_prefix(job))
-    except EtcdAuthError as exc:
+    try:  # a job id with no keys is refused at once, as ``status`` does
+        require_job(client, job)
+    except JobNotFoundError as exc:
         raise click.ClickException(str(exc)) from None
-    except CoordinationError as exc:
+    except EtcdUnreachableError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, EtcdAuthError):
+            raise click.ClickException(str(cause)) from None
         raise click.ClickException(f"cannot reach the job's etcd at "
-                                   f"{','.join(client.endpoints)}: {exc}") from None
+                                   f"{','.join(client.endpoints)}: {cause or exc}") from None
     observer = JobObserver(client, job, default_progress(progress)).start()
     ctx = InjectContext(client, job, log_dir=log_dir, etcd_restart_cmd=etcd_restart_cmd,
                         etcd_restart_timeout_s=etcd_restart_timeout, etcd_by_pid=True,

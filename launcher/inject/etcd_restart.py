@@ -148,12 +148,12 @@ def find_member(endpoint: str, job: str,
     """The etcd process that serves ``job`` at ``endpoint``, or ``NotOwnedError`` naming which
     proof failed (nothing is signalled here). ``security``: how to reach it (default: from
     ``HSPMD_ETCD_*``)."""
-    host, _, port_text = endpoint.rpartition(":")
+    host, port = parse_endpoints(endpoint)[0]  # [::1]:2379 -> ("::1", 2379)
     ips = _local_ips(host)
     if ips is None:
         raise NotOwnedError(f"etcd at {endpoint} is not on this host: give "
                             "--etcd-restart-cmd to restart it")
-    pids = _listeners(int(port_text), ips)
+    pids = _listeners(port, ips)
     if len(pids) != 1 or None in pids:
         what = "no process" if not pids else (
             "a process this user cannot see" if None in pids else f"{len(pids)} processes")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import replace
@@ -23,10 +24,10 @@ from typing import Any, Optional
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
-from hspmd_elastic.coord.client import EtcdClient
+from hspmd_elastic.coord.client import EtcdClient, format_endpoint, parse_endpoints
 from launcher.api import LaunchConfig, LaunchError, RendezvousConnectionError, SignalReceived
 from launcher.node.agent import ETCD_TIMEOUT_S, NodeAgent
-from launcher.node.addresses import is_local_address
+from launcher.node.addresses import advertised_address, is_local_address
 from launcher.standalone import AgentEtcd, EtcdNotFoundError, EtcdStartError
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,14 @@ def _serve_store(config: LaunchConfig) -> Optional[AgentEtcd]:
     """c10d/static: start the rendezvous etcd when this node is the one that serves it."""
     if not config.rdzv.host_etcd:
         return None
-    host, _, port = config.rdzv.endpoints[0].rpartition(":")
+    host, port = parse_endpoints(config.rdzv.endpoints[0])[0]  # an IPv6 host without brackets
     if config.rdzv.backend == "c10d" and not is_local_address(host):
         return None
     hosted = AgentEtcd(host, int(port), tls=config.etcd_server, local_addr=config.local_addr)
     if not hosted.start():
         return None
-    log.info("serving the rendezvous store (etcd) at %s:%s for --rdzv-backend %s", host, port,
-             config.rdzv.backend)
+    log.info("serving the rendezvous store (etcd) at %s for --rdzv-backend %s",
+             format_endpoint(host, port), config.rdzv.backend)
     return hosted
 
 
@@ -160,7 +161,11 @@ def launch(config: LaunchConfig) -> int:
         # the workers reach etcd as this agent does (elastic workers use it; see node/env.py)
         config = replace(config, extra_env={**client.security.to_env(), **config.extra_env})
         # --local-addr names this node to the others (its records, stores and workers' gloo);
-        # the hostname may resolve to loopback or to another network's address.
+        # the hostname may resolve to loopback or to another network's address: without it a
+        # job that may span hosts advertises the address that reaches etcd (node/addresses.py)
+        config = replace(config, local_addr=advertised_address(
+            config.local_addr, socket.getfqdn(), config.rdzv.max_nodes, config.rdzv.standalone,
+            parse_endpoints(client.current_endpoint)[0]))
         agent = NodeAgent(config, client, hostname=config.local_addr)
         _install_signals(config, agent.on_signal)
         for signum in pending:

@@ -4,12 +4,14 @@
     hspmd-launch dashboard --job J [--port P] [--host H] [--allow-host NAME]... [--token-file F]
     python -m launcher.ops.commands status --job J      # the same, without the launcher
 
-Connection: ``--etcd-endpoints host:port[,host:port...]`` (default ``$HSPMD_ETCD_ENDPOINTS``),
+Connection: ``--etcd-endpoints host:port[,host:port...]`` (an IPv6 address in brackets,
+``[::1]:2379``; default ``$HSPMD_ETCD_ENDPOINTS``),
 ``--job`` (default ``$HSPMD_JOB_ID``), TLS and auth with ``--etcd-cacert``, ``--etcd-cert``,
 ``--etcd-key``, ``--etcd-user``, ``--etcd-password-file`` (``launcher.etcd_security``; a read-only
 role is enough). Promises: bad input is a click usage error naming the
-bad value (exit 2); etcd unreachable or an unknown job is one line and exit 1; nothing is
-written to etcd; every etcd call has ``--timeout`` seconds.
+bad value (exit 2); etcd unreachable or an unknown job is one line and exit 1, except that
+``status --wait`` waits for a job that has not started yet (its first key), up to ``--for``;
+nothing is written to etcd; every etcd call has ``--timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ def _connection_options(fn):
     fn = click.option("--timeout", type=click.FloatRange(min=0.0, min_open=True), default=5.0,
                       show_default=True, help="Seconds for each etcd call.")(fn)
     fn = click.option("--etcd-endpoints", envvar=ENV_ENDPOINTS, callback=_check_endpoints,
-                      help="etcd endpoints host:port[,host:port...] "
-                           f"(default ${ENV_ENDPOINTS}).")(fn)
+                      help="etcd endpoints host:port[,host:port...], IPv6 in brackets "
+                           f"([::1]:2379; default ${ENV_ENDPOINTS}).")(fn)
     fn = click.option("--job", envvar=ENV_JOB, callback=_check_job,
                       help=f"Job id (the rdzv id; default ${ENV_JOB}).")(fn)
     return fn
@@ -127,8 +129,8 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 @_connection_options
 @click.option("--watch", is_flag=True, help="Follow the job live (an etcd watch) until Ctrl-C.")
 @click.option("--wait", is_flag=True,
-              help="First wait, with progress bars, until no rendezvous or switch is in "
-                   "progress (exit 1 if --for runs out).")
+              help="First wait, with progress bars, until the job has started and no "
+                   "rendezvous or switch is in progress (exit 1 if --for runs out).")
 @click.option("--for", "duration", type=click.FloatRange(min=0.0, min_open=True), default=None,
               help="With --watch: stop after this many seconds; with --wait: give up after.")
 @click.option("--json", "as_json", is_flag=True,
@@ -167,11 +169,15 @@ def _wait_settled(client: EtcdClient, job: str, timeout: float,
     deadline = None if duration is None else time.monotonic() + duration
     cache = JobStateCache(client, job).start(timeout)
     try:
+        if cache.empty:  # a job not started yet (or a wrong id): wait for its first key
+            bound = "" if duration is None else f" (at most {duration:g}s)"
+            click.echo(f"note: job {job!r} has no keys under {cache.prefix} yet: waiting for it "
+                       f"to start{bound}", err=True)
         with _stop_on_signals() as stop:
             bars = WaitProgress()
             settled = bars.follow(cache, stop, deadline)
         if not settled:
-            still = "; ".join(w.label for w in cache.view().waits) or "interrupted"
+            still = "; ".join(w.label for w in bars.waits_of(cache)) or "interrupted"
             raise click.ClickException(f"job {job} not settled: {still}")
     finally:
         cache.stop()

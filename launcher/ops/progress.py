@@ -4,7 +4,8 @@ Promises: ``WaitProgress`` keeps one rich progress bar per wait of the current `
 (``view.waits``): a bar with a count when the total is known, a pulsing bar otherwise; bars of
 waits that ended are removed. ``sync(view)`` is the only state change and does no I/O besides
 drawing; ``follow(cache, stop, deadline)`` redraws on every change of a ``JobStateCache`` (an
-etcd watch, no polling) and returns whether the job settled (no wait left) before the deadline.
+etcd watch, no polling) and returns whether the job settled (no wait left) before the deadline;
+a job whose prefix holds no key yet is one more wait (``start``): it has not started.
 Bars go to stderr and only to a terminal unless ``console`` says otherwise, so piped output
 stays clean. Labels are shown as text (never markup, control characters escaped). Used by
 ``status --wait`` (any machine that reaches etcd). The node agent draws its own waits
@@ -22,7 +23,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TextColumn, TimeElapsedColumn)
 
 from launcher.ops.safe import clean
-from launcher.ops.view import JobView
+from launcher.ops.view import JobView, WaitView
 
 TICK_S = 0.5
 
@@ -47,9 +48,19 @@ class WaitProgress:
     def labels(self) -> list[str]:
         return list(self._tasks)
 
-    def sync(self, view: JobView) -> bool:
-        """Show ``view``'s waits; returns True when none is left (the job is settled)."""
-        current = {w.kind: w for w in view.waits}
+    @staticmethod
+    def waits_of(cache) -> list[WaitView]:
+        """The waits of ``cache``'s view, led by the job's start while it has no key."""
+        view = cache.view()
+        if not cache.empty:
+            return list(view.waits)
+        return [WaitView("start", f"job start: no keys under {cache.prefix} yet", 0, None,
+                         None, None), *view.waits]
+
+    def sync(self, view: JobView, waits: Optional[list[WaitView]] = None) -> bool:
+        """Show ``waits`` (default ``view``'s); returns True when none is left (the job is
+        settled)."""
+        current = {w.kind: w for w in (view.waits if waits is None else waits)}
         for kind in list(self._tasks):
             if kind not in current:
                 self.progress.remove_task(self._tasks.pop(kind))
@@ -71,7 +82,7 @@ class WaitProgress:
             while not stop.is_set():
                 if version != cache.version or version < 0:
                     version = cache.version
-                    if self.sync(cache.view()):
+                    if self.sync(cache.view(), self.waits_of(cache)):
                         return True
                 tick = TICK_S if deadline is None else min(TICK_S, deadline - time.monotonic())
                 if tick <= 0:

@@ -5,6 +5,8 @@ Promises:
 * read-only: nothing here writes, deletes or leases anything in etcd;
 * ``read_view`` is one linearizable prefix read; ``JobNotFoundError`` when the prefix is empty,
   ``EtcdUnreachableError`` (chained) when etcd cannot be read within the timeout;
+  ``require_job`` is the same decision from a count (every command that acts on a job by id
+  refuses an unknown one at once with the same line);
 * ``JobStateCache`` holds the job's records from ONE ``PrefixWatch`` on the job prefix (list,
   then watch; after a compaction the watch resyncs from a full read, so the cache converges to
   etcd again): it never polls; every applied change bumps ``version`` and wakes
@@ -32,6 +34,19 @@ from launcher.ops.view import JobView, decode_pairs, job_rate
 log = logging.getLogger(__name__)
 
 WallClock = Callable[[], float]
+
+
+def require_job(client: EtcdClient, job: str, timeout: Optional[float] = None) -> int:
+    """How many keys the job has: ``JobNotFoundError`` when none (a wrong id, or a job not
+    started), ``EtcdUnreachableError`` (chained) when etcd cannot be read."""
+    prefix = schema.job_prefix(job)
+    try:
+        count = client.count_prefix(prefix, timeout=timeout)
+    except CoordinationError as exc:
+        raise EtcdUnreachableError(f"cannot read {prefix} from etcd: {exc}") from exc
+    if not count:
+        raise JobNotFoundError(job, prefix)
+    return count
 
 
 def read_view(client: EtcdClient, job: str, timeout: Optional[float] = None,
@@ -95,6 +110,12 @@ class JobStateCache:
     def version(self) -> int:
         with self._cond:
             return self._version
+
+    @property
+    def empty(self) -> bool:
+        """Whether the job's prefix holds no key (a wrong job id, or a job not started yet)."""
+        with self._cond:
+            return not self._records and not self._bad
 
     @property
     def resyncs(self) -> int:

@@ -118,7 +118,7 @@ class PlanView:
 class WaitView:
     """A long wait in progress: ``done`` of ``total`` (None when the total is not known)."""
 
-    kind: str  # rendezvous | switch
+    kind: str  # rendezvous | switch (status --wait adds start: the job has no key yet)
     label: str
     done: int
     total: Optional[int]
