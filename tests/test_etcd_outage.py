@@ -208,3 +208,76 @@ def _check_ended_past_the_limit(agent, code: int, workers) -> None:
         assert not os.path.exists(f"/proc/{pid}") or \
             open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
 
+
+
+# ------------------------------------------------------------------- outages mid-rendezvous
+def _stall(etcd_server, client: EtcdClient, job: str, seconds: float) -> dict:
+    """The ``etcd-stall`` fault (``launcher.inject.etcd_stall``): every member SIGSTOPped for
+    ``seconds``, resumed, and back once etcd answers."""
+    from launcher.inject.etcd_stall import stall
+    from launcher.inject.faults import InjectContext
+
+    ctx = InjectContext(client, job, etcd_members=etcd_server.members)
+    try:
+        return stall(ctx, seconds)
+    finally:
+        ctx.close()  # resumes a member a failed stall left stopped
+
+
+def _restart_agent(etcd, tmp, env, job: str, node: str, snapshot, progress, steps: int,
+                   *extra: str) -> Launcher:
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+            "--rdzv-endpoint", etcd.endpoint_str, "--rdzv-id", job, "--hspmd-node-id", node,
+            "--rdzv-conf", "last_call_timeout=0.5,join_timeout=60",
+            "--hspmd-lease-ttl", str(TTL), "--shutdown-timeout", "5", *extra,
+            str(SCRIPTS / "inject_train.py"), "--steps", str(steps), "--batch", "4",
+            "--snapshot", str(snapshot), "--progress-dir", str(progress)]
+    return Launcher(args, env, tmp, node)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_restart_mode_rides_out_an_etcd_stall_while_a_node_waits_in_the_rendezvous(
+        tmp_path, marker, etcd_server):
+    """node-a joined round 0 and waits for node-b when every etcd member stalls for three
+    lease TTLs (its join record's lease expires): it waits on through the outage, re-joins
+    under a new lease, and once node-b comes the round closes with both; one round, no
+    restart, and the parameters equal the fault-free run."""
+    import torch
+
+    from inject_train import reference_params
+
+    job, steps = f"out-{uuid.uuid4().hex[:8]}", 4
+    snapshot, progress = tmp_path / "snapshot.pt", tmp_path / "progress"
+    env = base_env(marker)
+    a = _restart_agent(etcd_server, tmp_path, env, job, "node-a", snapshot, progress, steps)
+    agents = [a]
+    with EtcdClient(etcd_server.endpoints, timeout=5.0) as client:
+        try:
+            joined = schema.rdzv_join_key(job, 0, "node-a")
+            wait_for(lambda: client.get(joined) is not None, 60, "node-a joined round 0",
+                     proc=a.proc)
+            lease = client.get(joined).lease
+            _stall(etcd_server, client, job, 3 * TTL)
+            assert a.proc.poll() is None, a.stderr()[-3000:]  # it waited through the outage
+            # Its join record came back under a new lease (the old one expired in the stall).
+            wait_for(lambda: (lambda kv: kv is not None and kv.lease not in (0, lease))(
+                client.get(joined)), 30, "node-a's join record under a new lease",
+                proc=a.proc)
+            agents.append(_restart_agent(etcd_server, tmp_path, env, job, "node-b", snapshot,
+                                         progress, steps))
+            for agent in agents:
+                assert agent.wait(60) == 0, agent.stderr()[-4000:]
+        finally:
+            for agent in agents:
+                if agent.proc.poll() is None:
+                    agent.proc.kill()
+        kv = client.get(schema.rdzv_state_key(job))
+        state = schema.decode(kv.key, kv.value)
+    assert (state.round, state.restart_count, state.state) == (0, 0, "succeeded"), state
+    assert [p.node for p in state.participants] == ["node-a", "node-b"], state
+    final = torch.load(snapshot, map_location="cpu")
+    assert final["step"] == steps
+    for name, value in reference_params(steps, 4).items():
+        torch.testing.assert_close(final["model"][name], value, rtol=1e-9, atol=1e-12)
+    assert "etcd unreachable" in a.stderr(), a.stderr()[-3000:]

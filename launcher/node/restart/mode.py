@@ -116,7 +116,8 @@ class RestartMode:
         self.rdzv = EtcdRendezvous(ctx.client, ctx.session, self.config.rdzv, self.node_id,
                                    ctx.host, self.config.nproc_per_node, abort=ctx.abort,
                                    clock=ctx.clock,
-                                   on_wait=ctx.bar.update if ctx.bar.enabled else None)
+                                   on_wait=ctx.bar.update if ctx.bar.enabled else None,
+                                   outage=ctx.outage)
         self.group: Optional[WorkerGroup] = None
         self.round: Optional[RoundInfo] = None
         self.failures: list[WorkerFailure] = []

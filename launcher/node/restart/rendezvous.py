@@ -23,6 +23,9 @@ Promises:
   when several nodes react to the same event only the first compare-and-set wins, so one event is
   one restart;
 * every wait has a deadline and also ends when ``abort`` is set (a signal);
+* a wait for a round or its store rides out an etcd outage as the agent's ``outage`` policy
+  says (a node already joined keeps waiting, re-joins under its new lease, and fails only past
+  ``--hspmd-etcd-outage-limit`` or the join timeout); an auth refusal fails at once;
 * ``on_wait`` (optional) is called on every tick of ``next_round`` with the wait's state
   (``launcher.console.RendezvousWait``: nodes joined, min..max, last-call countdown, time left
   until the join timeout); the agent sets it only when it draws a progress bar, so without a
@@ -37,8 +40,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from hspmd_elastic.coord.api import (CompareTarget, Compare, CoordinationError, LeaseLostError,
-                                      PutOp, RecordError)
+from hspmd_elastic.coord.api import (CompareTarget, Compare, CoordinationError, EtcdAuthError,
+                                      LeaseLostError, PutOp, RecordError)
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord import journal
@@ -56,6 +59,7 @@ from hspmd_elastic.contract.rounds import (  # noqa: F401 (the round state, re-e
 
 from launcher.console import RendezvousWait
 from launcher.node.api import RoundInfo
+from launcher.node.outage import EtcdOutagePolicy
 from launcher.api import (
     RankAssignment,
     RendezvousClosedError,
@@ -133,6 +137,9 @@ class EtcdRendezvous:
     abort: threading.Event = field(default_factory=threading.Event)
     clock: Callable[[], float] = time.monotonic
     on_wait: Optional[Callable[[RendezvousWait], None]] = None
+    # The agent's etcd outage policy: waits for a round or its store ride out an outage up to
+    # its limit (None: an unanswered call is an error at once)
+    outage: Optional[EtcdOutagePolicy] = None
 
     @property
     def job(self) -> str:
@@ -244,36 +251,58 @@ class EtcdRendezvous:
         watched_round = -1
         while True:
             self._check_abort()
-            st = self.ensure_job(fresh)
-            fresh = False  # only the very first read may start a new run of this id
-            if st.state == CLOSED and self.node in st.nodes():
-                info = RoundInfo(st.round, st.restart_count, st.participants,
-                                 assign_ranks(st.participants, self.node))
-                self.forget_rounds_before(st.round)
-                return info
-            target = st.round if st.state == JOINING else st.round + 1
-            self._join(target)
-            if st.state == JOINING:
-                if watched_round != st.round:
-                    watched_round, last_call_since = st.round, None
-                joined = self.joined(st.round)
-                now = self.clock()
-                if last_call_since is None and len(joined) >= self.settings.min_nodes:
-                    last_call_since = now
-                if should_close(len(joined), self.settings.min_nodes, self.settings.max_nodes,
-                                last_call_since, now, self.settings.last_call_timeout_s):
-                    self._close(st, joined)
-                    continue
-            if self.on_wait is not None:
-                n = len(joined) if st.state == JOINING else len(self.joined(target))
-                self.on_wait(self._wait_state(st, n, started, deadline,
-                                              last_call_since if st.state == JOINING else None))
+            begun, st = self.clock(), None
+            try:
+                st = self.ensure_job(fresh)
+                fresh = False  # only the very first read may start a new run of this id
+                if st.state == CLOSED and self.node in st.nodes():
+                    info = RoundInfo(st.round, st.restart_count, st.participants,
+                                     assign_ranks(st.participants, self.node))
+                    self.forget_rounds_before(st.round)
+                    self._reachable(begun)
+                    return info
+                target = st.round if st.state == JOINING else st.round + 1
+                self._join(target)
+                if st.state == JOINING:
+                    if watched_round != st.round:
+                        watched_round, last_call_since = st.round, None
+                    joined = self.joined(st.round)
+                    now = self.clock()
+                    if last_call_since is None and len(joined) >= self.settings.min_nodes:
+                        last_call_since = now
+                    if should_close(len(joined), self.settings.min_nodes,
+                                    self.settings.max_nodes, last_call_since, now,
+                                    self.settings.last_call_timeout_s):
+                        self._close(st, joined)
+                        continue
+                if self.on_wait is not None:
+                    n = len(joined) if st.state == JOINING else len(self.joined(target))
+                    self.on_wait(self._wait_state(st, n, started, deadline,
+                                                  last_call_since if st.state == JOINING
+                                                  else None))
+                self._reachable(begun)
+            except RendezvousConnectionError as exc:
+                self._ride_out(exc)  # waits on while the outage policy allows
             if self.clock() >= deadline:
+                where = f"round {st.round}, state {st.state}" if st is not None else \
+                    "etcd unreachable"
                 raise RendezvousTimeoutError(
                     f"rendezvous {self.job!r} timed out after {timeout:.0f}s waiting for "
-                    f"{self.settings.min_nodes} node(s) (round {st.round}, state {st.state})"
+                    f"{self.settings.min_nodes} node(s) ({where})"
                 )
             self.abort.wait(POLL_S)
+
+    def _ride_out(self, exc: RendezvousConnectionError) -> None:
+        """etcd did not answer during a wait: an outage the agent's policy rides out (it
+        raises past ``--hspmd-etcd-outage-limit``); without a policy, or for a refusal that
+        waiting cannot cure (auth), the error itself."""
+        if self.outage is None or isinstance(exc.__cause__, EtcdAuthError):
+            raise exc
+        self.outage.unreachable(exc)
+
+    def _reachable(self, begun: float) -> None:
+        if self.outage is not None:
+            self.outage.reachable(begun)
 
     def _wait_state(self, st: RoundState, joined: int, started: float,
                     deadline: float, last_call_since: Optional[float]) -> RendezvousWait:
@@ -306,18 +335,24 @@ class EtcdRendezvous:
         key = schema.rdzv_master_key(self.job, rnd)
         while True:
             self._check_abort()
-            kv = self._call("read master", self.client.get, key)
-            if kv is not None:
-                rec = self._decode(key, kv.value)
-                return rec.addr, rec.port
-            st = self.read_state()
-            if st is None or st.round != rnd or st.state != CLOSED:
-                raise RoundMoved(f"round {rnd} ended before its store was published")
-            first = st.participants[0].node
-            if first not in {p.node for p in self.joined(rnd)}:
-                reason = f"node {first} left"
-                self.move_on(st, reason, count_restart=False, max_restarts=0)
-                raise RoundMoved(f"round {rnd}: {reason} before publishing its store")
+            begun = self.clock()
+            try:
+                kv = self._call("read master", self.client.get, key)
+                if kv is not None:
+                    rec = self._decode(key, kv.value)
+                    self._reachable(begun)
+                    return rec.addr, rec.port
+                st = self.read_state()
+                if st is None or st.round != rnd or st.state != CLOSED:
+                    raise RoundMoved(f"round {rnd} ended before its store was published")
+                first = st.participants[0].node
+                if first not in {p.node for p in self.joined(rnd)}:
+                    reason = f"node {first} left"
+                    self.move_on(st, reason, count_restart=False, max_restarts=0)
+                    raise RoundMoved(f"round {rnd}: {reason} before publishing its store")
+                self._reachable(begun)
+            except RendezvousConnectionError as exc:
+                self._ride_out(exc)
             if self.clock() >= deadline:
                 raise RendezvousTimeoutError(
                     f"node 0 of round {rnd} did not publish its store within {timeout_s:.0f}s")
