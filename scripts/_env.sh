@@ -33,6 +33,14 @@ if ! command -v etcdctl >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-
     say "apt-get could not install etcd-client: etcdctl is missing (the job does not need it)"
 fi
 
+# nftables and iproute2 (nft, ip, ss) for the network-namespace tests: partitions in drop mode.
+if ! { command -v nft && command -v ss && command -v ip; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  say "installing Debian nftables and iproute2 (network-namespace tests)"
+  { apt-get update -qq >/dev/null && \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2 >/dev/null; } || \
+    say "apt-get could not install nftables/iproute2: the partition tests in drop mode will fail"
+fi
+
 # Headless Chromium for the dashboard's browser test (Debian packages chromium + its fonts).
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   say "installing Debian chromium (dashboard browser test)"

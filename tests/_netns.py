@@ -3,7 +3,9 @@
 Each node is a network namespace with two links: ``ctl`` on a "control" bridge (10.77.N.0/24,
 where the etcd members are) and ``dat`` on a "data" bridge (10.78.N.0/24, where the peers are),
 so a test cuts either link alone (``Topology.cut(node, "control")``: ``ip -n NS link set ctl
-down``) or both. etcd runs as members in namespaces of their own on the control bridge
+down``) or both, in either of the ``partition`` fault's modes (``mode="down"``: the link goes
+down; ``mode="drop"``: it stays up and an nftables table in the namespace drops every packet,
+``launcher.inject.topology``). etcd runs as members in namespaces of their own on the control bridge
 (``launcher.standalone.EtcdCluster`` with the members' addresses and ``ip netns exec``). The
 bridges live in a namespace of their own; this process reaches the control bridge through one
 veth (10.77.N.254) to read etcd, and never the data bridge.
@@ -36,6 +38,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +49,7 @@ import pytest
 
 from launch_harness import LAUNCH, REPO
 
+from launcher.inject.topology import PARTITION_MODES, cut_link
 from launcher.standalone import EtcdCluster
 
 CONTROL_DEV, DATA_DEV = "ctl", "dat"
@@ -166,6 +170,27 @@ class NsProcess:
         return self.stdout_path.read_text(errors="replace")
 
 
+def name_service(netns: str, hosts_lines: Sequence[str] = ()) -> None:
+    """``ip netns exec`` mounts ``/etc/netns/NS/*`` over ``/etc``: in the namespace, names
+    resolve from this host's ``/etc/hosts`` (the hostname's loopback entry included: the trap a
+    multi-host deployment must not fall into) plus ``hosts_lines``, and the only nameserver is
+    the namespace's own loopback (and ``nsswitch.conf`` asks none), so no lookup leaves the
+    namespaces, and none waits for an unreachable server. Removed by ``ip netns del``'s caller
+    (``shutil.rmtree(/etc/netns/NS)``)."""
+    etc = Path("/etc/netns") / netns
+    etc.mkdir(parents=True, exist_ok=True)
+    try:
+        hosts = Path("/etc/hosts").read_text()
+    except OSError:
+        hosts = "127.0.0.1 localhost\n"
+    (etc / "hosts").write_text(hosts.rstrip("\n") + "\n" + "\n".join(hosts_lines) + "\n")
+    (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+    if Path("/etc/nsswitch.conf").exists():  # files only: a miss is answered at once
+        base = Path("/etc/nsswitch.conf").read_text().splitlines()
+        (etc / "nsswitch.conf").write_text("\n".join(
+            "hosts: files" if ln.startswith("hosts:") else ln for ln in base) + "\n")
+
+
 class Topology:
     """Nodes and etcd members in namespaces of their own (see the module docstring)."""
 
@@ -184,6 +209,7 @@ class Topology:
                         for i in range(etcd_members)]
         self.etcd: Optional[EtcdCluster] = None
         self.procs: list[NsProcess] = []
+        self.cuts: dict[tuple[str, str], str] = {}  # (netns, device) -> the mode it is cut in
         self._port = 0
 
     def control(self, host: int) -> str:
@@ -202,25 +228,9 @@ class Topology:
         self._name_service(name)
 
     def _name_service(self, name: str) -> None:
-        """``ip netns exec`` mounts ``/etc/netns/NS/*`` over ``/etc``: in the namespace, names
-        resolve from this host's ``/etc/hosts`` (the hostname's loopback entry included: the
-        trap a multi-host deployment must not fall into) plus the topology's addresses, and the
-        only nameserver is the namespace's own loopback (and ``nsswitch.conf`` asks none), so
-        no lookup leaves the topology, and none waits for an unreachable server."""
-        etc = Path("/etc/netns") / name
-        etc.mkdir(parents=True, exist_ok=True)
-        try:
-            hosts = Path("/etc/hosts").read_text()
-        except OSError:
-            hosts = "127.0.0.1 localhost\n"
         lines = [f"{n.data_addr} {n.name}" for n in self.nodes.values()]
         lines += [f"{m.control_addr} etcd-{m.name}" for m in self.members]
-        (etc / "hosts").write_text(hosts.rstrip("\n") + "\n" + "\n".join(lines) + "\n")
-        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        if Path("/etc/nsswitch.conf").exists():  # files only: a miss is answered at once
-            base = Path("/etc/nsswitch.conf").read_text().splitlines()
-            (etc / "nsswitch.conf").write_text("\n".join(
-                "hosts: files" if ln.startswith("hosts:") else ln for ln in base) + "\n")
+        name_service(name, lines)
 
     def _attach(self, ns: str, dev: str, bridge: str, addr: str) -> None:
         """A veth ``dev`` in ``ns`` holding ``addr``/24, its peer a port of ``bridge``."""
@@ -285,20 +295,62 @@ class Topology:
                 return m
         raise KeyError(target)
 
-    def set_links(self, target: str, links: str, up: bool) -> None:
-        """Bring ``target``'s (a node or an etcd member) ``links`` (control, data, all) down
-        or up: a cut is packets dropped, as a failed switch port would."""
+    def set_links(self, target: str, links: str, up: bool, mode: str = "down") -> None:
+        """Cut (``up`` False) or heal ``target``'s (a node or an etcd member) ``links``
+        (control, data, all) in ``mode``: ``down`` (the link goes down: the cut side's own
+        connections fail at once) or ``drop`` (the link stays up and drops every packet: a
+        connection from either side hangs until its own timeout). A heal undoes the mode each
+        link was cut in."""
+        if mode not in PARTITION_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PARTITION_MODES)}, got {mode!r}")
         node = self.netns_of(target)
         for dev in LINKS[links]:
             if dev == DATA_DEV and not node.data_addr:
                 continue
-            ip("-n", node.netns, "link", "set", dev, "up" if up else "down")
+            if up:
+                cut_link(node.netns, dev, self.cuts.pop((node.netns, dev), mode), cut=False)
+            else:
+                cut_link(node.netns, dev, mode, cut=True)
+                self.cuts[(node.netns, dev)] = mode
 
-    def cut(self, target: str, links: str = "all") -> None:
-        self.set_links(target, links, up=False)
+    def cut(self, target: str, links: str = "all", mode: str = "down") -> None:
+        self.set_links(target, links, up=False, mode=mode)
 
     def heal(self, target: str, links: str = "all") -> None:
         self.set_links(target, links, up=True)
+
+    def connect(self, node: str, addr: str, port: int = 9, timeout: float = 1.0) -> str:
+        """From ``node``'s namespace, one TCP connect to ``addr:port`` (nothing listens on port
+        9, the discard port, on this topology): ``refused`` (the peer answered), ``timeout``
+        (nothing answered within ``timeout``), or the error's own words (``Network is
+        unreachable``: the link is down)."""
+        code = ("import socket, sys\n"
+                "try:\n"
+                f"    socket.create_connection(({addr!r}, {port}), timeout={timeout})\n"
+                "    print('connected')\n"
+                "except socket.timeout:\n    print('timeout')\n"
+                "except ConnectionRefusedError:\n    print('refused')\n"
+                "except OSError as exc:\n    print(exc.strerror or exc)\n")
+        res = subprocess.run([*self.nodes[node].prefix, sys.executable, "-c", code],
+                             capture_output=True, text=True, timeout=timeout + IP_TIMEOUT_S)
+        return res.stdout.strip() or res.stderr.strip()
+
+    def etcd_connections(self, node: str, pid: int) -> set[str]:
+        """The etcd members (``host:port``) process ``pid`` in ``node``'s namespace holds an
+        established TCP connection to, as the kernel sees them (``ss``): a client talks to a
+        member over such a connection (it keeps one it moved away from open)."""
+        res = subprocess.run([*self.nodes[node].prefix, "ss", "-Htnp", "state", "established"],
+                             capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+        members = set(self.endpoint_str.split(","))
+        out = set()
+        for line in res.stdout.splitlines():
+            cols = line.split()  # recv-q, send-q, local, peer, users:(("name",pid=N,fd=M))
+            if len(cols) < 5 or f"pid={pid}," not in cols[4]:
+                continue
+            peer = cols[3].replace("[::ffff:", "").replace("]", "")  # IPv4 on a dual socket
+            if peer in members:
+                out.add(peer)
+        return out
 
     def topology_file(self) -> Path:
         """The file ``hspmd-launch inject --topology`` reads to act on these links."""

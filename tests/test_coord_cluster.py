@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -23,7 +24,7 @@ JOB = "cjob"
 WAIT = 8.0
 
 
-def test_member_loss_keeps_lease_watch_and_election(etcd_cluster3):
+def test_member_loss_keeps_lease_watch_and_election(etcd_cluster3, caplog):
     c1 = EtcdClient(etcd_cluster3.endpoints, timeout=2.0)
     c2 = EtcdClient(etcd_cluster3.endpoints, timeout=2.0)
     s1 = LeasedSession(c1, ttl=1, on_lost=Recorder(), name="agent a")
@@ -43,10 +44,15 @@ def test_member_loss_keeps_lease_watch_and_election(etcd_cluster3):
 
         used = c1.current_endpoint
         victim = next(m for m in etcd_cluster3.members if m.endpoint == used)
-        victim.kill()
-
-        c1.put(schema.node_key(JOB, "x"), b"after kill")  # fails over to a live member
-        assert c1.current_endpoint != used
+        moves = c1.failovers
+        with caplog.at_level(logging.WARNING, logger="hspmd_elastic.coord.client"):
+            victim.kill()
+            c1.put(schema.node_key(JOB, "x"), b"after kill")  # fails over to a live member
+        assert c1.current_endpoint != used and c1.answering_member == c1.current_endpoint
+        # The move is counted and said once (what a test of a whole job reads from stderr).
+        assert c1.failovers == moves + 1
+        assert f"etcd client moved from member {used} to {c1.answering_member}" in [
+            r.getMessage() for r in caplog.records], caplog.text
         assert events.wait_for(lambda ev: any(e.key.endswith("/x") for e in ev), WAIT)
         # The lease outlives several TTLs on the surviving members, without a loss.
         never(lambda: lost.items or c1.get(node_a) is None, 2.5, "node a's lease lost")

@@ -43,6 +43,7 @@ from launch_harness import SCRIPTS, base_env
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.plans import read_plan
+from launcher.inject.topology import PARTITION_MODES
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -117,7 +118,9 @@ def plan_writes(client, job: str) -> list[tuple[int, object]]:
         rev = kv.mod_revision - 1
 
 
-def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the_heal(cluster):
+@pytest.mark.parametrize("mode", PARTITION_MODES)
+def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the_heal(cluster,
+                                                                                     mode):
     from hspmd_elastic.coord.api import Compare, CompareTarget, FencedWriteRejected, PutOp
 
     topo, job = cluster
@@ -133,14 +136,14 @@ def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the
     cut, kept = old.node, next(n for n in topo.nodes if n != old.node)
     assert first.leader == cut and first.term == old.term
     cut_at = time.time()
-    topo.cut(cut)  # control and data: etcd and the peer are both gone
+    topo.cut(cut, mode=mode)  # control and data: etcd and the peer are both gone
     open(gates[2], "w").close()
 
     away = wait_for(plan_where(job, lambda p: f"{cut}:0" not in p.devices, first.version), 30,
                     f"a plan without {cut}", interval=0.05)
     replan_s = away.created_at - cut_at
-    print(f"leader's node cut off (TTL {TTL:g}s, debounce 1s): the new leader published after "
-          f"{replan_s:.2f}s")
+    print(f"leader's node cut off ({mode}, TTL {TTL:g}s, debounce 1s): the new leader published "
+          f"after {replan_s:.2f}s")
     assert replan_s < 4 * TTL + 10, replan_s  # generous: timing belongs in benchmarks
     assert away.leader == kept and away.term > old.term
     # A late write under the old leader's fence (what its publish_plan would send) is refused.
@@ -175,7 +178,9 @@ def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the
     assert ("leave", cut) in types and "switch-failed" not in {t for t, _ in types}, types
 
 
-def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(netns, marker):
+@pytest.mark.parametrize("mode", PARTITION_MODES)
+def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(netns, marker,
+                                                                               mode):
     topo = netns(nodes=("node-a", "node-b", "node-c"), etcd_members=1)
     job = NetnsJob(topo, base_env(marker), ttl=TTL)
     comm_timeout = 3.0
@@ -190,13 +195,13 @@ def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(n
         first, _ = read_plan(job.client, job.name)
         assert sorted(first.devices) == devices
         cut_at = time.time()
-        topo.cut("node-c", "data")  # etcd stays reachable: node-c keeps its lease
+        topo.cut("node-c", "data", mode=mode)  # etcd stays reachable: node-c keeps its lease
         open(gates[2], "w").close()
 
         away = wait_for(plan_where(job, lambda p: "node-c:0" not in p.devices, first.version),
                         60, "a plan without node-c", interval=0.05)
         replan_s = away.created_at - cut_at
-        print(f"data link cut: replanned away after {replan_s:.2f}s "
+        print(f"data link cut ({mode}): replanned away after {replan_s:.2f}s "
               f"(collective timeout {comm_timeout:g}s)")
         assert replan_s < comm_timeout + 15, replan_s  # generous: timing is in benchmarks
         assert sorted(away.devices) == ["node-a:0", "node-b:0"]
@@ -230,18 +235,30 @@ def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(n
         job.close()
 
 
-def test_a_minority_etcd_member_then_every_member_cut_off_change_nothing(cluster):
+@pytest.mark.parametrize("mode", PARTITION_MODES)
+def test_a_minority_etcd_member_then_every_member_cut_off_change_nothing(cluster, mode):
     topo, job = cluster
     gates = {2: str(topo.tmp / "gate2")}
     for node in topo.nodes:
         job.start(node, elastic_args(job, node, gates))
     before = at_step(job, ["node-a:0", "node-b:0"], 2)
-    member = topo.members[0].name
-    topo.cut(member)
-    time.sleep(3 * TTL)  # the fault's length, not a synchronisation
+    # The member cut is the one node-a's agent talks to (a client starts on a member drawn at
+    # random): the one its process holds a connection to, as the kernel says.
+    agent = job.agents["node-a"]
+    assert "etcd client moved" not in agent.stderr()  # still on the member it started on
+    [endpoint] = topo.etcd_connections("node-a", agent.proc.pid)
+    member = topo.members[topo.etcd.endpoints.index(endpoint)].name
+    moved = f"etcd client moved from member {endpoint} to "
+    topo.cut(member, mode=mode)
+    cut_at = time.monotonic()
+    # Its client failed over to another member (its own log line, written when another member
+    # answered it) while the member was still cut.
+    wait_for(lambda: moved in agent.stderr() or job.check_agents(), 3 * TTL,
+             f"node-a's etcd client moving off {member} ({endpoint})", interval=0.1)
+    time.sleep(max(3 * TTL - (time.monotonic() - cut_at), 0))  # the fault's length
     topo.heal(member)
     for m in topo.members:  # no etcd at all, for 3 lease TTLs: every lease expires
-        topo.cut(m.name)
+        topo.cut(m.name, mode=mode)
     open(gates[2], "w").close()  # the workers train to the end meanwhile
     time.sleep(3 * TTL)
     healed_at = time.time()
@@ -261,38 +278,72 @@ def test_a_minority_etcd_member_then_every_member_cut_off_change_nothing(cluster
         assert "etcd unreachable, workers keep running" in agent.stderr(), node
 
 
-def test_partition_fault_cuts_and_heals_links_through_the_topology_file(netns, tmp_path):
+@pytest.mark.parametrize("mode", PARTITION_MODES)
+def test_partition_fault_cuts_and_heals_links_through_the_topology_file(netns, mode):
     from launcher.inject.api import InjectError, NotOwnedError
     from launcher.inject.faults import InjectContext, Partition
     from launcher.inject.scenario import parse_fault
-    from launcher.inject.topology import load_topology
+    from launcher.inject.topology import drop_table, load_topology
 
     topo = netns(etcd_members=0)
     defaults = {"detect_timeout_s": 5.0, "recover_timeout_s": 5.0}
     spec = parse_fault({"fault": "partition", "target": {"node": "node-b"}, "links": "data",
-                        "duration_s": 0.5}, 0, defaults, "test")
+                        "mode": mode, "duration_s": 0.5}, 0, defaults, "test")
+    a_dat, b_dat = topo.nodes["node-a"].data_addr, topo.nodes["node-b"].data_addr
 
     def state(node: str, dev: str) -> str:
-        out = subprocess.run(["ip", "-n", topo.nodes[node].netns, "-o", "link", "show", dev],
+        """``down``: the link is down; ``drop``: up, and dropping every packet; ``up``."""
+        ns = topo.nodes[node].netns
+        out = subprocess.run(["ip", "-n", ns, "-o", "link", "show", dev],
                              capture_output=True, text=True, timeout=10).stdout
-        return "down" if "state DOWN" in out or "UP" not in out.split(">")[0] else "up"
+        if "state DOWN" in out or "UP" not in out.split(">")[0]:
+            return "down"
+        tables = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "tables"],
+                                capture_output=True, text=True, timeout=10).stdout
+        return "drop" if drop_table(dev) in tables else "up"
 
     with pytest.raises(NotOwnedError, match="partition needs the job's network topology"):
         Partition(spec).inject(InjectContext(None, "j"))
+    assert topo.connect("node-b", a_dat) == "refused"  # linked: the peer answers at once
     ctx = InjectContext(None, "j", topology=load_topology(str(topo.topology_file())))
     inj = Partition(spec).inject(ctx)
-    assert inj.detail["devices"] == ["dat"] and state("node-b", "dat") == "down"
+    assert inj.detail["devices"] == ["dat"] and inj.detail["mode"] == mode
+    assert state("node-b", "dat") == mode
     assert state("node-b", "ctl") == "up" and state("node-a", "dat") == "up"
+    # What each mode models: a host whose own port went down learns it at once; a dropping
+    # path (a failed switch, a firewall) tells neither side anything: connects hang.
+    started = time.monotonic()
+    assert topo.connect("node-b", a_dat) == (
+        "Network is unreachable" if mode == "down" else "timeout")
+    assert topo.connect("node-a", b_dat, timeout=0.5) in (
+        ("timeout", "No route to host") if mode == "down" else ("timeout",))
+    took = time.monotonic() - started
+    assert (took < 1.0 + 5) if mode == "down" else (took >= 1.0 + 0.5), took
     inj.timers[0].action()  # the heal, as the harness fires it after duration_s
     assert state("node-b", "dat") == "up" and not ctx.cut
-    every = parse_fault({"fault": "partition", "target": {"node": "node-a"}}, 1, defaults, "t")
+    assert topo.connect("node-b", a_dat) == "refused"
+    every = parse_fault({"fault": "partition", "target": {"node": "node-a"}, "mode": mode}, 1,
+                        defaults, "t")
     Partition(every).inject(ctx)
-    assert state("node-a", "dat") == "down" and state("node-a", "ctl") == "down"
+    assert state("node-a", "dat") == mode and state("node-a", "ctl") == mode
     ctx.close()  # heals whatever is still cut
     assert state("node-a", "dat") == "up" and state("node-a", "ctl") == "up"
+    assert topo.connect("node-a", b_dat) == "refused"
     ghost = parse_fault({"fault": "partition", "target": {"node": "node-z"}}, 2, defaults, "t")
     with pytest.raises(InjectError, match="node 'node-z' is not in the topology file"):
         Partition(ghost).inject(ctx)
+
+
+def test_a_partition_mode_that_does_not_exist_is_one_line(tmp_path, capsys):
+    from launcher.inject.command import main
+
+    scenario = tmp_path / "s.json"
+    scenario.write_text(json.dumps({"schema": 1, "kind": "fault_scenario", "faults": [
+        {"fault": "partition", "target": {"node": "a"}, "mode": "unplug"}]}))
+    assert main(["--scenario", str(scenario), "--job", "j", "--etcd-endpoints",
+                 "127.0.0.1:9"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "Error" in ln]
+    assert len(err) == 1 and "mode must be one of down, drop, got 'unplug'" in err[0], err
 
 
 def test_inject_cli_rejects_a_bad_topology_file_in_one_line(tmp_path, capsys):
@@ -311,7 +362,9 @@ def test_inject_cli_rejects_a_bad_topology_file_in_one_line(tmp_path, capsys):
                for ln in err), err
 
 
-def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_heal(cluster):
+@pytest.mark.parametrize("mode", PARTITION_MODES)
+def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_heal(cluster,
+                                                                                    mode):
     import torch
 
     from inject_train import reference_params
@@ -341,7 +394,8 @@ def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_h
                     "both nodes training", interval=0.1)
     r0 = both[0]["round"]
     cut_at = time.time()
-    topo.cut("node-b")
+    topo.cut("node-b", mode=mode)
+
     def round_without_b():
         job.check_agents()
         kv = job.client.get(schema.rdzv_state_key(job.name))
@@ -353,7 +407,7 @@ def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_h
     r1 = closed.round
     first = wait_for(reached(lambda ln: ln["round"] == r1), 60, "training in that round",
                      interval=0.05)
-    print(f"restart mode, node cut off (TTL {TTL:g}s): round {r1} without it closed "
+    print(f"restart mode, node cut off ({mode}, TTL {TTL:g}s): round {r1} without it closed "
           f"{closed.at - cut_at:.2f}s after the cut, first step {first[0]['t'] - cut_at:.2f}s")
     assert closed.at - cut_at < 4 * TTL + 10  # generous: timing belongs in benchmarks
     assert all(ln["rank"] == 0 for ln in lines() if ln["round"] == r1)  # without node-b

@@ -24,8 +24,9 @@
 * ``etcd-stall`` stops every etcd member at once for ``duration_s`` (``etcd_stall.py``);
 * ``join`` starts another ``hspmd-launch`` agent with the job's rendezvous id (inside the
   node's network namespace when the topology names the node);
-* ``partition`` brings a node's links (all, control or data; or an etcd member's) down for
-  ``duration_s`` and up again, through the topology file (``launcher.inject.topology``).
+* ``partition`` cuts a node's links (all, control or data; or an etcd member's) for
+  ``duration_s`` and heals them, through the topology file (``launcher.inject.topology``): in
+  ``mode`` ``down`` the links go down, in ``drop`` they stay up and drop every packet.
 
 Promises: a target that matches no live process of the job raises ``TargetNotFound`` naming
 the target and what the job has; every process the harness stopped is resumed, every link it
@@ -59,7 +60,7 @@ from launcher.inject.api import InjectError, NotOwnedError, TargetNotFound
 from launcher.inject.detect import Injected
 from launcher.inject.scenario import FaultSpec
 from launcher.inject.targets import Refused, WorkerTarget, find_agent, find_worker
-from launcher.inject.topology import NetTopology, set_link
+from launcher.inject.topology import NetTopology, cut_link
 from launcher.standalone import EtcdStartError
 
 log = logging.getLogger(__name__)
@@ -94,16 +95,19 @@ class InjectContext:
     spawned: dict[str, subprocess.Popen] = field(default_factory=dict)
     stopped: set[int] = field(default_factory=set)
     topology: Optional[NetTopology] = None
-    cut: set[tuple[str, str]] = field(default_factory=set)  # (netns, device) links down
+    cut: set[tuple[str, str, str]] = field(default_factory=set)  # (netns, device, mode) cut
     refusals: list[str] = field(default_factory=list)  # processes records named, not signalled
     procs: dict[int, psutil.Process] = field(default_factory=dict)  # proven targets, by pid
 
-    def set_links(self, netns: str, devices: Sequence[str], up: bool) -> None:
+    def set_links(self, netns: str, devices: Sequence[str], up: bool,
+                  mode: str = "down") -> None:
+        """Cut (``up`` False) or heal ``devices`` of ``netns`` in ``mode`` (down, drop)."""
         for dev in devices:
-            set_link(netns, dev, up)
-            (self.cut.discard if up else self.cut.add)((netns, dev))
+            cut_link(netns, dev, mode, cut=not up)
+            (self.cut.discard if up else self.cut.add)((netns, dev, mode))
         log.info("[%s] links %s of %s %s", self.job, ",".join(devices), netns,
-                 "up (healed)" if up else "down (cut)")
+                 "healed" if up else "down (cut)" if mode == "down"
+                 else "dropping every packet (cut)")
 
     @property
     def endpoints(self) -> str:
@@ -134,9 +138,9 @@ class InjectContext:
     def close(self, timeout: float = STOP_GRACE_S) -> None:
         """Heal the links it cut, resume what it stopped; stop and reap the agents it
         started."""
-        for netns, dev in sorted(self.cut):
+        for netns, dev, mode in sorted(self.cut):
             try:
-                self.set_links(netns, [dev], up=True)
+                self.set_links(netns, [dev], up=True, mode=mode)
             except InjectError as exc:
                 log.warning("[%s] healing a cut link: %s", self.job, exc)
         for pid in sorted(self.stopped):
@@ -383,7 +387,8 @@ class Join(FaultAction):
 
 
 class Partition(FaultAction):
-    """Cut a node's links (all, control or data), or an etcd member's, for ``duration_s``."""
+    """Cut a node's links (all, control or data), or an etcd member's, for ``duration_s``: down,
+    or up and dropping every packet (``mode``)."""
 
     def inject(self, ctx: InjectContext) -> Injection:
         if ctx.topology is None:
@@ -392,20 +397,20 @@ class Partition(FaultAction):
                                 "link devices)")
         t, p = self.spec.target, self.spec.params
         host = ctx.topology.host(node=t.get("node"), member=t.get("member"))
-        devices = host.devices(p["links"])
-        ctx.set_links(host.netns, devices, up=False)
+        devices, mode = host.devices(p["links"]), p.get("mode", "down")
+        ctx.set_links(host.netns, devices, up=False, mode=mode)
         duration = p["duration_s"]
 
         def heal() -> None:
             try:
-                ctx.set_links(host.netns, devices, up=True)
+                ctx.set_links(host.netns, devices, up=True, mode=mode)
             except InjectError as exc:
                 log.warning("[%s] healing %s: %s", ctx.job, self.spec.describe(), exc)
 
         return Injection(Injected(self.spec.fault, dict(t)),
                          {"netns": host.netns, "devices": devices, "links": p["links"],
-                          "duration_s": duration},
-                         [Timer(duration, "links up (healed)", heal, ends_fault=True)])
+                          "mode": mode, "duration_s": duration},
+                         [Timer(duration, "links healed", heal, ends_fault=True)])
 
 
 def _has_flag(args: list[str], flag: str) -> bool:

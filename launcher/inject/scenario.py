@@ -32,11 +32,14 @@ etcd-stall     - (every etcd member)                   duration_s (default 10)
 join           node                                    args (hspmd-launch flags + script), env
 partition      node, or member (an etcd member)        links: all | control | data (default
                                                        all; a member has control only),
+                                                       mode: down | drop (default down),
                                                        duration_s (default 10)
 ============== ======================================= ==========================================
 
 ``partition`` cuts links for ``duration_s`` and then heals them; it needs the job's network
-topology (``hspmd-launch inject --topology FILE``, ``launcher.inject.topology``). A partition of a
+topology (``hspmd-launch inject --topology FILE``, ``launcher.inject.topology``). ``mode``
+``down`` brings the links down (the cut host's own connections fail at once); ``drop`` leaves
+them up and drops every packet (connections from either side hang until their own timeouts). A partition of a
 node expects the job to react (a ``leave`` when the control link is cut past the lease TTL, an
 ``unreachable`` change when only the data link is, or a ``failure``/``stall``) and, in an elastic
 job, to take the node back after the heal (a ``join``), as after ``freeze-agent``'s thaw; one of
@@ -67,6 +70,7 @@ from launcher.inject.api import (
     WORKER_FAULTS,
     ScenarioError,
 )
+from launcher.inject.topology import PARTITION_MODES
 
 DEFAULT_DETECT_TIMEOUT_S = 30.0
 DEFAULT_RECOVER_TIMEOUT_S = 60.0
@@ -110,7 +114,7 @@ _PARAMS: dict[str, set[str]] = {
     "etcd-restart": {"down_s", "how"},
     "etcd-stall": {"duration_s"},
     "join": {"args", "env"},
-    "partition": {"links", "duration_s"},
+    "partition": {"links", "mode", "duration_s"},
 }
 
 
@@ -224,6 +228,11 @@ def _params(fault: str, entry: dict, where: str) -> dict[str, Any]:
             raise ScenarioError(where, f"links must be one of {', '.join(PARTITION_LINKS)}, "
                                        f"got {links!r}")
         p["links"] = links
+        mode = entry.get("mode", "down")
+        if mode not in PARTITION_MODES:
+            raise ScenarioError(where, f"mode must be one of {', '.join(PARTITION_MODES)}, "
+                                       f"got {mode!r}")
+        p["mode"] = mode
     if fault == "xid":
         if "xid" not in entry:
             raise ScenarioError(where, "xid needs an xid number (e.g. 79: GPU fell off the bus)")
