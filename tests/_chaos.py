@@ -26,6 +26,8 @@ passed.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -41,10 +43,10 @@ from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.inject.api import Report
 from launcher.inject.detect import FileProgress, JobObserver
-from launcher.inject.faults import InjectContext
+from launcher.inject.faults import InjectContext, make_fault
 from launcher.inject.harness import Harness
 from launcher.inject.report import all_handled
-from launcher.inject.scenario import Scenario, parse_scenario
+from launcher.inject.scenario import Scenario, parse_fault, parse_scenario
 from launcher.inject.topology import load_topology
 
 NODES = {"node-a": 1, "node-b": 1, "node-c": 3}  # workers per node
@@ -112,6 +114,9 @@ class ChaosJob:
                                                     data_seed=DATA_SEED)
         self.first_pids: dict[str, int] = {}
         self.spawned: dict[str, Any] = {}
+        self.overlap: Optional[KillDuringSwitch] = None
+        self.events: list = []  # the journal and the device verdicts the harness saw
+        self.verdicts: list = []
 
     @property
     def name(self) -> str:
@@ -174,9 +179,15 @@ class ChaosJob:
                             log_dir=str(self.topo.tmp / "inject"), env=self.env,
                             topology=load_topology(str(self.topo.topology_file())))
         self.harness = Harness(scenario, ctx, observer, wait_end_s=wait_end_s, on_row=on_row)
+        self.overlap = KillDuringSwitch(observer, ctx, OVERLAP_NODE).start() \
+            if any(f.fault == "join" and f.target.get("node") == OVERLAP_NODE
+                   for f in scenario.faults) else None
         try:
             return self.harness.run()
         finally:
+            if self.overlap is not None:
+                self.overlap.stop()
+            self.events, self.verdicts = observer.events(), observer.verdicts()
             self.spawned = dict(ctx.spawned)
             observer.stop()
             client.close()
@@ -218,6 +229,8 @@ class ChaosJob:
                 code = None
             if code != 0:
                 v.problems.append(f"agent {node} exited {code}: {agent.stderr()[-400:]}")
+        if self.overlap is not None:
+            v.problems += self.overlap.problems(self.events)
         for node, proc in self.spawned.items():
             if node not in gone and proc.poll() != 0:
                 v.problems.append(f"joined agent {node} exited {proc.returncode}")
@@ -246,6 +259,105 @@ class ChaosJob:
 
     def close(self) -> None:
         self.job.close()
+
+
+OVERLAP_NODE = "node-c"
+
+
+class KillDuringSwitch:
+    """Overlapping faults: while the job switches into the plan that takes ``node`` back (the
+    scenario's ``join``: a ``replan`` with a ``join <node>`` change, journaled after the
+    scenario started), the first worker that plan starts on ``node`` is SIGKILLed through the
+    harness's own ``kill-worker`` fault, as soon as its agent records it (``workers/<node>/<i>``
+    with that plan's version): that worker must take part in the switch's process group, so
+    the switch cannot have ended. Timed on the journal and the worker records the harness's
+    observer watches, never on sleeps. ``problems`` says what went wrong: no such switch, no
+    kill, or a kill after the switch had ended (its ``switch-done`` journaled first)."""
+
+    def __init__(self, observer: JobObserver, ctx: InjectContext, node: str,
+                 timeout: float = 900.0):
+        self.observer, self.ctx, self.node, self.timeout = observer, ctx, node, timeout
+        self.after_seq = observer.baseline().last_seq
+        self.version: Optional[int] = None
+        self.killed: Optional[dict[str, Any]] = None
+        self.error: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kill during a switch",
+                                         daemon=True)
+
+    def start(self) -> "KillDuringSwitch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _switch_version(self) -> Optional[int]:
+        for ev in self.observer.view.events_after(self.after_seq):
+            if ev.type == "replan" and any(
+                    c.kind == "join" and c.node == self.node
+                    for c in schema.event_detail(ev).changes):
+                return schema.event_detail(ev).version
+        return None
+
+    def _started(self) -> Optional[int]:
+        """The local rank of a worker of ``node`` started for the switch's plan, if any."""
+        for (node, rank), rec in sorted(self.observer.view.workers().items()):
+            if node == self.node and rec.plan_version == self.version:
+                return rank
+        return None
+
+    def _run(self) -> None:
+        deadline, gen = time.monotonic() + self.timeout, -1
+        try:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                gen = self.observer.wait_change(gen, 1.0)
+                if self.version is None:
+                    self.version = self._switch_version()
+                if self.version is None:
+                    continue
+                rank = self._started()
+                if rank is None:
+                    continue
+                spec = parse_fault({"fault": "kill-worker",
+                                    "target": {"node": self.node, "local_rank": rank}},
+                                   0, {"detect_timeout_s": 30.0, "recover_timeout_s": 90.0},
+                                   "kill during a switch")
+                inj = make_fault(spec).inject(self.ctx)
+                self.killed = dict(inj.detail, local_rank=rank, at=time.time())
+                return
+        except Exception as exc:  # noqa: BLE001 - reported by problems()
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def problems(self, events: list) -> list[str]:
+        if self.error is not None:
+            return [f"kill during a switch: {self.error}"]
+        if self.version is None:
+            return [f"kill during a switch: no plan took {self.node} back"]
+        if self.killed is None:
+            return [f"kill during a switch: no worker of {self.node} started for plan "
+                    f"v{self.version}"]
+        done = [ev for ev in events if ev.type == "switch-done" and ev.at <= self.killed["at"]
+                and schema.switch_of(ev).to_version == self.version]
+        if done:
+            return [f"kill during a switch: the switch into v{self.version} had ended "
+                    f"(event #{done[0].seq}) before the kill"]
+        return []
+
+    def summary(self, events: list) -> str:
+        """One line: what was killed, during which switch, and how that switch ended."""
+        end = "no end journaled"
+        for ev in events:
+            mark = schema.switch_of(ev)
+            if ev.type == "replan" and mark is not None and mark.from_version == self.version:
+                end = f"superseded by v{mark.to_version} (event #{ev.seq})"
+                break
+            if mark is not None and mark.to_version == self.version and ev.type != "replan":
+                end = f"{ev.type} (event #{ev.seq})"
+                break
+        return (f"killed {self.node}:{(self.killed or {}).get('local_rank')} during the switch "
+                f"into v{self.version}: {end}")
 
 
 def reference(steps: int) -> tuple[dict, list[float]]:

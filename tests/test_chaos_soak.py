@@ -5,13 +5,19 @@ namespaces of their own, a 3-member etcd in namespaces, real agents and workers;
 a fatal Xid, a suspect GPU drained, a GPU lost (each followed by a ``recover``: a fresh worker
 gets its state by BSR), a killed worker, a hung one, a killed agent and a fresh agent joining
 in its namespace, a frozen agent and a data-link cut (each node back after the thaw or heal), an
-etcd member restarted and every etcd member stalled past the lease TTL.
+etcd member restarted and every etcd member stalled past the lease TTL. Two faults overlap:
+while the job switches into the plan that takes node-c back (the ``join``), the first worker
+that plan starts on node-c is killed (timed on the journal and the worker records, see
+``_chaos.KillDuringSwitch``). The device faults go through the real detection path: the
+injector appends to the node's fault script, the agent's scripted health source
+(``--hspmd-health-source scripted:etcd``) makes the verdict, the leader replans on it.
 
 Checked: every fault handled (``recovered``, or ``survived`` for the etcd faults, with no
 reaction in the journal); no sample lost; every finished worker ran every step and switched
 only by BSR; the parameters equal the fault-free reference (float64, 1e-9); the worker that no
-fault touched is the same process; no process of the job is left (``marker``). The report table
-is printed. ``scripts/soak`` runs the long version (``chaos-soak.json``).
+fault touched is the same process; the overlapping kill hit the switch before it ended; the
+Xid's verdict is the health source's and the leader's replan names it; no process of the job
+is left (``marker``). The report table is printed. ``scripts/soak`` runs the long version (``chaos-soak.json``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import pytest
 import _chaos
 from _chaos import SCENARIOS, ChaosJob, Pace, steps_for
 
+from hspmd_elastic.contract import schema
+from launcher.health.rules import classify_xid
 from launcher.inject.api import RECOVERED, SURVIVED
 from launcher.inject.report import render_table
 
@@ -66,6 +74,22 @@ def test_one_cycle_of_thirteen_fault_kinds_on_three_hosts(netns, marker):
     assert report.samples_lost == 0 and report.final_step == job.pace.steps, table
     untouched = "node-a:0"  # slowed down and back, never restarted
     assert verdict.results[untouched]["pid"] == pids[untouched]
+    # overlapping faults: a worker killed while the job switched into the join's plan (judge()
+    # fails the run when the kill missed the switch)
+    assert job.overlap is not None and job.overlap.killed is not None, table
+    print(job.overlap.summary(job.events))
+    # a device fault through the real detection path: the injector wrote only the node's fault
+    # script; the agent's scripted health source turned it into the verdict (its Xid table's
+    # text), and that verdict is the change the leader replanned on
+    xid = rows["xid"][0]
+    assert xid.detail["key"] == schema.fault_script_key(job.name, "node-b"), xid.detail
+    assert xid.detail["faults"] == [{"device": 0, "kind": "xid", "xid": 48}], xid.detail
+    reason = f"{classify_xid(48).reason()} (scripted)"
+    assert any((v.node, v.index, v.state, v.reason) == ("node-b", 0, "failed", reason)
+               for v in job.verdicts), job.verdicts
+    assert any(c.kind == "failure" and c.devices == ["node-b:0"] and c.reason == reason
+               for ev in job.events if ev.type == "replan"
+               for c in schema.event_detail(ev).changes), table
 
 
 # ------------------------------------------------------------------- pure pieces it relies on
