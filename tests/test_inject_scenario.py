@@ -51,7 +51,8 @@ def test_every_fault_kind_parses():
     assert lost.params == suspect.params == recover.params == {}
     assert suspect.target == {"node": "b", "device": 1}
     assert stall.target == {} and stall.params == {"duration_s": 4.0}
-    assert cut.params == {"links": "data", "duration_s": 3.0} and cut.target == {"node": "b"}
+    assert cut.params == {"links": "data", "mode": "down", "duration_s": 3.0}
+    assert cut.target == {"node": "b"}
     assert (kill.at_step, kill.at_s, kill.target) == (3, None, {"node": "a", "local_rank": 1})
     assert (stop.at_s, stop.params) == (1.5, {"resume_after_s": 2.0})
     assert hang.target == {} and hang.params == {"escalate_after_s": 5.0}
