@@ -43,6 +43,7 @@ import torch
 from hspmd_elastic.coord import EtcdClient
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError
+from hspmd_elastic.elastic.busy import BusyMeter
 from hspmd_elastic.elastic.api import (ConfigurationError, Lifecycle, PlanWaitTimeout,
                                        ProgressReporter, SwitchTimings, TRANSITIONS, WorkerIdentity,
                                        WorkerProgress, WorkerState, reporter_from_env)
@@ -179,6 +180,7 @@ class _Worker:
             SwitchTimeouts(regroup_s=timeouts.regroup_s, comm_s=timeouts.comm_s),
             checkpoints=writer, checkpoint_dir=checkpoint_dir, undo=undo, init_from=init_from)
         self._rate = (time.monotonic(), 0)
+        self.busy = BusyMeter()  # this rank's own compute per step (elastic.busy)
 
     # ------------------------------------------------------------------------ main loop
     def run(self) -> RunResult:
@@ -307,9 +309,13 @@ class _Worker:
                 batch = rows_at(self.sample, self.step, self.global_batch,
                                 held.model.batch_rows())
                 self.watchdog.check(f"step {self.step}")
+                comm = held.model.comm
+                began, waited = time.perf_counter(), comm.waited_s
                 with self.former.armed(f"step {self.step}", self.timeouts.comm_s,
                                        self.watchdog.superseded):
                     loss = held.train_step(batch)
+                self.busy.add(self.version, time.perf_counter() - began,
+                              comm.waited_s - waited)
                 self.result.losses[self.step] = loss
                 self.step = held.step
                 if self.checkpoints and self.checkpoints.due(self.step):
@@ -369,7 +375,8 @@ class _Worker:
         try:
             self.reporter.report(WorkerProgress(os.getpid(), self.rank, self.identity.local_rank,
                                                 self.version, self.step, time.time(), rate,
-                                                self.lifecycle.state.value))
+                                                self.lifecycle.state.value,
+                                                self.busy.busy_s))
         except OSError as exc:
             self.log.warning("progress report failed: %s", exc)
 

@@ -230,7 +230,10 @@ def test_progress_reports_have_one_reader():
     assert progress_from_dict({**REPORT, "extra": [1]}, 1) == got  # other keys are ignored
     assert progress_from_dict({k: v for k, v in REPORT.items() if k != "state"}, 1).state == ""
     assert list(got.record_fields()) == ["pid", "global_rank", "local_rank", "plan_version",
-                                         "step", "last_progress_at", "steps_per_s"]
+                                         "step", "last_progress_at", "steps_per_s", "busy_s"]
+    assert got.busy_s == 0.0  # optional: absent is "not measured"
+    assert progress_from_dict({**REPORT, "busy_s": 0.25}, 1).busy_s == 0.25
+    assert progress_from_dict({**REPORT, "busy_s": math.nan}, 1) is None
 
 
 @pytest.mark.parametrize("change", [

@@ -89,6 +89,8 @@ def _sample(cls):
             return value([a for a in args if a is not type(None)][0])
         if origin is list:
             return [value(args[0])]
+        if origin is dict:
+            return {value(args[0]): value(args[1])}
         if dataclasses.is_dataclass(tp):
             return _sample(tp)
         return {int: 3, float: 1.5, str: "n0:1", bool: True}[tp]

@@ -43,6 +43,7 @@ class EventType(str, enum.Enum):
     DRAINED = "drained"
     UNREACHABLE = "unreachable"
     RETRY = "retry"
+    SPEEDS = "speeds"
 
 
 @dataclass
@@ -180,6 +181,22 @@ class RestartDetail(Detail):
     reason: str
 
 
+@dataclass
+class SpeedsDetail(Detail):
+    """The leader weighed the devices' measured speeds against the current plan: the numbers,
+    and whether a plan for the measured speeds pays for its switch (``replan``)."""
+
+    plan_version: int  # the plan the speeds were measured under
+    measured: dict[str, float]  # device -> speed measured under it (1.0: the fastest)
+    assumed: dict[str, float]  # device -> speed the plan was made for
+    step_now_s: float  # predicted step time of the current plan at the measured speeds
+    step_new_s: float  # predicted step time of the best plan for the measured speeds
+    gain_s: float  # predicted time saved over the horizon
+    cost_s: float  # predicted cost of the switch
+    replan: bool
+    reason: str
+
+
 EVENT_DETAILS: dict[str, type[Detail]] = {
     EventType.FAILURE.value: FailureDetail,
     EventType.JOIN.value: ChangeDetail,
@@ -196,6 +213,7 @@ EVENT_DETAILS: dict[str, type[Detail]] = {
     EventType.DRAINED.value: DrainedDetail,
     EventType.UNREACHABLE.value: ChangeDetail,
     EventType.RETRY.value: ChangeDetail,
+    EventType.SPEEDS.value: SpeedsDetail,
 }
 EVENT_TYPES: tuple[str, ...] = tuple(EVENT_DETAILS)
 NESTED_DETAIL_TYPES: tuple[type, ...] = (ExitInfo, PlanChange)

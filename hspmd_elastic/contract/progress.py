@@ -9,11 +9,13 @@ Promises:
   not use its device;
 * **the progress file**: a worker under an agent writes its latest ``WorkerProgress`` to the file
   the agent names in its environment (``WorkerEnv.progress_file``): one JSON object with
-  ``PROGRESS_FIELDS`` and ``state``, replaced atomically by rename (``write_progress``); nothing
+  ``PROGRESS_FIELDS``, ``state`` and the ``OPTIONAL_PROGRESS_FIELDS`` (``busy_s``: the rank's
+  own compute time per step), replaced atomically by rename (``write_progress``); nothing
   else writes that format;
 * the format has one reader: ``progress_from_dict`` checks one decoded object (every field of
   ``PROGRESS_FIELDS`` present with its type: integers that are not booleans, finite numbers;
-  ``state`` a string, "" when absent; other keys ignored) and ``read_progress`` reads a file with
+  an optional field absent is its default; ``state`` a string, "" when absent; other keys
+  ignored) and ``read_progress`` reads a file with
   it; both answer None for anything that is not (yet) a valid report, never raise. The agent
   relays the ``schema.WorkerRecord`` part to ``workers/<node>/<local_rank>``
   (``coord.contract.worker_record``); the worker never writes etcd.
@@ -64,6 +66,13 @@ PROGRESS_FIELDS: dict[str, type] = {
     "pid": int, "global_rank": int, "local_rank": int, "plan_version": int, "step": int,
     "last_progress_at": float, "steps_per_s": float,
 }
+# Fields a report may leave out (a script's own heartbeat does): name -> (type, default). Also
+# relayed to ``schema.WorkerRecord``, after ``PROGRESS_FIELDS``.
+OPTIONAL_PROGRESS_FIELDS: dict[str, tuple[type, Any]] = {
+    # seconds of the rank's own compute per step (the step's time minus its waits on peers'
+    # collectives and point-to-point), the median over the plan's recent steps; 0: not measured
+    "busy_s": (float, 0.0),
+}
 
 
 @dataclass
@@ -79,10 +88,13 @@ class WorkerProgress:
     last_progress_at: float
     steps_per_s: float
     state: str = WorkerState.TRAINING.value
+    busy_s: float = 0.0
 
     def record_fields(self) -> dict[str, Any]:
-        """The ``PROGRESS_FIELDS`` of this report (a ``schema.WorkerRecord``'s arguments)."""
-        return {name: getattr(self, name) for name in PROGRESS_FIELDS}
+        """The ``PROGRESS_FIELDS`` and ``OPTIONAL_PROGRESS_FIELDS`` of this report (a
+        ``schema.WorkerRecord``'s arguments)."""
+        return {name: getattr(self, name) for name in (*PROGRESS_FIELDS,
+                                                        *OPTIONAL_PROGRESS_FIELDS)}
 
 
 def _typed(value: Any, tp: type) -> Any:
@@ -108,6 +120,8 @@ def progress_from_dict(data: Any, local_rank: int) -> Optional[WorkerProgress]:
     try:
         values = {name: _typed(data[name], tp) for name, tp in PROGRESS_FIELDS.items()
                   if name != "local_rank"}
+        values.update({name: _typed(data.get(name, default), tp)
+                       for name, (tp, default) in OPTIONAL_PROGRESS_FIELDS.items()})
     except (KeyError, TypeError, ValueError):
         return None
     state = data.get("state", "")

@@ -132,6 +132,9 @@ class WorkerRecord(Record):
     step: int
     last_progress_at: float
     steps_per_s: float
+    # the rank's own compute per step in seconds (median of the plan's recent steps, waits on
+    # peers left out); 0: not measured (yet). The leader's measured speeds come from it.
+    busy_s: float = 0.0
 
 
 @dataclass

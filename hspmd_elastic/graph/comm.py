@@ -113,6 +113,9 @@ class Comm:
     device: torch.device = torch.device("cpu")
     _pending: list = field(default_factory=list)
     _held_sends: list = field(default_factory=list)  # CUDA: posted with the next receive
+    # seconds spent in waits on communication since the groups were made (the runtime's busy
+    # time of a step is the step's time minus what this grew by)
+    waited_s: float = 0.0
 
     @classmethod
     def create(cls, plan: Plan, config: ModelConfig, rank: int, *, timeout_s: float = 60.0,
@@ -145,7 +148,11 @@ class Comm:
         return self.groups[tuple(sorted(devices))]
 
     def wait(self, work, what: str) -> None:
-        self.waiter(work, what)
+        started = time.perf_counter()
+        try:
+            self.waiter(work, what)
+        finally:
+            self.waited_s += time.perf_counter() - started
 
     @staticmethod
     def post(start: Callable[[], object], what: str):
