@@ -132,6 +132,9 @@ class ElasticSettings:
     device_memory_bytes: int = 0
     device_speed: float = 1.0
     redundancy: int = 0  # every parameter slice on this many nodes, a hard constraint (0: none)
+    planner: str = "hetero"  # --hspmd-planner: hetero (HSPMD) or uniform (one TP/PP everywhere)
+    # --hspmd-straggler-replans: the leader replans on measured speeds (launcher.leader.speeds)
+    straggler_replans: bool = True
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,10 @@ from typing import Optional
 
 from launcher.api import ConfigError
 
-CAPACITY_FLAGS = ("hspmd_device_memory", "hspmd_device_speed", "hspmd_redundancy")  # CLI params
+CAPACITY_FLAGS = ("hspmd_device_memory", "hspmd_device_speed", "hspmd_redundancy",
+                  "hspmd_planner", "hspmd_straggler_replans")  # CLI params
+PLANNERS = ("hetero", "uniform")  # --hspmd-planner
+SWITCHES = {"on": True, "off": False}  # --hspmd-straggler-replans
 
 
 def parse_device_memory(value: Optional[str]) -> int:
@@ -65,8 +68,23 @@ def parse_redundancy(value: Optional[str], max_nodes: int) -> int:
     return count
 
 
+def _choice(flag: str, value: Optional[str], choices, default: str) -> str:
+    text = default if value is None else str(value).strip().lower()
+    if text not in choices:
+        raise ConfigError(f"invalid {flag} value {value!r}: use {' or '.join(choices)}")
+    return text
+
+
 def capacity_settings(params: dict, max_nodes: int) -> dict:
-    """The ``ElasticSettings`` fields of the three flags (``params``: the CLI's values)."""
+    """The ``ElasticSettings`` fields of the planning flags (``params``: the CLI's values):
+    declared memory and speed, the redundancy guarantee, ``--hspmd-planner`` (``hetero``, the
+    default, or ``uniform``: one TP/PP everywhere, even layers and rows) and
+    ``--hspmd-straggler-replans`` (``on``, the default, or ``off``)."""
     return {"device_memory_bytes": parse_device_memory(params.get("hspmd_device_memory")),
             "device_speed": parse_device_speed(params.get("hspmd_device_speed")),
-            "redundancy": parse_redundancy(params.get("hspmd_redundancy"), max_nodes)}
+            "redundancy": parse_redundancy(params.get("hspmd_redundancy"), max_nodes),
+            "planner": _choice("--hspmd-planner", params.get("hspmd_planner"), PLANNERS,
+                               "hetero"),
+            "straggler_replans": SWITCHES[_choice("--hspmd-straggler-replans",
+                                                  params.get("hspmd_straggler_replans"),
+                                                  tuple(SWITCHES), "on")]}

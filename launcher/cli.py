@@ -193,6 +193,10 @@ def _opt(*names: str, **kw):
       "(cuda:LOCAL_RANK when CUDA is available, else CPU; the default), cuda or cpu.")
 @_opt("--hspmd-redundancy", default=None, help="Elastic mode: every parameter slice on this "
       "many nodes, a hard constraint; the job fails when no plan keeps it (default: none).")
+@_opt("--hspmd-planner", default=None, help="Elastic mode: hetero (the default: plans fitted to "
+      "each device's speed and memory) or uniform (one TP/PP everywhere, even layers and rows).")
+@_opt("--hspmd-straggler-replans", default=None, help="Elastic mode: on (the default) or off: "
+      "replan when measured device speeds say a new plan gains more than the switch costs.")
 @launcher_options
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)

@@ -26,8 +26,9 @@ import click
 from hspmd_elastic.contract.ids import parse_device_id
 from hspmd_elastic.plan import Plan, PlanError
 from hspmd_elastic.planner import (Inventory, PlanInfeasibleError, PlannerError, PlannerOptions,
-                                   inventory_from_dict, inventory_from_nodes, parse_bytes,
-                                   plan_for, preset, profile_from_dict)
+                                   estimate_plan, inventory_from_dict, inventory_from_nodes,
+                                   parse_bytes, plan_for, preset, profile_from_dict,
+                                   uniform_inventory)
 from launcher.numbers import number
 
 
@@ -196,12 +197,15 @@ def load_profile(model: str):
                    "CPU workers).")
 @click.option("--alternatives", type=number("plan --alternatives"), default=3, show_default=True,
               help="Next-best plans to show (0..100).")
+@click.option("--uniform", is_flag=True,
+              help="The best uniform SPMD plan (one TP/PP everywhere, even layers and rows), "
+                   "as --hspmd-planner uniform plans; its step time on these devices is added.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, ...],
                  degrade: tuple[str, ...], current: Optional[str], tp: Optional[str],
                  pp: Optional[str], cross_node_replicas: bool, redundancy: int,
                  device_memory: Optional[str], all_devices: bool, alternatives: int,
-                 as_json: bool) -> None:
+                 uniform: bool, as_json: bool) -> None:
     """Show the plan the planner would choose for a (hypothetical) cluster."""
     try:
         inventory = load_inventory(devices)
@@ -224,13 +228,23 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
                              cross_node_replicas=cross_node_replicas, redundancy=redundancy,
                              use_all_devices=all_devices, alternatives=alternatives)
     try:
-        result = plan_for(inventory, profile, global_batch, current_plan, options)
+        result = plan_for(uniform_inventory(inventory) if uniform else inventory, profile,
+                          global_batch, current_plan, options)
+        real = estimate_plan(result.plan, inventory, profile, options) if uniform else None
     except PlanInfeasibleError as exc:
         raise click.ClickException(str(exc)) from None
     except PlannerError as exc:
         raise click.UsageError(str(exc)) from None
-    click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True) if as_json
-               else result.explain())
+    if as_json:
+        doc = result.to_dict()
+        if real is not None:
+            doc["uniform"] = {"step_time_s": real.step_time_s, "tokens_per_s": real.tokens_per_s}
+        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        return
+    click.echo(result.explain())
+    if real is not None:
+        click.echo(f"uniform plan on these devices: step {real.step_time_s:.4g} s, "
+                   f"{real.tokens_per_s:,.0f} tokens/s (estimate)")
 
 
 command = plan_command  # the name launcher.cli's subcommand table looks up

@@ -13,7 +13,8 @@ from hspmd_elastic.planner.api import (Candidate, Device, DeviceSpec, Estimate, 
 from hspmd_elastic.planner.cost import estimate_plan, switch_bytes
 from hspmd_elastic.planner.devices import (BUILTIN_SPECS, cpu_inventory, inventory_from_dict,
                                            inventory_from_nodes, lookup_spec,
-                                           register_device_type, spec_for_device)
+                                           register_device_type, spec_for_device,
+                                           uniform_inventory)
 from hspmd_elastic.planner.explain import layout_line
 from hspmd_elastic.planner.fallback import fallback_dp_plan
 from hspmd_elastic.planner.profiles import PRESETS, preset, profile_from_config, profile_from_dict
@@ -25,5 +26,5 @@ __all__ = [
     "PlannerOptions", "RedundancyError", "cpu_inventory", "estimate_plan", "fallback_dp_plan",
     "fmt_bytes", "inventory_from_dict", "inventory_from_nodes", "layout_line", "lookup_spec",
     "parse_bytes", "plan_for", "preset", "profile_from_config", "profile_from_dict",
-    "register_device_type", "spec_for_device", "switch_bytes",
+    "register_device_type", "spec_for_device", "switch_bytes", "uniform_inventory",
 ]

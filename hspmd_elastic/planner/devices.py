@@ -227,3 +227,28 @@ def cpu_inventory(ranks_per_node: Mapping[str, list[int]],
     spec = spec or BUILTIN_SPECS["CPU"]
     return Inventory(tuple(Device(r, node, spec) for node, ranks in ranks_per_node.items()
                            for r in ranks))
+
+
+def uniform_inventory(inventory: Inventory) -> Inventory:
+    """The inventory as uniform SPMD sees it: every device that is not failed the same device,
+    the weakest of them (the least effective FLOP/s, memory and bandwidths of any, no slowdown),
+    so the planner's answer over it is the best uniform plan: one TP and PP degree everywhere,
+    even layers and even rows (``hspmd-launch plan --uniform``, ``--hspmd-planner uniform``).
+    Failed devices stay failed. Pure."""
+    live = [d for d in inventory.devices if d.health is not Health.FAILED]
+    if not live:
+        return inventory
+    slowest = min(live, key=lambda d: d.spec.peak_tflops * d.spec.mfu / d.slowdown)
+    spec = replace(
+        slowest.spec, name="uniform",
+        peak_tflops=slowest.spec.peak_tflops / slowest.slowdown,
+        memory_bytes=min(d.spec.memory_bytes for d in live),
+        intra_node_gbps=min(d.spec.intra_node_gbps for d in live),
+        inter_node_gbps=min(d.spec.inter_node_gbps for d in live),
+        microbatch_overhead_s=max(d.spec.microbatch_overhead_s * d.slowdown for d in live),
+        link_latency_s=max(d.spec.link_latency_s for d in live))
+    return Inventory(tuple(
+        d if d.health is Health.FAILED else replace(d, spec=spec, health=Health.HEALTHY,
+                                                    slowdown=1.0)
+        for d in inventory.devices))
+

@@ -20,6 +20,7 @@ current ``Plan`` and ``PlannerOptions`` in; a ``PlanResult`` out). Promises:
   every parameter slice on two nodes; ``RedundantPlanner`` wraps a planner so every plan keeps
   every slice on ``--hspmd-redundancy`` nodes (a hard constraint, whatever the options), and
   remembers why the last search found none (``shortfall``) so the agent can end the job;
+  ``UniformPlanner`` wraps a planner so every plan is uniform SPMD (``--hspmd-planner uniform``);
 * importing this module does not import the planner (its search loads scipy): the planner
   package is imported when a plan is first made.
 """
@@ -104,6 +105,28 @@ class RedundantPlanner:
                                       "fallback plan under --hspmd-redundancy") from exc
         self.shortfall = ""
         return result
+
+
+class UniformPlanner:
+    """A ``PlannerFn`` that plans uniform SPMD (``--hspmd-planner uniform``): ``planner_fn`` over
+    ``planner.uniform_inventory`` (every live device taken for the weakest one), so the plan has
+    one TP and PP degree everywhere, even layers and even rows, whatever the devices' speeds.
+    The conservative mode, and the baseline heterogeneous plans are measured against."""
+
+    def __init__(self, planner_fn: PlannerFn):
+        self.planner_fn = planner_fn
+
+    @property
+    def shortfall(self) -> str:
+        return getattr(self.planner_fn, "shortfall", "")
+
+    def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
+                 current_plan: Optional[Plan] = None,
+                 options: Optional[PlannerOptions] = None) -> PlanResult:
+        from hspmd_elastic.planner import PlannerOptions, uniform_inventory
+
+        return self.planner_fn(uniform_inventory(inventory), profile, global_batch,
+                               current_plan=current_plan, options=options or PlannerOptions())
 
 
 def default_planner_options(devices: Sequence[DeviceView]) -> PlannerOptions:

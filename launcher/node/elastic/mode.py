@@ -70,6 +70,7 @@ from launcher.console import ElasticWaits
 from launcher.health.api import HealthSource
 from launcher.jobview import Table, WatchedJob
 from launcher.leader import Leader, RedundantPlanner, build_snapshot
+from launcher.leader.planning import UniformPlanner
 from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
 from launcher.node.elastic.devices import device_table
 from launcher.node.elastic.node import ElasticNode
@@ -262,6 +263,8 @@ class ElasticMode:
         planner = plan_for
         if settings.redundancy:
             planner = self._planner = RedundantPlanner(plan_for, settings.redundancy)
+        if settings.planner == "uniform":
+            planner = UniformPlanner(planner)
         leader = Leader(self.client, self.session, self.job, self.node_id, planner,
                         self.settings.model_profile, self.settings.global_batch,
                         debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes,
