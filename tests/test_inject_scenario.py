@@ -40,6 +40,9 @@ ONE_OF_EACH = [
     {"fault": "join", "target": {"node": "c"}, "args": ["--nproc-per-node", "1", "t.py"],
      "env": {"X": "1"}, "detect_timeout_s": 5, "comment": "a third node"},
     {"fault": "partition", "target": {"node": "b"}, "links": "data", "duration_s": 3},
+    {"fault": "throttle", "target": {"node": "a", "local_rank": 1}, "cpus": 0.25,
+     "duration_s": 6},
+    {"fault": "unthrottle", "target": {"node": "a", "local_rank": 1}},
 ]
 
 
@@ -47,7 +50,9 @@ def test_every_fault_kind_parses():
     sc = parse_scenario(scenario(*ONE_OF_EACH, defaults={"recover_timeout_s": 7}))
     assert [f.fault for f in sc.faults] == list(FAULT_NAMES)
     kill, stop, hang, _, freeze, xid, ecc, thermal, lost, suspect, recover, etcd, stall, join, \
-        cut = sc.faults
+        cut, throttle, unthrottle = sc.faults
+    assert throttle.params == {"cpus": 0.25, "duration_s": 6.0} and unthrottle.params == {}
+    assert throttle.target == unthrottle.target == {"node": "a", "local_rank": 1}
     assert lost.params == suspect.params == recover.params == {}
     assert suspect.target == {"node": "b", "device": 1}
     assert stall.target == {} and stall.params == {"duration_s": 4.0}

@@ -25,8 +25,10 @@ AGENT_FAULTS = ("kill-agent", "freeze-agent")
 DEVICE_FAULTS = ("xid", "ecc", "thermal", "lost", "suspect", "recover")
 NETWORK_FAULTS = ("partition",)
 ETCD_FAULTS = ("etcd-restart", "etcd-stall")  # the job should ride them through
+# A worker's CPU capped (a real CFS quota: ``launcher.cgroups``), and the cap lifted.
+SPEED_FAULTS = ("throttle", "unthrottle")
 FAULT_NAMES = (*WORKER_FAULTS, *AGENT_FAULTS, *DEVICE_FAULTS, *ETCD_FAULTS, "join",
-               *NETWORK_FAULTS)
+               *NETWORK_FAULTS, *SPEED_FAULTS)
 
 # What a report row's ``outcome`` may say.
 RECOVERED = "recovered"  # detected (when a reaction is expected) and training went on

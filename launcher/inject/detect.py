@@ -16,8 +16,11 @@ observations, so they are unit-tested without a job:
   ``suspect`` for suspect, ``healthy`` for recover) or the leader's event about the device
   (``failure``/``degrade``, ``drain``, ``recover``) for a device fault; a ``join`` event for a
   join; a ``partition`` of a node is matched like an agent fault (an ``unreachable`` event
-  about it: its data link cut); an etcd restart or stall, a partition of an etcd member and an
-  informational Xid expect no reaction (``reactions``: the journal must show none);
+  about it: its data link cut); a ``throttle`` (``unthrottle``) by the first ``replan`` with a
+  ``degrade`` (``recover``) change naming the worker's device ``<node>:<local_rank>`` (the
+  leader saw it compute slower, or fast again); an etcd restart or stall, a partition of an
+  etcd member and an informational Xid expect no reaction (``reactions``: the journal must
+  show none);
 * ``match_recovery``: the ``switch-done`` event of the plan that handled the fault (elastic jobs:
   the first ``replan`` whose ``reason`` names the target, ``replan_changes``), else the first
   progress in a newer round or plan than the one the fault hit (restart-mode jobs); for faults
@@ -54,6 +57,7 @@ from launcher.inject.api import (
 )
 from launcher.inject import progress as _progress
 from launcher.inject.progress import EtcdProgress, ProgressSource
+from launcher.inject.scenario import SPEED_FAULTS
 from launcher.jobview import Table, WatchedJob
 
 # The progress sources, importable from here too (the observer's callers use them together).
@@ -69,6 +73,8 @@ DEVICE_VERDICT = {"thermal": "degraded", "suspect": "suspect", "recover": "healt
 DEVICE_EVENTS = {"thermal": ("failure", "degrade"), "suspect": ("drain",),
                  "recover": ("recover",)}
 DEVICE_CHANGES = {"thermal": ("degrade",), "suspect": ("drain",), "recover": ("recover",)}
+# The replan change that handles a worker's CPU capped, or the cap lifted.
+SPEED_CHANGES = {"throttle": "degrade", "unthrottle": "recover"}
 # Journal events that say a job reacted: a fault it should ride through must cause none.
 REACTIONS = ("replan", "restart", "leave", "failure", "stall", "unreachable")
 
@@ -230,6 +236,8 @@ def match_detection(inj: Injected, base: Baseline, events: Sequence[schema.Event
             hit = _agent_event(ev, inj.target["node"])
         elif fault in DEVICE_FAULTS:
             hit = _device_event(ev, inj)
+        elif fault in SPEED_FAULTS:
+            hit = any(_names_fault(inj, kind, targets) for kind, targets in replan_changes(ev))
         elif fault == "join":
             hit = ev.type == "join" and (ev.node in (None, inj.target["node"])
                                          or inj.target["node"] in schema.event_detail(ev).nodes)
@@ -266,6 +274,9 @@ def _names_fault(inj: Injected, kind: str, targets: tuple[str, ...]) -> bool:
             return True  # the node had no usable device left: it comes back as a join
         return kind in DEVICE_CHANGES.get(inj.fault, ("failure",)) and \
             device_id(node, t.get("device")) in targets
+    if inj.fault in SPEED_FAULTS:
+        return kind == SPEED_CHANGES[inj.fault] and \
+            device_id(node, t.get("local_rank")) in targets
     if inj.fault == "join":
         return kind == "join" and node in targets
     return False

@@ -26,7 +26,9 @@
   node's network namespace when the topology names the node);
 * ``partition`` cuts a node's links (all, control or data; or an etcd member's) for
   ``duration_s`` and heals them, through the topology file (``launcher.inject.topology``): in
-  ``mode`` ``down`` the links go down, in ``drop`` they stay up and drop every packet.
+  ``mode`` ``down`` the links go down, in ``drop`` they stay up and drop every packet;
+* ``throttle`` caps a worker's CPU at a share of a core in a real cgroup, ``unthrottle`` lifts
+  the cap (``throttle.py``; ``InjectContext.close`` removes every cgroup it made).
 
 Promises: a target that matches no live process of the job raises ``TargetNotFound`` naming
 the target and what the job has; every process the harness stopped is resumed, every link it
@@ -58,7 +60,7 @@ from launcher.health.scripted import Fault, encode_fault_script, parse_faults
 from launcher.health.verdicts import fault_script_key
 from launcher.inject.api import InjectError, NotOwnedError, TargetNotFound
 from launcher.inject.detect import Injected
-from launcher.inject.scenario import FaultSpec
+from launcher.inject.scenario import SPEED_FAULTS, FaultSpec
 from launcher.inject.targets import Refused, WorkerTarget, find_agent, find_worker
 from launcher.inject.topology import NetTopology, cut_link
 from launcher.standalone import EtcdStartError
@@ -98,6 +100,7 @@ class InjectContext:
     cut: set[tuple[str, str, str]] = field(default_factory=set)  # (netns, device, mode) cut
     refusals: list[str] = field(default_factory=list)  # processes records named, not signalled
     procs: dict[int, psutil.Process] = field(default_factory=dict)  # proven targets, by pid
+    cpu_quota: Any = None  # throttle.Quotas: the CPU cgroups throttle made, removed by close
 
     def set_links(self, netns: str, devices: Sequence[str], up: bool,
                   mode: str = "down") -> None:
@@ -138,6 +141,8 @@ class InjectContext:
     def close(self, timeout: float = STOP_GRACE_S) -> None:
         """Heal the links it cut, resume what it stopped; stop and reap the agents it
         started."""
+        if self.cpu_quota is not None:
+            self.cpu_quota.close()
         for netns, dev, mode in sorted(self.cut):
             try:
                 self.set_links(netns, [dev], up=True, mode=mode)
@@ -452,4 +457,7 @@ FAULT_CLASSES: dict[str, type[FaultAction]] = {
 
 
 def make_fault(spec: FaultSpec) -> FaultAction:
+    if spec.fault in SPEED_FAULTS:
+        from launcher.inject.throttle import SPEED_FAULT_CLASSES
+        return SPEED_FAULT_CLASSES[spec.fault](spec)
     return FAULT_CLASSES[spec.fault](spec)

@@ -34,6 +34,9 @@ partition      node, or member (an etcd member)        links: all | control | da
                                                        all; a member has control only),
                                                        mode: down | drop (default down),
                                                        duration_s (default 10)
+throttle       node, local_rank (both required)        cpus in (0, cores] (required: the share
+                                                       of one core), duration_s (then lifted)
+unthrottle     node, local_rank (both required)        - (lifts the cap a throttle set)
 ============== ======================================= ==========================================
 
 ``partition`` cuts links for ``duration_s`` and then heals them; it needs the job's network
@@ -48,6 +51,13 @@ stops every etcd member at once (SIGSTOP) for ``duration_s`` and resumes them: l
 lease TTL, every lease expires, and the job should ride through it too (the agents re-register;
 nothing is replanned).
 
+``throttle`` puts a running worker in a CPU cgroup capped at ``cpus`` of a core
+(``launcher.cgroups``: a real CFS quota, so the worker really computes that much slower: a
+straggler appears mid-run); ``unthrottle`` (or ``duration_s`` after the throttle) lifts the cap.
+They act on this machine's cgroups, so the harness runs on the worker's host; the job is
+expected to replan the device ``<node>:<local_rank>`` with a ``degrade`` change (a ``recover``
+one after the unthrottle).
+
 Every entry may also give ``detect_timeout_s``, ``recover_timeout_s`` and ``comment``.
 Promises: a scenario is validated as a whole; the first problem raises ``ScenarioError`` naming
 the file, the entry (index and fault) and the bad value with what would be valid.
@@ -56,6 +66,7 @@ the file, the entry (index and fault) and the bad value with what would be valid
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -66,10 +77,12 @@ from launcher.inject.api import (
     DEVICE_FAULTS,
     FAULT_NAMES,
     SCENARIO_KIND,
+    SPEED_FAULTS,
     SCENARIO_SCHEMA,
     WORKER_FAULTS,
     ScenarioError,
 )
+from launcher.cgroups import MIN_QUOTA_US, PERIOD_US
 from launcher.inject.topology import PARTITION_MODES
 
 DEFAULT_DETECT_TIMEOUT_S = 30.0
@@ -80,6 +93,8 @@ DEFAULT_ETCD_DOWN_S = 0.5
 DEFAULT_PARTITION_S = 10.0
 DEFAULT_ETCD_STALL_S = 10.0
 PARTITION_LINKS = ("all", "control", "data")
+SCENARIO_FAULTS = FAULT_NAMES
+MIN_CPUS = MIN_QUOTA_US / PERIOD_US
 
 _TOP_FIELDS = {"schema", "kind", "name", "description", "defaults", "faults"}
 _DEFAULT_FIELDS = {"detect_timeout_s", "recover_timeout_s", "trigger_timeout_s"}
@@ -93,11 +108,13 @@ _TARGETS: dict[str, set[str]] = {
     "etcd-stall": set(),
     "join": {"node"},
     **{f: {"node", "member"} for f in NETWORK_FAULTS},
+    **{f: {"node", "local_rank"} for f in SPEED_FAULTS},
 }
 _REQUIRED_TARGET: dict[str, tuple[str, ...]] = {
     **{f: ("node",) for f in AGENT_FAULTS},
     **{f: ("node", "device") for f in DEVICE_FAULTS},
     "join": ("node",),
+    **{f: ("node", "local_rank") for f in SPEED_FAULTS},
 }
 _PARAMS: dict[str, set[str]] = {
     "kill-worker": set(),
@@ -115,6 +132,8 @@ _PARAMS: dict[str, set[str]] = {
     "etcd-stall": {"duration_s"},
     "join": {"args", "env"},
     "partition": {"links", "mode", "duration_s"},
+    "throttle": {"cpus", "duration_s"},
+    "unthrottle": set(),
 }
 
 
@@ -209,6 +228,19 @@ def _target(fault: str, body: Any, where: str) -> dict[str, Any]:
     return out
 
 
+def _cpus(entry: dict, where: str) -> float:
+    """``throttle``'s ``cpus``: the share of one core, in ``[MIN_CPUS, cores]``."""
+    if "cpus" not in entry:
+        raise ScenarioError(where, "throttle needs cpus: the share of one core the worker keeps "
+                                   "(e.g. 0.125)")
+    cores = os.cpu_count() or 1
+    cpus = _number(entry["cpus"], "cpus", where, positive=True, maximum=float(cores))
+    if cpus < MIN_CPUS:
+        raise ScenarioError(where, f"cpus must be >= {MIN_CPUS:g} (the kernel's smallest CFS "
+                                   f"quota), got {entry['cpus']!r}")
+    return cpus
+
+
 def _params(fault: str, entry: dict, where: str) -> dict[str, Any]:
     p: dict[str, Any] = {}
     if fault == "stop-worker":
@@ -243,6 +275,8 @@ def _params(fault: str, entry: dict, where: str) -> dict[str, Any]:
         if "slowdown" not in entry:
             raise ScenarioError(where, "thermal needs a slowdown in (0, 1] (relative speed)")
         p["slowdown"] = _number(entry["slowdown"], "slowdown", where, positive=True, maximum=1.0)
+    if fault == "throttle":
+        p["cpus"] = _cpus(entry, where)
     if fault == "etcd-restart":
         p["down_s"] = _number(entry.get("down_s", DEFAULT_ETCD_DOWN_S), "down_s", where)
         how = entry.get("how", "kill")
@@ -268,8 +302,8 @@ def parse_fault(entry: Any, index: int, defaults: dict[str, float], where: str) 
     if not isinstance(entry, dict):
         raise ScenarioError(here, f"expected a JSON object, got {type(entry).__name__}")
     fault = entry.get("fault")
-    if fault not in FAULT_NAMES:
-        raise ScenarioError(here, f"fault {fault!r} is not one of {', '.join(FAULT_NAMES)}")
+    if fault not in SCENARIO_FAULTS:
+        raise ScenarioError(here, f"fault {fault!r} is not one of {', '.join(SCENARIO_FAULTS)}")
     here = f"{here} ({fault})"
     _unknown(entry, _COMMON | _PARAMS[fault], f"field(s) for {fault}", here)
     at_s, at_step = _at(entry.get("at", 0.0), here)
