@@ -135,6 +135,7 @@ class ElasticSettings:
     planner: str = "hetero"  # --hspmd-planner: hetero (HSPMD) or uniform (one TP/PP everywhere)
     # --hspmd-straggler-replans: the leader replans on measured speeds (launcher.leader.speeds)
     straggler_replans: bool = True
+    straggler_dwell_s: float = 30.0  # --hspmd-straggler-dwell: seconds between such switches
 
 
 @dataclass(frozen=True)

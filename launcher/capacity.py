@@ -17,7 +17,8 @@ from typing import Optional
 from launcher.api import ConfigError
 
 CAPACITY_FLAGS = ("hspmd_device_memory", "hspmd_device_speed", "hspmd_redundancy",
-                  "hspmd_planner", "hspmd_straggler_replans")  # CLI params
+                  "hspmd_planner", "hspmd_straggler_replans",
+                  "hspmd_straggler_dwell")  # CLI params
 PLANNERS = ("hetero", "uniform")  # --hspmd-planner
 SWITCHES = {"on": True, "off": False}  # --hspmd-straggler-replans
 
@@ -87,4 +88,6 @@ def capacity_settings(params: dict, max_nodes: int) -> dict:
                                "hetero"),
             "straggler_replans": SWITCHES[_choice("--hspmd-straggler-replans",
                                                   params.get("hspmd_straggler_replans"),
-                                                  tuple(SWITCHES), "on")]}
+                                                  tuple(SWITCHES), "on")],
+            **({} if params.get("hspmd_straggler_dwell") is None else
+               {"straggler_dwell_s": params["hspmd_straggler_dwell"]})}

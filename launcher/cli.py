@@ -197,6 +197,9 @@ def _opt(*names: str, **kw):
       "each device's speed and memory) or uniform (one TP/PP everywhere, even layers and rows).")
 @_opt("--hspmd-straggler-replans", default=None, help="Elastic mode: on (the default) or off: "
       "replan when measured device speeds say a new plan gains more than the switch costs.")
+@_opt("--hspmd-straggler-dwell", type=number("--hspmd-straggler-dwell"), default=None,
+      help="Elastic mode: seconds at least between two switches driven by measured speeds "
+           "(0..3600, default 30), so a noisy device does not flap.")
 @launcher_options
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)

@@ -40,6 +40,7 @@ RANGES: dict[str, NumberRange] = {
     "--hspmd-lease-ttl": NumberRange(1.0, HOUR, unit="seconds"),
     "--hspmd-etcd-outage-limit": NumberRange(1.0, DAY, unit="seconds"),
     "--hspmd-debounce": NumberRange(0.0, 60.0, unit="seconds"),
+    "--hspmd-straggler-dwell": NumberRange(0.0, HOUR, unit="seconds"),
     "--hspmd-seq-len": NumberRange(1, MAX_ROWS, integer=True),
     "--hspmd-global-batch": NumberRange(1, MAX_ROWS, integer=True),
     # hspmd-launch plan

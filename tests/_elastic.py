@@ -196,7 +196,9 @@ def reference_params(payload: dict):
     sample = synthetic_sampler(config, payload["data_seed"])
     batches = [global_batch_at(sample, s, payload["global_batch"])
                for s in range(payload["steps"])]
-    params, _losses = reference_train(config, payload["seed"], batches, AdamWConfig())
+    eps = payload.get("adam_eps")
+    params, _losses = reference_train(config, payload["seed"], batches,
+                                      AdamWConfig() if eps is None else AdamWConfig(eps=eps))
     return params
 
 
@@ -227,13 +229,16 @@ def assert_matches_reference(results, payload: dict, tol: float = 1e-9) -> None:
 
 
 def reference_payload(config, *, steps: int, global_batch: int, seed: int,
-                      data_seed: int) -> dict:
+                      data_seed: int, adam_eps: Optional[float] = None) -> dict:
     """What the reference needs of a run of ``tests/scripts/elastic_train.py`` with these
-    arguments (``config``: a ``ModelConfig``)."""
+    arguments (``config``: a ``ModelConfig``; ``adam_eps``: its ``--adam-eps``, if given)."""
     import dataclasses
 
-    return {"config": dataclasses.asdict(config), "data_seed": data_seed,
-            "global_batch": global_batch, "steps": steps, "seed": seed}
+    payload = {"config": dataclasses.asdict(config), "data_seed": data_seed,
+               "global_batch": global_batch, "steps": steps, "seed": seed}
+    if adam_eps is not None:
+        payload["adam_eps"] = adam_eps
+    return payload
 
 
 def assert_recovered_in_memory(results: dict[str, dict], survivors: dict[str, int],

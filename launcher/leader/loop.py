@@ -59,6 +59,7 @@ from hspmd_elastic.coord.election import Election
 from hspmd_elastic.coord.lease import LeasedSession
 from hspmd_elastic.coord.lifecycle import StateMachine, Transition
 from hspmd_elastic.coord.plans import publish_plan, read_plan
+from hspmd_elastic.coord.journal import append_event
 from launcher.jobview import Table, WatchedJob
 from launcher.leader.decide import (ChangeKind, PlanDecision, decide, largest_cluster,
                                     select_nodes)
@@ -73,6 +74,7 @@ from launcher.leader.snapshot import ClusterSnapshot, build_snapshot
 
 if TYPE_CHECKING:
     from hspmd_elastic.planner import ModelProfile, PlannerOptions
+    from launcher.leader.stragglers import StragglerWatch
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +154,8 @@ class Leader:
                  max_nodes: Optional[int] = None,
                  planner_options: Optional[PlannerOptions] = None,
                  wall_clock: Clock = time.time, election_recheck_s: float = 1.0,
-                 hold: Optional[Callable[[], bool]] = None, view: Optional[WatchedJob] = None):
+                 hold: Optional[Callable[[], bool]] = None, view: Optional[WatchedJob] = None,
+                 stragglers: Optional["StragglerWatch"] = None):
         if debounce_s < 0 or max_debounce_s < debounce_s:
             raise ValueError(f"need 0 <= debounce_s ({debounce_s}) <= max_debounce_s "
                              f"({max_debounce_s})")
@@ -186,6 +189,10 @@ class Leader:
         self._no_devices = False
         self._retries = (-1, 0)  # (furthest step, retry-only publications at that step)
         self._spares: set[str] = set()  # nodes said to be spares (logged once each)
+        # measured speeds (``stragglers``): the snapshot plans for ``stragglers.applied``
+        self.stragglers = stragglers
+        if stragglers is not None and stragglers.journal is None:
+            stragglers.journal = self._journal_speeds
         # The process's job view (the agent's, shared); without one the leader makes its own.
         self.view = view if view is not None else WatchedJob(client, job, name=f"leader {node}")
         self._own_view = view is None
@@ -276,6 +283,9 @@ class Leader:
             self._take_office()
         started = time.monotonic()
         snap, current = self._snapshot()
+        if self.stragglers is not None and self.stragglers.observe(
+                self._workers(), current, snap.usable()):
+            snap, current = self._snapshot()  # the speeds to plan for changed
         self._note_spares(snap, current)
         decision = decide(snap, current, self.min_nodes, self.max_nodes)
         self._tick_cost = time.monotonic() - started
@@ -337,15 +347,31 @@ class Leader:
     def _snapshot(self) -> tuple[ClusterSnapshot, Optional[schema.PlanRecord]]:
         """The cluster as the view has it; built again only after one of its tables changed."""
         cached = self._cached
-        if cached is not None and cached[0] == self.view.generations(LEADER_TABLES):
+        measured = dict(self.stragglers.applied) if self.stragglers is not None else {}
+        key = (self.view.generations(LEADER_TABLES), tuple(sorted(measured.items())))
+        if cached is not None and cached[0] == key:
             return cached[1], cached[2]
         gens, t = self.view.copy(LEADER_TABLES)
         plan = t[Table.PLAN].get("current")
         planned = frozenset(node_of(d) for d in plan.devices) if plan else frozenset()
         snap = build_snapshot(t[Table.NODES], t[Table.DEVICES], self.node, t[Table.WORKERS],
-                              reach=t[Table.REACH], planned=planned, retry=t[Table.RETRY])
-        self._cached = (gens, snap, plan)
+                              reach=t[Table.REACH], planned=planned, retry=t[Table.RETRY],
+                              measured=measured)
+        self._cached = ((gens, tuple(sorted(measured.items()))), snap, plan)
         return snap, plan
+
+    def _workers(self) -> dict:
+        """The workers' records (the measured busy times), as the view has them."""
+        return self.view.copy((Table.WORKERS,))[1][Table.WORKERS]
+
+    def _journal_speeds(self, detail: schema.SpeedsDetail) -> None:
+        """One ``speeds`` event: a decision on measured speeds, with its numbers."""
+        try:
+            append_event(self.client, self.job, schema.EventType.SPEEDS.value, self.node,
+                         detail, wall_clock=self._wall)
+        except CoordinationError as exc:
+            log.warning("[%s] leader %s: could not journal measured speeds: %s", self.job,
+                        self.node, exc)
 
     def _step_down(self, reason: str) -> None:
         self._release_view(STOP_TIMEOUT_S)

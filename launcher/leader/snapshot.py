@@ -34,6 +34,7 @@ from hspmd_elastic.contract.ids import device_id, node_of
 from launcher.health.verdicts import summarize_device_health
 
 GONE_NODE_STATES = schema.GONE_NODE_STATES
+MEASURED = "measured"  # DeviceView.origin of a speed the leader measured (not a health verdict)
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,13 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
                    default_slowdown: float = 0.5,
                    reach: Optional[Mapping[str, schema.ReachRecord]] = None,
                    planned: frozenset = frozenset(),
-                   retry: Optional[Mapping[str, schema.RetryRecord]] = None) -> ClusterSnapshot:
+                   retry: Optional[Mapping[str, schema.RetryRecord]] = None,
+                   measured: Optional[Mapping[str, float]] = None) -> ClusterSnapshot:
     """Pure: node records + health verdicts (+ worker progress, + reachability reports and
-    the nodes of the current plan, + retry requests) -> ``ClusterSnapshot``."""
+    the nodes of the current plan, + retry requests, + the speeds the leader measured and
+    decided to plan for, ``launcher.leader.stragglers``) -> ``ClusterSnapshot``. A measured
+    speed below 1 makes a healthy device ``degraded`` (origin ``measured``); a device slowed by
+    its health verdict too gets the lower of the two."""
     health = summarize_device_health(verdicts, default_slowdown=default_slowdown)
     alive = {n for n, rec in nodes.items() if rec.state not in GONE_NODE_STATES}
     cut = cut_off_nodes(reach or {}, planned & alive, alive)
@@ -132,6 +137,10 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
             else:
                 state, speed, reason = "healthy", 1.0, ""
             origin = verdicts[where].origin if where in verdicts else "health"
+            fast = (measured or {}).get(device_id(name, info.index), 1.0)
+            if state in ("healthy", "degraded") and fast < speed:
+                state, speed, origin = "degraded", fast, MEASURED
+                reason = f"measured speed {fast:.0%} of the fastest device"
             devs.append(DeviceView(device_id(name, info.index), name, info.index, info.type,
                                    info.memory_bytes, state, speed, reason,
                                    info.speed, origin))

@@ -265,11 +265,24 @@ class ElasticMode:
             planner = self._planner = RedundantPlanner(plan_for, settings.redundancy)
         if settings.planner == "uniform":
             planner = UniformPlanner(planner)
+        stragglers = None
+        if settings.straggler_replans:
+            from launcher.leader.planning import default_planner_options
+            from launcher.leader.speeds import StragglerPolicy
+            from launcher.leader.stragglers import StragglerWatch
+
+            # its own planner for predictions: a prediction never sets the leader's shortfall
+            predict = RedundantPlanner(plan_for, settings.redundancy) if settings.redundancy \
+                else plan_for
+            predict = UniformPlanner(predict) if settings.planner == "uniform" else predict
+            stragglers = StragglerWatch(settings.model_profile, settings.global_batch, predict,
+                                        default_planner_options,
+                                        StragglerPolicy(dwell_s=settings.straggler_dwell_s))
         leader = Leader(self.client, self.session, self.job, self.node_id, planner,
                         self.settings.model_profile, self.settings.global_batch,
                         debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes,
                         max_nodes=cfg.rdzv.max_nodes, hold=ctx.outage.reconciling,
-                        view=self.view)
+                        view=self.view, stragglers=stragglers)
         store_host = cfg.local_addr or ("localhost" if cfg.rdzv.standalone else ctx.host)
         try:
             monitor = ProgressMonitor(hang_detector_from_env(os.environ))

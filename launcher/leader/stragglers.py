@@ -1,0 +1,180 @@
+"""Straggler replans: from the workers' measured busy time to the speeds the next plan is for.
+
+In synchronous training every rank's step takes the slowest rank's time, so neither the step
+rate nor the hang rule says *which* device is slow. Each worker measures its own compute per
+step (``busy_s`` of ``workers/<node>/<local_rank>``, ``hspmd_elastic.elastic.busy``); this
+module turns those into device speeds and decides, with the cost model, whether a plan for the
+measured speeds pays for its switch. Promises:
+
+* ``StragglerWatch.observe(workers, current, usable, now)`` takes the worker records of the
+  current plan (a record of another plan version, or ``busy_s`` 0, is no sample); a device's
+  sample is the cost model's predicted compute for its share of the current plan at nominal
+  health (``planner.calibrate.predicted_busy_s``) over its measured busy time; the estimator
+  (``speeds.SpeedEstimator``: a median over a window, the steps right after a switch skipped)
+  gives each device's speed, relative to the fastest device (1.0);
+* ``applied`` is what the leader's snapshot plans for (device -> speed below 1; absent: full
+  speed). It changes only when ``speeds.decide_speeds`` says so: a quantised measured speed
+  differs from what the plan assumed by at least the policy's minimum change, the dwell since
+  the last speed-driven switch is over, and the predicted gain over the horizon (the current
+  plan at the measured speeds against the best plan for them, both by the cost model) beats
+  the switch's predicted cost by the margin. A device that recovers gets its work back by the
+  same rule;
+* each decision on a candidate change (replan or not) is journaled once as a ``speeds`` event
+  with its numbers (``contract.events.SpeedsDetail``), a decision not to replan at most once
+  per plan version and measured speeds;
+* nothing here blocks: the planner runs only when measured speeds differ from the assumed ones
+  by the minimum change, at most once per ``RECHECK_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import replace
+from typing import Callable, Mapping, Optional
+
+from hspmd_elastic.contract import schema
+from hspmd_elastic.contract.ids import device_id
+from hspmd_elastic.coord.contract import plan_of
+from hspmd_elastic.plan import PlanError
+from launcher.leader.decide import assumed_inventory
+from launcher.leader.snapshot import DeviceView
+from launcher.leader.speeds import (BusySample, SpeedEstimator, StragglerPolicy,
+                                    decide_speeds)
+
+log = logging.getLogger(__name__)
+
+RECHECK_S = 2.0  # at most one cost-model comparison per this long
+DEFAULT_SWITCH_COST_S = 2.0  # a switch's predicted cost before one was measured
+
+
+class StragglerWatch:
+    """The leader's measured speeds (see the module docstring)."""
+
+    def __init__(self, profile, global_batch: int, planner_fn, options_fn: Callable,
+                 policy: Optional[StragglerPolicy] = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 journal: Optional[Callable[[schema.SpeedsDetail], None]] = None):
+        self.profile, self.global_batch = profile, global_batch
+        self.planner_fn, self.options_fn = planner_fn, options_fn
+        self.policy = policy or StragglerPolicy()
+        self.clock, self.journal = clock, journal
+        self.estimator = SpeedEstimator()
+        self.applied: dict[str, float] = {}
+        self.switch_cost_s = DEFAULT_SWITCH_COST_S
+        self.last: Optional[schema.SpeedsDetail] = None  # the newest decision (for status)
+        self._last_switch_at = -math.inf
+        self._predicted: tuple[int, dict[str, float]] = (-1, {})
+        self._seen: dict[str, tuple[int, int]] = {}  # device -> (plan version, step) sampled
+        self._checked_at = -math.inf
+        self._journaled: set[tuple] = set()
+
+    # ------------------------------------------------------------------ samples
+    def _predictions(self, current: schema.PlanRecord,
+                     usable: Mapping[str, DeviceView]) -> dict[str, float]:
+        """Predicted compute per step of each device's share of ``current`` (nominal health),
+        computed once per plan version."""
+        if self._predicted[0] == current.version:
+            return self._predicted[1]
+        from hspmd_elastic.planner.calibrate import predicted_busy_s
+
+        out: dict[str, float] = {}
+        try:
+            plan = plan_of(current)
+            inventory = self._inventory(current, usable, {})
+        except (PlanError, KeyError, ValueError) as exc:
+            log.debug("plan v%d: no predictions (%s)", current.version, exc)
+            inventory = None
+        if inventory is not None:
+            for rank, dev in enumerate(current.devices):
+                try:
+                    out[dev] = predicted_busy_s(plan, self.profile, inventory, rank)
+                except Exception as exc:  # noqa: BLE001 - a device without a prediction
+                    log.debug("plan v%d: no prediction for %s (%s)", current.version, dev, exc)
+        self._predicted = (current.version, out)
+        return out
+
+    def _inventory(self, current: schema.PlanRecord, usable: Mapping[str, DeviceView],
+                   speeds: Mapping[str, float]):
+        """The planner's inventory of ``current``'s devices (ids: their ranks) at ``speeds``
+        (absent: full speed), each device's spec from its type and declared capacity."""
+        from launcher.leader.planning import _inventory
+
+        views = {d: replace(usable[d], state="degraded" if speeds.get(d, 1.0) < 1 else
+                            "healthy", speed=speeds.get(d, 1.0))
+                 for d in current.devices if d in usable}
+        ids = {d: i for i, d in enumerate(current.devices)}
+        lost = next(iter(usable.values())).type if usable else "CPU"
+        return _inventory(list(current.devices), views, ids, lost)
+
+    def _sample(self, workers: Mapping[tuple[str, int], schema.WorkerRecord],
+                current: schema.PlanRecord, usable: Mapping[str, DeviceView]) -> None:
+        predicted = self._predictions(current, usable)
+        for (node, lr), rec in workers.items():
+            dev = device_id(node, lr)
+            if rec.plan_version != current.version or rec.busy_s <= 0 or dev not in predicted:
+                continue
+            if self._seen.get(dev) == (rec.plan_version, rec.step):
+                continue
+            self._seen[dev] = (rec.plan_version, rec.step)
+            self.estimator.add(BusySample(dev, rec.plan_version, rec.step, rec.busy_s,
+                                          predicted[dev]))
+
+    # ------------------------------------------------------------------ decisions
+    def observe(self, workers: Mapping[tuple[str, int], schema.WorkerRecord],
+                current: Optional[schema.PlanRecord], usable: Mapping[str, DeviceView]
+                ) -> bool:
+        """Take the newest worker records; True when ``applied`` changed (replan)."""
+        if current is None or not current.strategy:
+            return False
+        self._sample(workers, current, usable)
+        measured = self.estimator.relative(current.devices)
+        if not measured:
+            return False
+        assumed = {d: s for d, s in assumed_inventory(current).items() if d in measured}
+        now = self.clock()
+        if now - self._checked_at < RECHECK_S or not self.policy.differs(assumed, measured):
+            return False
+        self._checked_at = now
+        step_now, step_new = self._predict(current, usable, measured)
+        decision = decide_speeds(self.policy, now, self._last_switch_at, assumed, measured,
+                                 step_now, step_new, self.switch_cost_s)
+        detail = schema.SpeedsDetail(
+            plan_version=current.version, measured=dict(sorted(measured.items())),
+            assumed=dict(sorted(assumed.items())), step_now_s=step_now, step_new_s=step_new,
+            gain_s=decision.gain_s, cost_s=decision.cost_s, replan=decision.replan,
+            reason=decision.reason)
+        self.last = detail
+        key = (current.version, decision.replan, tuple(sorted(decision.speeds.items())))
+        if self.journal is not None and key not in self._journaled:
+            self._journaled.add(key)
+            self.journal(detail)
+        if not decision.replan:
+            return False
+        log.info("measured speeds: %s", decision.reason)
+        self.applied = {d: s for d, s in decision.speeds.items() if s < 1.0}
+        self._last_switch_at = now
+        return True
+
+    def _predict(self, current: schema.PlanRecord, usable: Mapping[str, DeviceView],
+                 measured: Mapping[str, float]) -> tuple[float, float]:
+        """Predicted step times at ``measured``: the current plan's, and the best plan's."""
+        from hspmd_elastic.planner import PlannerError, estimate_plan
+
+        try:
+            inventory = self._inventory(current, usable, measured)
+            options = self.options_fn([usable[d] for d in current.devices if d in usable])
+            now_s = estimate_plan(plan_of(current), inventory, self.profile,
+                                  options).step_time_s
+            new_s = self.planner_fn(inventory, self.profile, self.global_batch,
+                                    options=options).estimate.step_time_s
+        except (PlannerError, PlanError, KeyError, ValueError) as exc:
+            log.info("measured speeds: no prediction (%s)", exc)
+            return math.inf, math.inf
+        return now_s, min(new_s, now_s)
+
+    def switched(self, seconds: float) -> None:
+        """A switch took ``seconds``: the next switch's predicted cost."""
+        if seconds > 0 and math.isfinite(seconds):
+            self.switch_cost_s = seconds
