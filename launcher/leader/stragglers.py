@@ -22,6 +22,13 @@ measured speeds pays for its switch. Promises:
 * each decision on a candidate change (replan or not) is journaled once as a ``speeds`` event
   with its numbers (``contract.events.SpeedsDetail``), a decision not to replan at most once
   per plan version and measured speeds;
+* the cost model is calibrated from the same measurements: the busy time of every device
+  measured at full speed (relative speed >= ``NOMINAL``) under each plan is a
+  ``calibrate.busy_measurement``; when a new plan version comes and the measurements of the
+  last ``CALIBRATION_KEEP`` (plan, device) pairs determine the CPU's (or a type's) compute rate
+  and fixed cost per micro-batch (``calibrate.fit``), the predictions of that plan and every
+  later comparison use the fitted constants (``calibration``); measurements that do not
+  determine them leave the last calibration (or none) in place;
 * nothing here blocks: the planner runs only when measured speeds differ from the assumed ones
   by the minimum change, at most once per ``RECHECK_S``.
 """
@@ -47,6 +54,8 @@ log = logging.getLogger(__name__)
 
 RECHECK_S = 2.0  # at most one cost-model comparison per this long
 DEFAULT_SWITCH_COST_S = 2.0  # a switch's predicted cost before one was measured
+NOMINAL = 0.9  # a device this fast (relative) counts as nominal for the calibration
+CALIBRATION_KEEP = 32  # (plan, device) busy measurements the fit uses, newest
 
 
 class StragglerWatch:
@@ -69,6 +78,54 @@ class StragglerWatch:
         self._seen: dict[str, tuple[int, int]] = {}  # device -> (plan version, step) sampled
         self._checked_at = -math.inf
         self._journaled: set[tuple] = set()
+        self.calibration = None  # planner.calibrate.Calibration, once measurements allow
+        self._busy: dict[tuple[int, str], float] = {}  # (plan version, device) -> busy_s
+        self._measurements: dict[tuple[int, str], object] = {}  # for the fit, newest last
+
+    def _spec_of(self):
+        """The spec of a device under the calibration (None: the built-in constants)."""
+        if self.calibration is None:
+            return None
+        from hspmd_elastic.planner.calibrate import apply
+
+        return lambda d, c=self.calibration: apply(c, d.spec)
+
+    def _calibrate(self) -> None:
+        """Fit the constants from the busy measurements so far (a new plan's predictions use
+        them); measurements that do not determine them keep the last fit."""
+        if len({v for v, _d in self._measurements}) < 2:
+            return  # one plan's devices share one work mix: rate and fixed cost stay unknown
+        from hspmd_elastic.planner.calibrate import fit
+
+        try:
+            self.calibration = fit(list(self._measurements.values())[-CALIBRATION_KEEP:])
+        except ValueError as exc:
+            log.debug("calibration: %s", exc)
+            return
+        log.info("cost model calibrated from %d busy measurement(s): %s (rms error %.1f%%)",
+                 self.calibration.samples, self.calibration.types,
+                 100 * self.calibration.rms_rel_error)
+
+    def _note_nominal(self, current: schema.PlanRecord, usable: Mapping[str, DeviceView],
+                      measured: Mapping[str, float]) -> None:
+        """Keep the busy times of the devices measured at full speed under ``current``."""
+        from hspmd_elastic.planner.calibrate import busy_measurement
+
+        fresh = [(d, self._busy[(current.version, d)]) for d, sp in measured.items()
+                 if sp >= NOMINAL and (current.version, d) in self._busy
+                 and (current.version, d) not in self._measurements]
+        if not fresh:
+            return
+        try:
+            plan, inventory = plan_of(current), self._inventory(current, usable, {})
+            ranks = {d: i for i, d in enumerate(current.devices)}
+            for dev, busy in fresh:
+                self._measurements[(current.version, dev)] = busy_measurement(
+                    plan, self.profile, inventory, ranks[dev], busy)
+        except (PlanError, KeyError, ValueError) as exc:
+            log.debug("calibration: no measurement of plan v%d (%s)", current.version, exc)
+        while len(self._measurements) > CALIBRATION_KEEP:
+            self._measurements.pop(next(iter(self._measurements)))
 
     # ------------------------------------------------------------------ samples
     def _predictions(self, current: schema.PlanRecord,
@@ -78,6 +135,9 @@ class StragglerWatch:
         if self._predicted[0] == current.version:
             return self._predicted[1]
         from hspmd_elastic.planner.calibrate import predicted_busy_s
+
+        self._calibrate()
+        spec_of = self._spec_of()
 
         out: dict[str, float] = {}
         try:
@@ -89,7 +149,7 @@ class StragglerWatch:
         if inventory is not None:
             for rank, dev in enumerate(current.devices):
                 try:
-                    out[dev] = predicted_busy_s(plan, self.profile, inventory, rank)
+                    out[dev] = predicted_busy_s(plan, self.profile, inventory, rank, spec_of)
                 except Exception as exc:  # noqa: BLE001 - a device without a prediction
                     log.debug("plan v%d: no prediction for %s (%s)", current.version, dev, exc)
         self._predicted = (current.version, out)
@@ -118,6 +178,7 @@ class StragglerWatch:
             if self._seen.get(dev) == (rec.plan_version, rec.step):
                 continue
             self._seen[dev] = (rec.plan_version, rec.step)
+            self._busy[(rec.plan_version, dev)] = rec.busy_s
             self.estimator.add(BusySample(dev, rec.plan_version, rec.step, rec.busy_s,
                                           predicted[dev]))
 
@@ -132,6 +193,7 @@ class StragglerWatch:
         measured = self.estimator.relative(current.devices)
         if not measured:
             return False
+        self._note_nominal(current, usable, measured)
         assumed = {d: s for d, s in assumed_inventory(current).items() if d in measured}
         now = self.clock()
         if now - self._checked_at < RECHECK_S or not self.policy.differs(assumed, measured):
@@ -160,10 +222,14 @@ class StragglerWatch:
     def _predict(self, current: schema.PlanRecord, usable: Mapping[str, DeviceView],
                  measured: Mapping[str, float]) -> tuple[float, float]:
         """Predicted step times at ``measured``: the current plan's, and the best plan's."""
-        from hspmd_elastic.planner import PlannerError, estimate_plan
+        from hspmd_elastic.planner import Inventory, PlannerError, estimate_plan
 
         try:
             inventory = self._inventory(current, usable, measured)
+            spec_of = self._spec_of()
+            if spec_of is not None:  # the constants this cluster measured
+                inventory = Inventory(tuple(replace(d, spec=spec_of(d))
+                                            for d in inventory.devices))
             options = self.options_fn([usable[d] for d in current.devices if d in usable])
             now_s = estimate_plan(plan_of(current), inventory, self.profile,
                                   options).step_time_s
