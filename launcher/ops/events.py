@@ -8,7 +8,8 @@ Promises (pure functions of ``EventRecord`` lists, no I/O):
 * a switch's duration is ``timings.total_s``, else the sum of its ``*_s`` timings, else the time
   from its start event; bytes moved are the ``switch-done`` detail's ``bytes_moved``;
 * counters (switches, failures, seconds, bytes, events by type) cover the whole journal;
-* ``event_summary`` says in one line what an event means.
+* ``event_summary`` says in one line what an event means (a ``speeds`` event: the devices whose
+  measured speed differs from the plan's, and the predicted gain and cost of the decision).
 """
 
 from __future__ import annotations
@@ -156,7 +157,25 @@ def event_summary(ev: schema.EventRecord) -> str:
         return f"device {d.device} drained into plan v{d.plan_version}"
     if isinstance(d, schema.RestartDetail):
         return f"restart {d.restart_count} (round {d.round}): {d.reason}"
+    if isinstance(d, schema.SpeedsDetail):
+        return _speeds_summary(d)
     return ev.type
+
+
+SPEEDS_SHOWN = 4  # devices a ``speeds`` summary names (the detail has them all)
+
+
+def _speeds_summary(d: Any) -> str:
+    """The measured speeds that differ from the assumed ones, and the decision's numbers."""
+    moved = [dev for dev in sorted(d.measured)
+             if abs(d.measured[dev] - d.assumed.get(dev, 1.0)) > 1e-9]
+    shown = ", ".join(f"{dev} {d.measured[dev]:.2f} (plan {d.assumed.get(dev, 1.0):.2f})"
+                      for dev in moved[:SPEEDS_SHOWN])
+    more = f" and {len(moved) - SPEEDS_SHOWN} more" if len(moved) > SPEEDS_SHOWN else ""
+    verdict = "replan" if d.replan else "keep the plan"
+    return (f"plan v{d.plan_version} measured {shown or 'as assumed'}{more}; step "
+            f"{d.step_now_s:.3f}s -> {d.step_new_s:.3f}s, gain {d.gain_s:.1f}s vs cost "
+            f"{d.cost_s:.1f}s: {verdict}" + (f" ({d.reason})" if d.reason else ""))
 
 
 def _switch_summary(ev: schema.EventRecord, mark: schema.SwitchMark, d: Any) -> str:

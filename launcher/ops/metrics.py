@@ -7,7 +7,11 @@ Promises:
   thread; ``exposition(make_registry(...))`` renders the text format served at ``/metrics``;
 * counters come from the job's event journal (which only grows), so they move when a switch is
   recorded and survive a dashboard restart; gauges are the current state;
-* every sample carries a ``job`` label; metric names are listed in docs/operations.md.
+* every sample carries a ``job`` label; metric names are listed in docs/operations.md;
+* per-worker and per-device gauges (busy time, speeds) have one sample per worker or device of
+  the view and only for values it knows (a busy time > 0, a speed not None): their label values
+  are node ids and device ids the view took from validated keys and plan devices, never free
+  text from a record, so they stay bounded in number and length.
 """
 
 from __future__ import annotations
@@ -69,6 +73,25 @@ class JobCollector(Collector):
         for state, count in sorted(states.items()):
             nodes.add_metric([job, state], count)
         yield nodes
+        busy = GaugeMetricFamily(
+            "hspmd_worker_busy_seconds",
+            "A worker's own compute per step (median of its plan's recent steps, waits on peers "
+            "left out); absent until measured.", labels=["job", "node", "local_rank"])
+        speeds = GaugeMetricFamily(
+            "hspmd_device_speed", "A device's speed: planned (the current plan's inventory, "
+            "1.0 nominal) or measured (the newest speeds event of the plan, 1.0 the fastest).",
+            labels=["job", "device", "source"])
+        for node in view.nodes:
+            for w in node.workers:
+                if w.busy_s > 0:
+                    busy.add_metric([job, node.id, str(w.local_rank)], w.busy_s)
+            for d in node.devices:
+                for source, value in (("planned", d.planned_speed),
+                                      ("measured", d.measured_speed)):
+                    if value is not None:
+                        speeds.add_metric([job, d.id, source], value)
+        yield busy
+        yield speeds
         yield _gauge("hspmd_plan_version", "Version of plan/current (0: no plan published).",
                      job, view.plan.version if view.plan else 0)
         yield _gauge("hspmd_last_switch_seconds", "Duration of the last completed switch.", job,

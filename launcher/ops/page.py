@@ -1,15 +1,18 @@
 """The dashboard's single page: inline HTML, CSS, JS and SVG; no network access beyond its server.
 
 Promises: the page renders the status document (``/api/state``) and re-renders on every
-``state`` event of ``/api/stream``; values from etcd are inserted as text nodes or attribute
+``state`` event of ``/api/stream``; each GPU shows its worker's busy time per step and its
+measured speed when known, and a "Device speeds" table lists busy time, planned and measured
+speed per device once any is known; values from etcd are inserted as text nodes or attribute
 values (``textContent``, ``append`` of strings, ``setAttribute``), never as HTML (no
 ``innerHTML``), so a ``<script>`` in a value shows as typed; ``CSP`` is the page's
 Content-Security-Policy: only its own inline script (by hash) runs, and it connects only to its
 own origin;
 elements carry ``data-*`` attributes (``data-device``/``data-health``, ``data-event-type``,
-``data-stage``; ``data-source`` on the body: ``state`` or ``stream``) so tests and scripts can
-find them. ``?stream=0`` renders one snapshot; ``?stream=once`` renders the first pushed
-document and closes the stream (both let a headless browser finish loading).
+``data-stage``, ``data-speed-device`` with ``data-busy``/``data-planned``/``data-measured`` on
+a row of the speeds table; ``data-source`` on the body: ``state`` or ``stream``) so tests and
+scripts can find them. ``?stream=0`` renders one snapshot; ``?stream=once`` renders the first
+pushed document and closes the stream (both let a headless browser finish loading).
 """
 
 import base64
@@ -100,6 +103,7 @@ progress{width:160px;vertical-align:middle}
 <section id="plan"><h2>Plan</h2><div id="plan-body"></div></section>
 <section id="timeline"><h2>Events timeline</h2><div id="tl"></div></section>
 <section id="throughput"><h2>Step throughput</h2><div id="tp"></div></section>
+<section id="speeds" class="wide"><h2>Device speeds</h2><div id="sp"></div></section>
 <section id="events" class="wide"><h2>Recent events</h2><div id="ev"></div></section>
 </main>
 <script>
@@ -110,7 +114,7 @@ const COLORS = {healthy:"#2e9d5b", degraded:"#e0a100", suspect:"#e06a00", failed
 const EVCOLORS = {failure:"#d6333a", "switch-failed":"#d6333a", fallback:"#d6333a",
   "switch-done":"#2e9d5b", replan:"#2f6fdf", join:"#2e9d5b",
   recover:"#2e9d5b", leave:"#8e44ad", restart:"#b07d00", degrade:"#e0a100", stall:"#e0a100",
-  drain:"#e06a00", drained:"#e06a00", unreachable:"#8e44ad", retry:"#b7950b"};
+  drain:"#e06a00", drained:"#e06a00", unreachable:"#8e44ad", retry:"#b7950b", speeds:"#0f8b8d"};
 function el(tag, attrs, ...kids) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -165,6 +169,13 @@ function renderNodes(d) {
         el("div", {class: "n"}, "GPU " + g.index),
         el("div", {}, g.health === "unknown" ? "no verdict" : g.health),
         el("div", {class: "r"}, where));
+      const w = n.workers.find(x => x.local_rank === g.index);
+      if (w && w.busy_s > 0) {
+        box2.append(el("div", {class: "r"}, "busy " + w.busy_s.toFixed(3) + " s"));
+      }
+      if (g.measured_speed !== null) {
+        box2.append(el("div", {class: "r"}, "speed " + g.measured_speed.toFixed(2)));
+      }
       if (g.reason) box2.append(el("div", {class: "r"}, g.reason));
       if (g.replaced_by_plan !== null) {
         box2.append(el("div", {class: "r"}, "replaced by plan v" + g.replaced_by_plan));
@@ -289,6 +300,45 @@ function renderThroughput(d) {
   put("tp", el("div", {}, head, s));
 }
 
+function speedRows(d) {
+  const rows = new Map();
+  for (const n of d.nodes) {
+    for (const g of n.devices) {
+      if (g.planned_speed !== null || g.measured_speed !== null) {
+        rows.set(g.id, {id: g.id, rank: null, busy: 0, planned: g.planned_speed,
+          measured: g.measured_speed});
+      }
+    }
+    for (const w of n.workers) {
+      if (!(w.busy_s > 0)) continue;
+      const id = n.id + ":" + w.local_rank;
+      if (!rows.has(id)) rows.set(id, {id: id, rank: null, busy: 0, planned: null, measured: null});
+      Object.assign(rows.get(id), {rank: w.global_rank, busy: w.busy_s});
+    }
+  }
+  return [...rows.values()].sort((a, b) => a.id < b.id ? -1 : a.id > b.id ? 1 : 0);
+}
+
+function renderSpeeds(d) {
+  const rows = speedRows(d);
+  if (!rows.length) {
+    put("sp", el("div", {class: "empty"}, "no busy time or speeds measured yet"));
+    return;
+  }
+  const num = v => v === null ? "-" : v.toFixed(2);
+  const tb = el("tbody");
+  for (const r of rows) {
+    tb.append(el("tr", {"data-speed-device": r.id, "data-busy": r.busy,
+      "data-planned": r.planned, "data-measured": r.measured},
+      el("td", {}, r.id), el("td", {class: "num"}, r.rank === null ? "-" : r.rank),
+      el("td", {class: "num"}, r.busy > 0 ? r.busy.toFixed(4) + " s" : "-"),
+      el("td", {class: "num"}, num(r.planned)), el("td", {class: "num"}, num(r.measured))));
+  }
+  const head = el("tr", {}, ...["device", "rank", "busy / step", "planned speed",
+    "measured speed (1.00 = fastest)"].map(h => el("th", {}, h)));
+  put("sp", el("table", {}, el("thead", {}, head), tb));
+}
+
 function renderEvents(d) {
   const evs = d.events.recent.slice().reverse().slice(0, 14);
   if (!evs.length) { put("ev", el("div", {class: "empty"}, "no events recorded")); return; }
@@ -307,7 +357,7 @@ function renderEvents(d) {
 
 function render(d, source) {
   for (const f of [renderHeader, renderNodes, renderPlan, renderTimeline, renderThroughput,
-                   renderEvents]) {
+                   renderSpeeds, renderEvents]) {
     try { f(d); } catch (err) { console.error(f.name, err); }
   }
   document.body.setAttribute("data-revision", d.revision);

@@ -2,7 +2,9 @@
 
 Promises: ``render(view)`` is a pure function of the view (plus the display clock) returning one
 rich renderable: a header (leader, plan, throughput, device counts), the cluster (nodes -> GPUs
-coloured by health, with the reason of every non-healthy one), the plan (pipelines x stages x TP
+coloured by health, with the reason of every non-healthy one), a "Speeds" table once any
+device speed or worker busy time is known (per device: its worker's busy time per step, the
+speed the plan assumed and the speed measured under it), the plan (pipelines x stages x TP
 groups with layer ranges), progress bars for the waits in progress (rendezvous, switch) and the
 recent events. What the job has not published is said in words ("no plan published"), never an
 empty table. Every string that comes from etcd is shown as text (``safe.text``): never parsed as
@@ -60,7 +62,11 @@ def age(seconds: Optional[float]) -> str:
 
 
 def render(view: JobView, endpoints: str = "") -> RenderableType:
-    parts = [_header(view, endpoints), _cluster(view), _plan(view)]
+    parts = [_header(view, endpoints), _cluster(view)]
+    speeds = _speeds(view)
+    if speeds is not None:
+        parts.append(speeds)
+    parts.append(_plan(view))
     waits = _waits(view)
     if waits is not None:
         parts.append(waits)
@@ -150,6 +156,41 @@ def _cluster(view: JobView) -> RenderableType:
                        "yes" if d.plan_rank is not None else "no",
                        "-" if d.replaced_by_plan is None else f"plan v{d.replaced_by_plan}")
     return Group(table, detail)
+
+
+# ----------------------------------------------------------------------------------- speeds
+def speed_rows(view: JobView) -> list[tuple[str, Optional[int], float, Optional[float],
+                                            Optional[float]]]:
+    """(device, global rank, busy_s, planned, measured) of every device or worker with any of
+    them known, sorted by device; a worker's device is ``<node>:<local_rank>``."""
+    rows: dict[str, list] = {}
+    for node in view.nodes:
+        for d in node.devices:
+            if d.planned_speed is not None or d.measured_speed is not None:
+                rows[d.id] = [d.id, None, 0.0, d.planned_speed, d.measured_speed]
+        for w in node.workers:
+            if w.busy_s > 0:
+                row = rows.setdefault(f"{node.id}:{w.local_rank}",
+                                      [f"{node.id}:{w.local_rank}", None, 0.0, None, None])
+                row[1], row[2] = w.global_rank, w.busy_s
+    return [tuple(rows[k]) for k in sorted(rows)]
+
+
+def _speeds(view: JobView) -> Optional[RenderableType]:
+    rows = speed_rows(view)
+    if not rows:
+        return None
+    table = Table(title="Speeds", title_justify="left", expand=False)
+    for col in ("device", "rank", "busy/step", "planned", "measured (fastest 1.00)"):
+        table.add_column(col, justify="left" if col == "device" else "right")
+    for dev, rank, busy, planned, measured in rows:
+        slow = measured is not None and planned is not None and measured < planned
+        table.add_row(text(dev), "-" if rank is None else str(rank),
+                      f"{busy:.4f}s" if busy > 0 else "-",
+                      "-" if planned is None else f"{planned:.2f}",
+                      Text("-" if measured is None else f"{measured:.2f}",
+                           style="yellow" if slow else ""))
+    return table
 
 
 # ------------------------------------------------------------------------------------- plan

@@ -12,6 +12,11 @@ Promises:
   without a node record is ``lost`` (its agent's lease ended);
 * switches and counters come from the whole event journal (``events.py`` says how events pair
   into switches);
+* a device's ``planned_speed`` is the current plan's ``inventory`` entry for it, its
+  ``measured_speed`` the newest ``speeds`` event of the current plan (``measured``; 1.0: the
+  fastest device); a worker's ``busy_s`` is its record's (0: not measured yet). A speed that is
+  not a positive finite number, or a busy time that is not a finite one >= 0, is shown as not
+  known (``None`` / 0), never passed on;
 * ``document()`` is the stable JSON document of ``status --json`` and ``/api/state``
   (``format``/``version`` from ``api.py``; fields in docs/operations.md).
 """
@@ -48,6 +53,8 @@ class DeviceView:
     plan_rank: Optional[int] = None  # position in the current plan's device list
     placement: Optional[dict[str, int]] = None  # pipeline, stage, tp_rank
     replaced_by_plan: Optional[int] = None  # first plan version that dropped this device
+    planned_speed: Optional[float] = None  # the current plan's inventory (1.0: nominal)
+    measured_speed: Optional[float] = None  # newest ``speeds`` event of the plan (1.0: fastest)
 
     @property
     def id(self) -> str:
@@ -59,7 +66,8 @@ class DeviceView:
                 "reason": self.reason, "xid": self.xid, "slowdown": self.slowdown,
                 "health_at": self.health_at, "in_plan": self.plan_rank is not None,
                 "plan_rank": self.plan_rank, "placement": self.placement,
-                "replaced_by_plan": self.replaced_by_plan}
+                "replaced_by_plan": self.replaced_by_plan, "planned_speed": self.planned_speed,
+                "measured_speed": self.measured_speed}
 
 
 @dataclass
@@ -73,6 +81,7 @@ class WorkerView:
     steps_per_s: float
     last_progress_at: float
     idle_s: float
+    busy_s: float = 0.0  # the rank's own compute per step (0: not measured yet)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -239,6 +248,7 @@ def _build(job: str, records: list[tuple[str, schema.Record]], now: float, revis
     switches = switches_of(events)
     rdzv = _rendezvous(one("rdzv/state"), by_pattern)
     nodes = _nodes(by_pattern, plan, rdzv, history, now)
+    _speeds(nodes, plan, events)
     leader = one("leader")
     leader_doc = None if leader is None else {
         "node": leader.node, "since": leader.since, "term": leader.term,
@@ -354,7 +364,7 @@ def _nodes(by_pattern, plan: Optional[PlanView], rdzv: Optional[dict], history, 
             node=params["node_id"], local_rank=rec.local_rank, global_rank=rec.global_rank,
             pid=rec.pid, plan_version=rec.plan_version, step=rec.step,
             steps_per_s=rec.steps_per_s, last_progress_at=rec.last_progress_at,
-            idle_s=round(max(0.0, now - rec.last_progress_at), 3)))
+            idle_s=round(max(0.0, now - rec.last_progress_at), 3), busy_s=_busy(rec.busy_s)))
     for node in nodes.values():
         node.devices.sort(key=lambda d: d.index)
         node.workers.sort(key=lambda w: w.local_rank)
@@ -364,6 +374,49 @@ def _nodes(by_pattern, plan: Optional[PlanView], rdzv: Optional[dict], history, 
             if dev.health in ("failed", "lost"):
                 dev.replaced_by_plan = _replaced_by(dev.id, history)
     return sorted(nodes.values(), key=lambda n: n.id)
+
+
+# ---------------------------------------------------------------------------------- speeds
+def _busy(value: Any) -> float:
+    """A worker's busy time as shown: a finite number >= 0, else 0 (not measured)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and value >= 0
+    return round(float(value), 6) if ok else 0.0
+
+
+def speed_value(value: Any) -> Optional[float]:
+    """A device speed as shown: a positive finite number, else None (not known)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and value > 0
+    return round(float(value), 6) if ok else None
+
+
+def measured_speeds(events: Sequence[schema.EventRecord], plan_version: int
+                    ) -> dict[str, float]:
+    """``measured`` of the newest ``speeds`` event journaled for ``plan_version`` ({} when
+    none; an event whose detail does not read is skipped)."""
+    for ev in reversed(events):
+        if ev.type != "speeds":
+            continue
+        try:
+            detail = schema.event_detail(ev)
+        except RecordError:
+            continue
+        if isinstance(detail, schema.SpeedsDetail) and detail.plan_version == plan_version:
+            return dict(detail.measured)
+    return {}
+
+
+def _speeds(nodes: list[NodeView], plan: Optional[PlanView],
+            events: Sequence[schema.EventRecord]) -> None:
+    """Set each device's planned and measured speed (the current plan's; None without one)."""
+    if plan is None:
+        return
+    measured = measured_speeds(events, plan.version)
+    for node in nodes:
+        for dev in node.devices:
+            dev.planned_speed = speed_value(plan.inventory.get(dev.id))
+            dev.measured_speed = speed_value(measured.get(dev.id))
 
 
 # ----------------------------------------------------------------------------- rendezvous
