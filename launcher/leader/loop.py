@@ -284,7 +284,7 @@ class Leader:
         started = time.monotonic()
         snap, current = self._snapshot()
         if self.stragglers is not None and self.stragglers.observe(
-                self._workers(), current, snap.usable()):
+                self._workers, current, snap.usable()):
             snap, current = self._snapshot()  # the speeds to plan for changed
         self._note_spares(snap, current)
         decision = decide(snap, current, self.min_nodes, self.max_nodes)

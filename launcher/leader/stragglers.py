@@ -6,8 +6,8 @@ step (``busy_s`` of ``workers/<node>/<local_rank>``, ``hspmd_elastic.elastic.bus
 module turns those into device speeds and decides, with the cost model, whether a plan for the
 measured speeds pays for its switch. Promises:
 
-* ``StragglerWatch.observe(workers, current, usable, now)`` takes the worker records of the
-  current plan (a record of another plan version, or ``busy_s`` 0, is no sample); a device's
+* ``StragglerWatch.observe(workers, current, usable)`` takes the worker records of the
+  current plan (``workers()``, read at most every ``SAMPLE_S``) (a record of another plan version, or ``busy_s`` 0, is no sample); a device's
   sample is the cost model's predicted compute for its share of the current plan at nominal
   health (``planner.calibrate.predicted_busy_s``) over its measured busy time; the estimator
   (``speeds.SpeedEstimator``: a median over a window, the steps right after a switch skipped)
@@ -52,6 +52,7 @@ from launcher.leader.speeds import (BusySample, SpeedEstimator, StragglerPolicy,
 
 log = logging.getLogger(__name__)
 
+SAMPLE_S = 0.5  # at most one read of the workers' records per this long
 RECHECK_S = 2.0  # at most one cost-model comparison per this long
 DEFAULT_SWITCH_COST_S = 2.0  # a switch's predicted cost before one was measured
 NOMINAL = 0.9  # a device this fast (relative) counts as nominal for the calibration
@@ -76,7 +77,7 @@ class StragglerWatch:
         self._last_switch_at = -math.inf
         self._predicted: tuple[int, dict[str, float]] = (-1, {})
         self._seen: dict[str, tuple[int, int]] = {}  # device -> (plan version, step) sampled
-        self._checked_at = -math.inf
+        self._checked_at = self._sampled_at = -math.inf
         self._journaled: set[tuple] = set()
         self.calibration = None  # planner.calibrate.Calibration, once measurements allow
         self._busy: dict[tuple[int, str], float] = {}  # (plan version, device) -> busy_s
@@ -183,19 +184,24 @@ class StragglerWatch:
                                           predicted[dev]))
 
     # ------------------------------------------------------------------ decisions
-    def observe(self, workers: Mapping[tuple[str, int], schema.WorkerRecord],
+    def observe(self, workers: Callable[[], Mapping[tuple[str, int], schema.WorkerRecord]],
                 current: Optional[schema.PlanRecord], usable: Mapping[str, DeviceView]
                 ) -> bool:
-        """Take the newest worker records; True when ``applied`` changed (replan)."""
+        """Take the newest worker records (``workers()``, read at most once per
+        ``SAMPLE_S``: the agents relay them about once a second); True when ``applied``
+        changed (replan)."""
         if current is None or not current.strategy:
             return False
-        self._sample(workers, current, usable)
+        now = self.clock()
+        if now - self._sampled_at < SAMPLE_S:
+            return False
+        self._sampled_at = now
+        self._sample(workers(), current, usable)
         measured = self.estimator.relative(current.devices)
         if not measured:
             return False
         self._note_nominal(current, usable, measured)
         assumed = {d: s for d, s in assumed_inventory(current).items() if d in measured}
-        now = self.clock()
         if now - self._checked_at < RECHECK_S or not self.policy.differs(assumed, measured):
             return False
         self._checked_at = now
@@ -212,10 +218,11 @@ class StragglerWatch:
         if self.journal is not None and key not in self._journaled:
             self._journaled.add(key)
             self.journal(detail)
-        if not decision.replan:
-            return False
+        applied = {d: s for d, s in decision.speeds.items() if s < 1.0}
+        if not decision.replan or applied == self.applied:
+            return False  # nothing to do, or the plan for these speeds is on its way
         log.info("measured speeds: %s", decision.reason)
-        self.applied = {d: s for d, s in decision.speeds.items() if s < 1.0}
+        self.applied = applied
         self._last_switch_at = now
         return True
 
