@@ -17,7 +17,8 @@ measured speeds pays for its switch. Promises:
   differs from what the plan assumed by at least the policy's minimum change, the dwell since
   the last speed-driven switch is over, and the predicted gain over the horizon (the current
   plan at the measured speeds against the best plan for them, both by the cost model) beats
-  the switch's predicted cost by the margin. A device that recovers gets its work back by the
+  the switch's predicted cost by the margin (the last switch's measured ``total_s``, at least
+  ``MIN_SWITCH_COST_S``; ``DEFAULT_SWITCH_COST_S`` before one was measured). A device that recovers gets its work back by the
   same rule;
 * each decision on a candidate change (replan or not) is journaled once as a ``speeds`` event
   with its numbers (``contract.events.SpeedsDetail``), a decision not to replan at most once
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 SAMPLE_S = 0.5  # at most one read of the workers' records per this long
 RECHECK_S = 2.0  # at most one cost-model comparison per this long
 DEFAULT_SWITCH_COST_S = 2.0  # a switch's predicted cost before one was measured
+MIN_SWITCH_COST_S = 0.5  # a measured switch never counts as cheaper (plan, debounce, warm-up)
 NOMINAL = 0.9  # a device this fast (relative) counts as nominal for the calibration
 CALIBRATION_KEEP = 32  # (plan, device) busy measurements the fit uses, newest
 
@@ -248,6 +250,7 @@ class StragglerWatch:
         return now_s, min(new_s, now_s)
 
     def switched(self, seconds: float) -> None:
-        """A switch took ``seconds``: the next switch's predicted cost."""
+        """A switch took ``seconds`` (its ``switch-done`` event's ``total_s``): the next
+        switch's predicted cost, at least ``MIN_SWITCH_COST_S``."""
         if seconds > 0 and math.isfinite(seconds):
-            self.switch_cost_s = seconds
+            self.switch_cost_s = max(seconds, MIN_SWITCH_COST_S)

@@ -445,6 +445,10 @@ class ElasticMode:
         mark = switch_of(ev)
         if mark is not None and mark.phase == "failed" and not self._switch_failed:
             self._switch_failed = mark.reason or f"plan v{mark.to_version}"
+        leader = self.node.leader if self.node is not None else None
+        if ev.type == schema.EventType.SWITCH_DONE.value and leader is not None \
+                and leader.stragglers is not None and "total_s" in ev.timings:
+            leader.stragglers.switched(float(ev.timings["total_s"]))  # the next switch's cost
 
     def _read_end(self) -> Optional[RoundState]:
         """``rdzv/state`` when it records the job's end, else None: one read, before the job
