@@ -11,6 +11,18 @@ or by position (``0``); ``--devices`` names at most ``MAX_DEVICES`` devices, cou
 is made. Bad input is a usage error (exit 2) with one line naming the bad value; a
 model that fits no layout exits 1 with the planner's shortfall. Also runnable as
 ``python -m launcher.plan_cmd``.
+
+    hspmd-launch plan --devices 8xH800 --model llama-7b --global-batch 128 \
+        --lengths 512:0.9,8192:0.1
+
+plans for mixed-length data instead (``planner.buckets``): each item is a length bucket, the
+longest sequence it holds (tokens) and its share of the sequences; buckets shortest first, the
+shares summing to 1 (they are not normalised). Each bucket gets its rows of the global batch
+(largest remainders, at least one each) and its own plan at its length; the output shows every
+bucket's plan (layout line, estimated step time, memory), the best single plan that fits the
+longest bucket (its step time summed over the buckets' rows) and the estimated gain, the single
+plan's step time over the sum of the buckets' (no switch cost counted). ``--json`` prints the
+same. ``--lengths`` does not combine with ``--current`` or ``--uniform``.
 """
 
 from __future__ import annotations
@@ -25,10 +37,10 @@ import click
 
 from hspmd_elastic.contract.ids import parse_device_id
 from hspmd_elastic.plan import Plan, PlanError
-from hspmd_elastic.planner import (Inventory, PlanInfeasibleError, PlannerError, PlannerOptions,
-                                   estimate_plan, inventory_from_dict, inventory_from_nodes,
-                                   parse_bytes, plan_for, preset, profile_from_dict,
-                                   uniform_inventory)
+from hspmd_elastic.planner import (Inventory, LengthBucket, PlanInfeasibleError, PlannerError,
+                                   PlannerOptions, estimate_plan, inventory_from_dict,
+                                   inventory_from_nodes, parse_bytes, parse_lengths, plan_buckets,
+                                   plan_for, preset, profile_from_dict, uniform_inventory)
 from launcher.numbers import number
 
 
@@ -163,6 +175,21 @@ def declare_memory(inventory: Inventory, size: Optional[str]) -> Inventory:
                            for d in inventory.devices))
 
 
+def _lengths(text: Optional[str], current: Optional[str],
+             uniform: bool) -> Optional[tuple[LengthBucket, ...]]:
+    """The buckets of ``--lengths`` (None without it); a usage error names a bad item."""
+    if text is None:
+        return None
+    try:
+        buckets = parse_lengths(text)
+    except PlannerError as exc:
+        raise click.BadParameter(str(exc), param_hint="--lengths") from None
+    if current is not None or uniform:
+        raise click.UsageError(f"--lengths does not combine with "
+                               f"{'--current' if current is not None else '--uniform'}")
+    return buckets
+
+
 def load_profile(model: str):
     if model.endswith(".json") or os.path.isfile(model):
         return profile_from_dict(_load_json(model, "--model"))
@@ -200,13 +227,19 @@ def load_profile(model: str):
 @click.option("--uniform", is_flag=True,
               help="The best uniform SPMD plan (one TP/PP everywhere, even layers and rows), "
                    "as --hspmd-planner uniform plans; its step time on these devices is added.")
+@click.option("--lengths", default=None, metavar="LEN:SHARE,...",
+              help="Length buckets, shortest first: each bucket's longest sequence (tokens) "
+                   "and its share of the sequences, the shares summing to 1, e.g. "
+                   "512:0.9,8192:0.1. Shows one plan per bucket and the estimated gain over "
+                   "the best single plan that fits the longest bucket.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, ...],
                  degrade: tuple[str, ...], current: Optional[str], tp: Optional[str],
                  pp: Optional[str], cross_node_replicas: bool, redundancy: int,
                  device_memory: Optional[str], all_devices: bool, alternatives: int,
-                 uniform: bool, as_json: bool) -> None:
+                 uniform: bool, lengths: Optional[str], as_json: bool) -> None:
     """Show the plan the planner would choose for a (hypothetical) cluster."""
+    buckets = _lengths(lengths, current, uniform)
     try:
         inventory = load_inventory(devices)
     except PlannerError as exc:
@@ -227,6 +260,9 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
     options = PlannerOptions(tp_degrees=_degrees(tp, "--tp"), pp_degrees=_degrees(pp, "--pp"),
                              cross_node_replicas=cross_node_replicas, redundancy=redundancy,
                              use_all_devices=all_devices, alternatives=alternatives)
+    if buckets is not None:
+        _show_buckets(inventory, profile, global_batch, buckets, options, as_json)
+        return
     try:
         result = plan_for(uniform_inventory(inventory) if uniform else inventory, profile,
                           global_batch, current_plan, options)
@@ -245,6 +281,19 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
     if real is not None:
         click.echo(f"uniform plan on these devices: step {real.step_time_s:.4g} s, "
                    f"{real.tokens_per_s:,.0f} tokens/s (estimate)")
+
+
+def _show_buckets(inventory: Inventory, profile, global_batch: int,
+                  buckets: tuple[LengthBucket, ...], options: PlannerOptions,
+                  as_json: bool) -> None:
+    try:
+        result = plan_buckets(inventory, profile, global_batch, buckets, options)
+    except PlanInfeasibleError as exc:
+        raise click.ClickException(str(exc)) from None
+    except PlannerError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True) if as_json
+               else result.explain())
 
 
 command = plan_command  # the name launcher.cli's subcommand table looks up

@@ -10,6 +10,8 @@ from hspmd_elastic.planner.api import (Candidate, Device, DeviceSpec, Estimate, 
                                        ModelProfile, PlanInfeasibleError, PlannerError,
                                        PlannerOptions, PlanResult, RedundancyError, fmt_bytes,
                                        parse_bytes)
+from hspmd_elastic.planner.buckets import (BucketPlan, BucketPlans, LengthBucket, SinglePlan,
+                                           bucket_rows, parse_lengths, plan_buckets)
 from hspmd_elastic.planner.cost import estimate_plan, switch_bytes
 from hspmd_elastic.planner.devices import (BUILTIN_SPECS, cpu_inventory, inventory_from_dict,
                                            inventory_from_nodes, lookup_spec,
@@ -21,10 +23,11 @@ from hspmd_elastic.planner.profiles import PRESETS, preset, profile_from_config,
 from hspmd_elastic.planner.search import plan_for
 
 __all__ = [
-    "BUILTIN_SPECS", "Candidate", "Device", "DeviceSpec", "Estimate", "Health", "Inventory",
-    "ModelProfile", "PRESETS", "PlanInfeasibleError", "PlanResult", "PlannerError",
-    "PlannerOptions", "RedundancyError", "cpu_inventory", "estimate_plan", "fallback_dp_plan",
-    "fmt_bytes", "inventory_from_dict", "inventory_from_nodes", "layout_line", "lookup_spec",
-    "parse_bytes", "plan_for", "preset", "profile_from_config", "profile_from_dict",
+    "BUILTIN_SPECS", "BucketPlan", "BucketPlans", "Candidate", "Device", "DeviceSpec", "Estimate",
+    "Health", "Inventory", "LengthBucket", "ModelProfile", "PRESETS", "PlanInfeasibleError",
+    "PlanResult", "PlannerError", "PlannerOptions", "RedundancyError", "SinglePlan", "bucket_rows",
+    "cpu_inventory", "estimate_plan", "fallback_dp_plan", "fmt_bytes", "inventory_from_dict",
+    "inventory_from_nodes", "layout_line", "lookup_spec", "parse_bytes", "parse_lengths",
+    "plan_buckets", "plan_for", "preset", "profile_from_config", "profile_from_dict",
     "register_device_type", "spec_for_device", "switch_bytes", "uniform_inventory",
 ]
