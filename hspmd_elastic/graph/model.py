@@ -9,7 +9,10 @@ initialiser and resharding all speak of the same tensors. Parameters are allocat
 come from ``init.py`` or from received shards.
 
 Attention is ``F.scaled_dot_product_attention`` (causal), which picks a fused kernel where the
-device and dtype have one. The last stage returns its TP rank's vocabulary shard of the logits;
+device and dtype have one. Rows that pack several documents carry segment ids (``document_masks``:
+1..k per document, 0 for padding): attention is then causal *and* within one segment, and the
+loss counts a target only where it continues a real document, so a packed row computes what its
+documents would one at a time. The last stage returns its TP rank's vocabulary shard of the logits;
 ``token_loss_sum`` turns them into losses with ``vocab_parallel_cross_entropy``, so full-vocabulary
 logits never exist under TP.
 
@@ -152,7 +155,8 @@ class Attention(nn.Module):
         self.wv = ColumnParallelLinear(h, kv_rows, tp, dtype=dt, parts=kv_parts)
         self.wo = RowParallelLinear(h, h, tp, dtype=dt)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
 
         def heads(t, n):
@@ -164,7 +168,8 @@ class Attention(nn.Module):
         if self.kv_heads != self.heads:
             group = self.heads // self.kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True) if mask is None else \
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.wo(out)
 
@@ -191,8 +196,9 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, dtype=dt)
         self.mlp = SwiGLU(config, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(enter_tp(self.attn_norm(x), self.tp), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(enter_tp(self.attn_norm(x), self.tp), cos, sin, mask)
         return x + self.mlp(enter_tp(self.mlp_norm(x), self.tp))
 
 
@@ -229,25 +235,48 @@ class StageModule(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: the attention mask of packed documents (``document_masks``), or None for
+        plain causal attention."""
         if self.first:
             x = self.embed(x)
         s = x.shape[1]
         for layer in self.layers.values():
-            x = layer(x, self.cos[:s], self.sin[:s])
+            x = layer(x, self.cos[:s], self.sin[:s], mask)
         if self.last:
             x = enter_tp(self.norm(x), self.tp)
             x = F.linear(x, self.embed.weight) if self.config.tie_embeddings else self.lm_head(x)
         return x
 
 
+def document_masks(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure: for rows of segment ids [rows, seq + 1] (1..k: the documents packed in a row, 0:
+    padding), the attention mask of the inputs [rows, 1, seq, seq] (causal and within one
+    segment; every position sees itself, so no row of the softmax is empty) and the loss
+    weights of the targets [rows, seq] (1 where the target continues the input's real
+    document, else 0)."""
+    inputs = segments[:, :-1]
+    s = inputs.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
+    mask = (inputs[:, :, None] == inputs[:, None, :]) & causal
+    weights = (segments[:, 1:] == inputs) & (inputs > 0)
+    return mask[:, None], weights
+
+
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup,
-                   vocab_start: int = 0) -> torch.Tensor:
+                   vocab_start: int = 0, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of token cross-entropies of the last stage's logits (this TP rank's vocabulary columns
-    from ``vocab_start``); the same value on every TP rank. The caller divides by the global
-    token count. Low-precision logits are reduced in float32."""
+    from ``vocab_start``); the same value on every TP rank. ``weights`` (shape of ``targets``):
+    each token's weight (``document_masks``: 0 for padding and document boundaries). The caller
+    divides by the global count of the tokens that count. Low-precision logits are reduced in
+    float32."""
     if tp.size == 1:
         logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                               reduction="sum")
-    return vocab_parallel_cross_entropy(logits, targets, tp, vocab_start).sum()
+        if weights is None:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   reduction="sum")
+        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                 reduction="none")
+        return (losses * weights.reshape(-1).to(losses.dtype)).sum()
+    losses = vocab_parallel_cross_entropy(logits, targets, tp, vocab_start)
+    return losses.sum() if weights is None else (losses * weights.to(losses.dtype)).sum()

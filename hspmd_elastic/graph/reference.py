@@ -97,7 +97,7 @@ def _rope(x, seq, config):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def _layer(x, p, i, config):
+def _layer(x, p, i, config, segments=None):
     b, s, h = x.shape
     nh, kv, hd = config.num_heads, config.kv_heads, config.head_dim
     pre = f"layers.{i}."
@@ -111,6 +111,8 @@ def _layer(x, p, i, config):
     k, v = k[:, kv_of], v[:, kv_of]
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(hd)
     allowed = torch.tril(torch.ones(s, s, dtype=torch.bool, device=x.device))
+    if segments is not None:  # packed documents: a token sees only its own document
+        allowed = allowed & (segments[:, None, :, None] == segments[:, None, None, :])
     scores = torch.where(allowed, scores, torch.full_like(scores, float("-inf")))
     att = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v).permute(0, 2, 1, 3)
     x = x + att.reshape(b, s, h) @ p[pre + "attn.wo.weight"].T
@@ -119,26 +121,37 @@ def _layer(x, p, i, config):
     return x + (gate * torch.sigmoid(gate) * up) @ p[pre + "mlp.w_down.weight"].T
 
 
-def reference_loss(params: dict, batch: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """Mean cross-entropy of next-token prediction over ``batch`` [rows, seq+1]."""
+def reference_loss(params: dict, batch: torch.Tensor, config: ModelConfig,
+                   segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy of next-token prediction over ``batch`` [rows, seq+1]. With
+    ``segments`` (the rows' segment ids, 0: padding) the rows pack documents: attention stays
+    inside each document, and the mean is over the targets that continue a real document."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
+    seg = None if segments is None else segments[:, :-1]
     x = params["embed.weight"][inputs]
     for i in range(config.num_layers):
-        x = _layer(x, params, i, config)
+        x = _layer(x, params, i, config, seg)
     head = params["embed.weight" if config.tie_embeddings else "lm_head.weight"]
     logits = _rms(x, params["norm.weight"], config.norm_eps) @ head.T
-    return F.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
+    if segments is None:
+        return F.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
+    counts = ((segments[:, 1:] == seg) & (seg > 0)).reshape(-1)
+    losses = F.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1),
+                             reduction="none")
+    return losses[counts].sum() / counts.sum()
 
 
-def reference_train(config: ModelConfig, seed: int, batches: list, optim: AdamWConfig):
-    """Train from the seed's initial weights on ``batches``; returns (params, losses)."""
+def reference_train(config: ModelConfig, seed: int, batches: list, optim: AdamWConfig,
+                    segments: list | None = None):
+    """Train from the seed's initial weights on ``batches`` (with ``segments``: each batch's
+    segment ids, packed documents); returns (params, losses)."""
     params = {k: v.clone().requires_grad_(True) for k, v in full_params(config, seed).items()}
     opt = torch.optim.AdamW(list(params.values()), lr=optim.lr, betas=optim.betas, eps=optim.eps,
                             weight_decay=optim.weight_decay, foreach=False)
     losses = []
-    for batch in batches:
+    for i, batch in enumerate(batches):
         opt.zero_grad()
-        loss = reference_loss(params, batch, config)
+        loss = reference_loss(params, batch, config, None if segments is None else segments[i])
         loss.backward()
         opt.step()
         losses.append(loss.item())

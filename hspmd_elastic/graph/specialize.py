@@ -35,7 +35,8 @@ from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.graph.gradsync import sync_gradients, sync_ops
 from hspmd_elastic.graph.init import full_param, local_part
 from hspmd_elastic.graph.layers import TPGroup
-from hspmd_elastic.graph.model import StageModule, compute_context, token_loss_sum, torch_dtype
+from hspmd_elastic.graph.model import (StageModule, compute_context, document_masks,
+                                       token_loss_sum, torch_dtype)
 from hspmd_elastic.graph.optim import AdamWConfig, ShardedAdamW
 from hspmd_elastic.graph.pipeline import StageLinks, one_f_one_b, run_schedule
 from hspmd_elastic.graph.state import EXP_AVG, EXP_AVG_SQ, STEP, state_specs
@@ -120,30 +121,47 @@ class SpecializedModel:
         return rank_rows(self.plan, self.rank)
 
     def step(self, batch: torch.Tensor,
-             before_update: Optional[Callable[[], None]] = None) -> float:
+             before_update: Optional[Callable[[], None]] = None,
+             segments: Optional[torch.Tensor] = None, real_tokens: Optional[int] = None
+             ) -> float:
         """One optimizer step; the global mean loss. ``batch`` is the global batch
         [global_batch, seq+1] or only this rank's rows ``batch_rows()`` (what a rank needs to
         materialise).
 
+        Packed documents: ``segments`` (the rows' segment ids, shaped as ``batch``; 0 is
+        padding) restrict attention to each document and the loss to the targets that continue
+        one (``model.document_masks``); the loss is then the mean over ``real_tokens``, the
+        global batch's count of such targets (every rank passes the same number).
+
         ``before_update()`` runs after the step's last communication, before the update."""
         batch, first_row = self._local_batch(batch)
         batch = batch.to(self.device, non_blocking=True)
+        if segments is not None:
+            segments = self._local_batch(segments)[0].to(self.device, non_blocking=True)
+            if not real_tokens or real_tokens < 1:
+                raise GraphError(f"real_tokens={real_tokens!r}: packed documents need the "
+                                 "global batch's count of targets that count (>= 1)")
         self.optimizer.zero_grad()
         pi = self.placement.pipeline
         mb = self.pipeline.microbatch_size
-        tokens = self.config.seq_len * self.plan.global_batch
+        tokens = self.config.seq_len * self.plan.global_batch if segments is None \
+            else real_tokens
         head = self.module if self.module.last else None
 
-        def rows(m):
+        def rows(m, of=None):
             lo, hi = self.plan.microbatch_rows(pi, m)
-            return batch[lo - first_row:hi - first_row]
+            return (batch if of is None else of)[lo - first_row:hi - first_row]
+
+        def masks(m):
+            return (None, None) if segments is None else document_masks(rows(m, segments))
 
         def forward(m, x):
             with compute_context(self.config, self.device):
-                return self.module(rows(m)[:, :-1] if x is None else x)
+                return self.module(rows(m)[:, :-1] if x is None else x, masks(m)[0])
 
         def loss_of(m, logits):
-            return token_loss_sum(logits, rows(m)[:, 1:], self.tp, head.vocab_start) / tokens
+            return token_loss_sum(logits, rows(m)[:, 1:], self.tp, head.vocab_start,
+                                  masks(m)[1]) / tokens
 
         dtype = torch_dtype(self.config)
         loss = run_schedule(self._schedule, self._links, self.comm, forward=forward,
