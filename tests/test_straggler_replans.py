@@ -95,7 +95,7 @@ def test_a_throttled_worker_is_replanned_to_less_work_in_memory_and_gets_it_back
         assert _rows(degraded, 1) < _rows(degraded, 0), degraded  # less work for it
         speeds = [schema.event_detail(e) for e in read_events(client, job) if e.type == "speeds"]
         chosen = [d for d in speeds if d.replan]
-        assert chosen and chosen[0].measured[slow_dev] < 0.5 <= chosen[0].measured[f"{NODE}:0"]
+        assert chosen and chosen[0].measured[slow_dev] <= 0.75 < chosen[0].measured[f"{NODE}:0"]
         assert chosen[0].gain_s > chosen[0].cost_s, chosen[0]
         assert {lr: w.pid for lr, w in workers().items()} == pids  # switched in memory
 
