@@ -56,6 +56,7 @@ def test_masks_keep_attention_and_loss_inside_each_document():
     assert mask[0, 0, 2].tolist() == [True, True, True, False, False, False]
     assert mask[0, 0, 4].tolist() == [False, False, False, True, True, False]
     assert mask[0, 0].diagonal().all()  # no empty softmax row, padding included
+    assert mask[0, 0, 5].tolist() == [False] * 5 + [True]  # padding sees itself only
     # a target counts when it continues its input's document: not across the 1|2 boundary,
     # not the padding
     assert weights[0].tolist() == [True, True, False, True, False, False]

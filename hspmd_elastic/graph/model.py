@@ -252,15 +252,12 @@ class StageModule(nn.Module):
 def document_masks(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure: for rows of segment ids [rows, seq + 1] (1..k: the documents packed in a row, 0:
     padding), the attention mask of the inputs [rows, 1, seq, seq] (causal and within one
-    segment; every position sees itself, so no row of the softmax is empty) and the loss
+    document; padding sees itself only, so no row of the softmax is empty) and the loss
     weights of the targets [rows, seq] (1 where the target continues the input's real
-    document, else 0)."""
-    inputs = segments[:, :-1]
-    s = inputs.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
-    mask = (inputs[:, :, None] == inputs[:, None, :]) & causal
-    weights = (segments[:, 1:] == inputs) & (inputs > 0)
-    return mask[:, None], weights
+    document, else 0): ``hspmd_elastic.documents.block_mask`` and ``loss_mask``."""
+    from hspmd_elastic.documents import block_mask, loss_mask  # the one rule, with the data
+
+    return block_mask(segments[:, :-1]), loss_mask(segments)
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup,
