@@ -62,6 +62,13 @@ def main() -> int:
                         "(default: synthetic tokens)")
     parser.add_argument("--data-dtype", choices=sorted(DTYPES),
                         help="token dtype of --data (default: its sidecar's)")
+    parser.add_argument("--documents", metavar="PATH",
+                        help="documents of any length instead of fixed windows: a Megatron-LM "
+                             "indexed dataset (PREFIX.idx/.bin) or a token file with its "
+                             ".docs.npy offsets; docs/data.md")
+    parser.add_argument("--doc-mode", choices=("pack", "truncate"), default="pack",
+                        help="with --documents: whole documents packed into each row "
+                             "(attention stays inside each document), or one per row")
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--out", help="directory for each worker's final parameter shards")
@@ -75,11 +82,24 @@ def main() -> int:
         config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                              num_heads=args.heads, num_layers=args.layers,
                              ffn_size=4 * args.hidden, seq_len=args.seq_len, dtype="float32")
-    if args.data_dtype and not args.data:
+    if args.data_dtype and not (args.data or args.documents):
         print(f"{parser.prog}: error: --data-dtype {args.data_dtype} needs --data PATH",
               file=sys.stderr)
         return 2
-    if args.data:
+    if args.data and args.documents:
+        print(f"{parser.prog}: error: --data and --documents cannot be used together",
+              file=sys.stderr)
+        return 2
+    if args.documents:
+        from hspmd_elastic.documents import document_sampler
+
+        try:  # checks the index against its tokens; ids are checked as read
+            sample = document_sampler(config, args.documents, args.doc_mode,
+                                      dtype=args.data_dtype, seed=args.seed)
+        except DataError as exc:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return 2
+    elif args.data:
         try:  # checks the files, the dtype and that one sample fits; ids are checked as read
             sample = token_sampler(config, args.data, args.data_dtype, seed=args.seed)
         except DataError as exc:

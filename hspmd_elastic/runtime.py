@@ -124,6 +124,31 @@ def rows_at(sample: Sampler, step: int, global_batch: int, rows: tuple[int, int]
     return torch.stack([sample(step * global_batch + i) for i in range(lo, hi)])
 
 
+def is_documents(sample) -> bool:
+    """Whether ``sample`` is a document sampler (``hspmd_elastic.documents.DocumentSampler``:
+    ``sample(i)`` gives tokens and segment ids, ``lengths(i)`` its documents' lengths)."""
+    return callable(getattr(sample, "sample", None)) and callable(getattr(sample, "lengths",
+                                                                          None))
+
+
+def document_rows_at(sample, step: int, global_batch: int, rows: tuple[int, int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows_at`` of a document sampler: the rows' tokens and their segment ids."""
+    lo, hi = rows
+    if hi <= lo:
+        empty = torch.empty((0, 0), dtype=torch.int64)
+        return empty, empty
+    pairs = [sample.sample(step * global_batch + i) for i in range(lo, hi)]
+    return torch.stack([t for t, _ in pairs]), torch.stack([s for _, s in pairs]).long()
+
+
+def counted_targets(sample, step: int, global_batch: int) -> int:
+    """The targets of ``step``'s global batch that count (each document of ``l`` tokens in a row
+    predicts ``l - 1``): the loss's denominator, from the documents' lengths only."""
+    return sum(max(n - 1, 0) for i in range(global_batch)
+               for n in sample.lengths(step * global_batch + i))
+
+
 def gather_full(pieces: list[dict[str, tuple[tuple, torch.Tensor]]],
                 shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """Assemble full tensors from several ranks' ``final_state`` (every element must appear)."""
@@ -306,14 +331,20 @@ class _Worker:
         held = self.held
         try:
             while self.step < self.steps:
-                batch = rows_at(self.sample, self.step, self.global_batch,
-                                held.model.batch_rows())
+                if is_documents(self.sample):  # packed documents: tokens and segment ids
+                    batch, segments = document_rows_at(self.sample, self.step, self.global_batch,
+                                                       held.model.batch_rows())
+                    docs = (segments, counted_targets(self.sample, self.step,
+                                                      self.global_batch))
+                else:
+                    batch, docs = rows_at(self.sample, self.step, self.global_batch,
+                                          held.model.batch_rows()), None
                 self.watchdog.check(f"step {self.step}")
                 comm = held.model.comm
                 began, waited = time.perf_counter(), comm.waited_s
                 with self.former.armed(f"step {self.step}", self.timeouts.comm_s,
                                        self.watchdog.superseded):
-                    loss = held.train_step(batch)
+                    loss = held.train_step(batch, *(docs or ()))
                 self.busy.add(self.version, time.perf_counter() - began,
                               comm.waited_s - waited)
                 self.result.losses[self.step] = loss

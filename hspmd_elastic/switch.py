@@ -132,10 +132,14 @@ class Held:
     def commit(self, snapshot: tuple[int, dict[str, torch.Tensor]]) -> None:
         self.undo = snapshot
 
-    def train_step(self, batch: torch.Tensor) -> float:
-        """One training step; the undo copy becomes the state before it once it commits."""
+    def train_step(self, batch: torch.Tensor, segments: Optional[torch.Tensor] = None,
+                   real_tokens: Optional[int] = None) -> float:
+        """One training step (``segments``, ``real_tokens``: packed documents, see
+        ``SpecializedModel.step``); the undo copy becomes the state before it once it
+        commits."""
         keep = None if self.undo_mode == "off" else self._keep_undo
-        return self.model.step(batch, before_update=keep)
+        return self.model.step(batch, before_update=keep, segments=segments,
+                               real_tokens=real_tokens)
 
     @torch.no_grad()
     def _keep_undo(self) -> None:

@@ -193,12 +193,23 @@ def reference_params(payload: dict):
     from hspmd_elastic.runtime import global_batch_at, synthetic_sampler
 
     config = ModelConfig(**payload["config"])
+    eps = payload.get("adam_eps")
+    optim = AdamWConfig() if eps is None else AdamWConfig(eps=eps)
+    if payload.get("documents"):  # packed documents: the rows and their segment ids
+        from hspmd_elastic.documents import document_sampler
+        from hspmd_elastic.runtime import document_rows_at
+
+        docs = document_sampler(config, payload["documents"], mode="pack",
+                                seed=payload["data_seed"])
+        rows = [document_rows_at(docs, s, payload["global_batch"], (0, payload["global_batch"]))
+                for s in range(payload["steps"])]
+        params, _losses = reference_train(config, payload["seed"], [t for t, _ in rows], optim,
+                                          [g for _, g in rows])
+        return params
     sample = synthetic_sampler(config, payload["data_seed"])
     batches = [global_batch_at(sample, s, payload["global_batch"])
                for s in range(payload["steps"])]
-    eps = payload.get("adam_eps")
-    params, _losses = reference_train(config, payload["seed"], batches,
-                                      AdamWConfig() if eps is None else AdamWConfig(eps=eps))
+    params, _losses = reference_train(config, payload["seed"], batches, optim)
     return params
 
 
@@ -229,7 +240,8 @@ def assert_matches_reference(results, payload: dict, tol: float = 1e-9) -> None:
 
 
 def reference_payload(config, *, steps: int, global_batch: int, seed: int,
-                      data_seed: int, adam_eps: Optional[float] = None) -> dict:
+                      data_seed: int, adam_eps: Optional[float] = None,
+                      documents: Optional[str] = None) -> dict:
     """What the reference needs of a run of ``tests/scripts/elastic_train.py`` with these
     arguments (``config``: a ``ModelConfig``; ``adam_eps``: its ``--adam-eps``, if given)."""
     import dataclasses
@@ -238,6 +250,8 @@ def reference_payload(config, *, steps: int, global_batch: int, seed: int,
                "global_batch": global_batch, "steps": steps, "seed": seed}
     if adam_eps is not None:
         payload["adam_eps"] = adam_eps
+    if documents is not None:  # its --documents: packed rows of that dataset
+        payload["documents"] = documents
     return payload
 
 

@@ -63,6 +63,9 @@ def _main() -> int:
     parser.add_argument("--gate", action="append", default=[], metavar="STEP:FILE",
                         help="once at STEP, wait (bounded by --gate-timeout) until FILE exists")
     parser.add_argument("--gate-timeout", type=float, default=120.0)
+    parser.add_argument("--documents", default=None, metavar="PREFIX",
+                        help="train on the documents of a Megatron-LM indexed dataset "
+                             "(PREFIX.idx/.bin), rows packed (hspmd_elastic.documents)")
     parser.add_argument("--adam-eps", type=float, default=None,
                         help="AdamW's eps (default: AdamWConfig's); a large one such as 1.0 "
                              "keeps rounding differences from growing over a long run")
@@ -134,7 +137,13 @@ def _main() -> int:
 
     t = args.timeout
     try:
-        result = run(config, sample=synthetic_sampler(config, args.data_seed),
+        if args.documents:
+            from hspmd_elastic.documents import document_sampler
+
+            sample = document_sampler(config, args.documents, mode="pack", seed=args.data_seed)
+        else:
+            sample = synthetic_sampler(config, args.data_seed)
+        result = run(config, sample=sample,
                      global_batch=args.global_batch, steps=args.steps, seed=args.seed,
                      optim=AdamWConfig() if args.adam_eps is None else
                      AdamWConfig(eps=args.adam_eps),
