@@ -50,6 +50,10 @@ COVERAGE: list[tuple[str, str, str]] = [
     ("data check /shared/train.bin", "run", "test_data_commands_run"),
     ("hspmd-launch ... examples/elastic_llama.py", "check", "test_data_commands_run: '...' "
      "stands for the elastic flags above"),
+    ("documents make /shared/docs", "run", "test_documents_commands_run"),
+    ("examples/elastic_llama.py --config model.json --global-batch 8 --documents", "check",
+     "test_documents_commands_run: '...' stands for the elastic flags above; "
+     "tests/test_elastic_documents.py runs an elastic job on packed documents"),
     ("save_pretrained(\"/tmp/ft/llama-tiny\")", "run", "test_finetune_example"),
     ("data make /tmp/ft/train.bin", "run", "test_finetune_example"),
     ("examples/finetune_llama.py --model /tmp/ft/llama-tiny", "check", "test_finetune_example: "
@@ -241,6 +245,21 @@ def test_data_commands_run(tmp_path):
         assert out.returncode == 0, out.stderr
     assert "10000000 uint16 tokens" in out.stdout
     argv = words(command("hspmd-launch ... examples/elastic_llama.py"))
+    assert_script_takes("examples/elastic_llama.py",
+                        script_flags(argv, "examples/elastic_llama.py"))
+
+
+def test_documents_commands_run(tmp_path):
+    env = base_env(new_marker())
+    shared = str(tmp_path / "shared")
+    Path(shared).mkdir()
+    make = words(command("documents make /shared/docs"), **{"/shared": shared},
+                 **{"--docs 10000": "--docs 200"})
+    out = run(make, tmp_path, env)
+    assert out.returncode == 0, out.stderr
+    assert (Path(shared) / "docs.idx").is_file() and (Path(shared) / "docs.bin").is_file()
+    key = "examples/elastic_llama.py --config model.json --global-batch 8 --documents"
+    argv = words(command(key), **{"/shared": shared})
     assert_script_takes("examples/elastic_llama.py",
                         script_flags(argv, "examples/elastic_llama.py"))
 
