@@ -12,6 +12,8 @@ Promises:
 * a first argument naming a subcommand (``status``, ``dashboard``, ``inject``, ``plan``) that is
   not an existing file runs that subcommand; ``hspmd-launch -- status`` runs a script called
   ``status``;
+* under ``srun``, flags not given come from Slurm's environment (``launcher.slurm``; flags and
+  ``PET_*`` win; ``--hspmd-slurm off`` ignores Slurm);
 * bad input prints one line, ``hspmd-launch: error: ...`` naming the bad value and what would be
   valid, and exits 2; runtime errors (etcd unreachable, rendezvous timeout) print one line and
   exit 1; failed workers exit 1 after the failure summary; never a traceback.
@@ -52,6 +54,7 @@ from launcher.etcd_security import launcher_options, launcher_security, server_t
 from launcher.logs import check_log_dir, parse_ranks_filter, parse_std
 from launcher.model_flag import parse_model
 from launcher.numbers import check, number, shutdown_timeout_from_env
+from launcher.slurm import SETTINGS as SLURM_SETTINGS, fill_from_slurm
 
 log = logging.getLogger("launcher")
 
@@ -93,7 +96,17 @@ def _opt(*names: str, **kw):
     return click.option(*spellings, dest, **kw)
 
 
+class _LaunchCommand(click.Command):
+    """Parsing, then the flags not given from Slurm's environment under srun."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        rest = super().parse_args(ctx, args)
+        fill_from_slurm(ctx, os.environ)
+        return rest
+
+
 @click.command(
+    cls=_LaunchCommand,
     name=PROG,
     context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"],
                       "max_content_width": 100},
@@ -200,6 +213,10 @@ def _opt(*names: str, **kw):
 @_opt("--hspmd-straggler-dwell", type=number("--hspmd-straggler-dwell"), default=None,
       help="Elastic mode: seconds at least between two switches driven by measured speeds "
            "(0..3600, default 30), so a noisy device does not flap.")
+@_opt("--hspmd-slurm", type=click.Choice(SLURM_SETTINGS, case_sensitive=False), default="auto",
+      show_default=True, help="auto: under srun (SLURM_JOB_ID, SLURM_STEP_ID, SLURM_PROCID "
+      "set), flags not given come from Slurm: node id and rank, --nnodes, --nproc-per-node, "
+      "--rdzv-id, the rendezvous (flags and PET_* win); off: ignore Slurm's environment.")
 @launcher_options
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
