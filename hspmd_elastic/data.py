@@ -369,6 +369,16 @@ def _check(args) -> int:
     return 0
 
 
+def run_command(args, make: Callable, check: Callable) -> int:
+    """``make`` or ``check`` for the parsed ``args`` of a data command; a ``DataError`` is one
+    line and exit code 2 (this module's CLI and ``hspmd_elastic.documents``')."""
+    try:
+        return make(args) if args.command == "make" else check(args)
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hspmd_elastic.data",
                                      description="Write or check flat token files.")
@@ -386,12 +396,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     check.add_argument("--dtype", choices=sorted(DTYPES), help="default: the sidecar's")
     check.add_argument("--vocab", type=int, help="refuse ids >= this (default: the sidecar's)")
     check.add_argument("--seq-len", type=int, help="also count the samples of this length")
-    args = parser.parse_args(argv)
-    try:
-        return _make(args) if args.command == "make" else _check(args)
-    except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(parser.parse_args(argv), _make, _check)
 
 
 if __name__ == "__main__":

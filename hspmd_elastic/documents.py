@@ -46,14 +46,14 @@ import argparse
 import operator
 import os
 import struct
-import sys
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from hspmd_elastic.data import DataError, TokenShards, WindowOrder, write_token_file
+from hspmd_elastic.data import (DataError, TokenShards, WindowOrder, run_command,
+                                write_token_file)
 
 MMIDIDX_MAGIC = b"MMIDIDX\x00\x00"
 MMIDIDX_VERSION = 1
@@ -586,12 +586,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     check.add_argument("--no-truncate", action="store_true",
                        help="refuse documents longer than max_len + 1")
     check.add_argument("--boundaries", help="bucket boundaries such as 512,8192: a histogram")
-    args = parser.parse_args(argv)
-    try:
-        return _make(args) if args.command == "make" else _check(args)
-    except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(parser.parse_args(argv), _make, _check)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hspmd_elastic.documents import block_mask, loss_mask  # the one rule, with the data
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear,
                                         TPGroup, VocabParallelEmbedding, enter_tp,
@@ -255,8 +256,6 @@ def document_masks(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     document; padding sees itself only, so no row of the softmax is empty) and the loss
     weights of the targets [rows, seq] (1 where the target continues the input's real
     document, else 0): ``hspmd_elastic.documents.block_mask`` and ``loss_mask``."""
-    from hspmd_elastic.documents import block_mask, loss_mask  # the one rule, with the data
-
     return block_mask(segments[:, :-1]), loss_mask(segments)
 
 

@@ -152,8 +152,14 @@ class SpecializedModel:
             lo, hi = self.plan.microbatch_rows(pi, m)
             return (batch if of is None else of)[lo - first_row:hi - first_row]
 
+        made: dict = {}  # micro-batch -> its masks: built once, read by forward and loss
+
         def masks(m):
-            return (None, None) if segments is None else document_masks(rows(m, segments))
+            if segments is None:
+                return None, None
+            if m not in made:
+                made[m] = document_masks(rows(m, segments))
+            return made[m]
 
         def forward(m, x):
             with compute_context(self.config, self.device):
