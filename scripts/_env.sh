@@ -25,12 +25,12 @@ if ! command -v etcd >/dev/null 2>&1 && [ -z "${HSPMD_ETCD_BINARY:-}" ]; then
   fi
 fi
 
-# etcdctl, for the docs' `etcdctl get ...` commands (Debian's etcd-client; optional).
+# etcdctl (Debian's etcd-client): the docs' `etcdctl get ...` commands and the Kubernetes manifest test.
 if ! command -v etcdctl >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   say "installing Debian etcd-client (etcdctl)"
   { apt-get update -qq >/dev/null && \
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-client >/dev/null; } || \
-    say "apt-get could not install etcd-client: etcdctl is missing (the job does not need it)"
+    say "apt-get could not install etcd-client: the Kubernetes manifest test will fail (the job does not need etcdctl)"
 fi
 
 # nftables and iproute2 (nft, ip, ss) for the network-namespace tests: partitions in drop mode.

@@ -726,8 +726,8 @@ def test_the_etcd_users_job_on_a_real_etcd(docs, tmp_path):
     certificate against a real etcd that serves TLS with --client-cert-auth; then every client
     certificate the manifests make is the etcd user its common name names: the job's reads and
     writes its own prefix only, the viewer only reads it, any other name gets nothing."""
-    if shutil.which("etcdctl") is None:
-        pytest.skip("etcdctl (Debian's etcd-client, which scripts/test installs) is missing")
+    assert shutil.which("etcdctl"), \
+        "etcdctl is missing (Debian's etcd-client, which scripts/test installs)"
     job_cert = next(c for c in of_kind(docs, "Certificate").values()
                     if c["spec"]["commonName"] not in ("root", "viewer", "etcd")
                     and not c["spec"].get("isCA"))
