@@ -124,7 +124,16 @@ class SpecializedModel:
              before_update: Optional[Callable[[], None]] = None,
              segments: Optional[torch.Tensor] = None, real_tokens: Optional[int] = None
              ) -> float:
-        """One optimizer step; the global mean loss. ``batch`` is the global batch
+        """One optimizer step (``gradients`` then ``update``); the global mean loss."""
+        grads, loss = self.gradients(batch, segments, real_tokens)
+        self.update(grads, before_update)
+        return loss
+
+    def gradients(self, batch: torch.Tensor, segments: Optional[torch.Tensor] = None,
+                  real_tokens: Optional[int] = None, tokens: Optional[int] = None
+                  ) -> tuple[dict[str, torch.Tensor], float]:
+        """This rank's gradients of the step, synchronised under the plan (every replica of a
+        shard holds the sum), and the global loss; no state changes. ``batch`` is the global batch
         [global_batch, seq+1] or only this rank's rows ``batch_rows()`` (what a rank needs to
         materialise).
 
@@ -133,7 +142,11 @@ class SpecializedModel:
         one (``model.document_masks``); the loss is then the mean over ``real_tokens``, the
         global batch's count of such targets (every rank passes the same number).
 
-        ``before_update()`` runs after the step's last communication, before the update."""
+        ``tokens``: the loss's denominator when it is not this batch's own (the tokens of a
+        larger global batch this one is a part of: a length bucket's rows).
+
+        ``update(grads, before_update)`` applies them; ``before_update()`` runs after the step's
+        last communication, before the update."""
         batch, first_row = self._local_batch(batch)
         batch = batch.to(self.device, non_blocking=True)
         if segments is not None:
@@ -144,8 +157,9 @@ class SpecializedModel:
         self.optimizer.zero_grad()
         pi = self.placement.pipeline
         mb = self.pipeline.microbatch_size
-        tokens = self.config.seq_len * self.plan.global_batch if segments is None \
-            else real_tokens
+        if tokens is None:
+            tokens = self.config.seq_len * self.plan.global_batch if segments is None \
+                else real_tokens
         head = self.module if self.module.last else None
 
         def rows(m, of=None):
@@ -176,15 +190,18 @@ class SpecializedModel:
         grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
                  for n, p in self.params.items()}
         sync_gradients(self._sync, grads, self.comm)
-        global_loss = self._global_loss(loss)
-        # All communication of the step is done: state changes only now, so a step interrupted
-        # by a communication error leaves parameters and optimizer state as they were.
+        return grads, self._global_loss(loss)
+
+    def update(self, grads: Mapping[str, torch.Tensor],
+               before_update: Optional[Callable[[], None]] = None) -> None:
+        """AdamW with ``grads`` (this rank's shards, synchronised); all communication of the
+        step is done: state changes only now, so a step interrupted by a communication error
+        leaves parameters and optimizer state as they were."""
         if before_update is not None:
             before_update()
         for n, p in self.params.items():
             p.grad = grads[n]
         self.optimizer.step()
-        return global_loss
 
     def _global_loss(self, loss: torch.Tensor) -> float:
         # One contribution per pipeline: TP rank 0 of its last stage.

@@ -1,0 +1,198 @@
+"""In-step switching by length bucket (``hspmd_elastic.graph.bucketed``) on real gloo ranks.
+
+A home plan (TP2) holds the parameters and the optimizer; the short bucket runs under DP2, the
+middle one under PP2, the long one under the home plan: four layout switches per step
+(parameters out and gradients back, twice). The parameters after every step equal the
+single-device reference on the same global batches (float64, 1e-9), and so does the home plan
+run alone. The comparison is shown to catch a skipped gradient transfer, and rows handed over
+in the wrong bucket order are refused in one line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _world import run_world
+from hspmd_elastic.bucket_data import BucketedDocuments
+from hspmd_elastic.data import DataError
+from hspmd_elastic.documents import DocumentSampler, open_documents, write_indexed
+from hspmd_elastic.graph.bucketed import BucketedModel
+from hspmd_elastic.graph.config import ModelConfig
+from hspmd_elastic.graph.model import document_masks
+from hspmd_elastic.graph.optim import AdamWConfig
+from hspmd_elastic.graph.reference import reference_train
+from hspmd_elastic.plan import simple_plan
+
+pytestmark = pytest.mark.timeout(240)
+
+CONFIG = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
+                     seq_len=12, dtype="float64")
+SEED, STEPS, TOL = 5, 3, 1e-9
+WINDOWS, ROWS = (4, 8, 12), (4, 2, 2)
+GLOBAL_BATCH = sum(ROWS)
+
+
+def corpus(prefix: str) -> None:
+    """Documents of every length 2..20 (some truncated to 13 tokens), a few of each."""
+    gen = np.random.default_rng(3)
+    docs = [gen.integers(0, CONFIG.vocab_size, n) for n in list(range(2, 21)) * 3]
+    write_indexed(prefix, docs)
+
+
+def sampler(prefix: str, windows=WINDOWS, rows=ROWS) -> BucketedDocuments:
+    base = DocumentSampler(open_documents(prefix), CONFIG.seq_len, "truncate", seed=1,
+                           vocab_size=CONFIG.vocab_size)
+    return BucketedDocuments(base, windows, rows, seed=1)
+
+
+def batches(sample: BucketedDocuments, steps: int = STEPS):
+    out = []
+    for s in range(steps):
+        pairs = [sample.sample(s * GLOBAL_BATCH + j) for j in range(GLOBAL_BATCH)]
+        out.append((torch.stack([t for t, _ in pairs]), torch.stack([g for _, g in pairs]).long()))
+    return out
+
+
+def counted(segments: torch.Tensor) -> int:
+    return int(document_masks(segments)[1].sum())
+
+
+def home_plan():
+    return simple_plan(tp=2, num_layers=2, global_batch=GLOBAL_BATCH, num_microbatches=2)
+
+
+def bucket_plans():
+    return [simple_plan(dp=2, num_layers=2, global_batch=ROWS[0], num_microbatches=2),
+            simple_plan(pp=2, num_layers=2, global_batch=ROWS[1], num_microbatches=2),
+            simple_plan(tp=2, num_layers=2, global_batch=ROWS[2], num_microbatches=1)]
+
+
+# ------------------------------------------------------------------------------ workers
+def train(rank: int, world: int, payload: dict) -> dict:
+    from hspmd_elastic.graph.bucketed import Bucket, create_comms
+    from hspmd_elastic.graph.comm import Comm
+    from hspmd_elastic.graph.specialize import SpecializedModel
+
+    config, home = CONFIG, home_plan()
+    starts = np.cumsum((0,) + ROWS[:-1])
+    buckets = [Bucket(w, int(s), p) for w, s, p in zip(WINDOWS, starts, bucket_plans())]
+    comm = Comm.create(home, config, rank, timeout_s=30)
+    comms = create_comms(home, buckets, config, rank,
+                         lambda plan, cfg: Comm.create(plan, cfg, rank, timeout_s=30))
+    model = SpecializedModel.build(config, home, rank, seed=SEED, comm=comm)
+    kind = BucketedModel if payload["mode"] != "skip-grads" else SkipsGradients
+    bucketed = kind(model, buckets, comms, timeout_s=30)
+    data = batches(sampler(payload["prefix"]))
+    if payload["mode"] == "wrong-order":  # the long rows first: the short bucket gets them
+        data = [(t.flip(0), g.flip(0)) for t, g in data]
+    losses, switches = [], []
+    try:
+        for tokens, seg in data:
+            if payload["mode"] == "home":
+                losses.append(model.step(tokens, segments=seg, real_tokens=counted(seg)))
+            else:
+                lo, hi = bucketed.rows_needed()
+                losses.append(bucketed.step(tokens[lo:hi], seg[lo:hi], counted(seg)))
+                switches.append(bucketed.stats.switches)
+    except Exception as exc:  # noqa: BLE001 - the test reads the line
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"params": model.local_params(), "losses": losses, "switches": switches}
+
+
+class SkipsGradients(BucketedModel):
+    """Drops the gradients of the middle bucket on their way home (a broken switcher)."""
+
+    def _move(self, schedule, tensors, stats):
+        out = super()._move(schedule, tensors, stats)
+        if schedule is self._schedules[1][1]:
+            return {n: torch.zeros_like(v) for n, v in out.items()}
+        return out
+
+
+# ------------------------------------------------------------------------------ checks
+def worst_error(results: list, ref_params: dict) -> float:
+    """The largest element error of the home shards against the reference; NaN or an element
+    no rank holds fails at once."""
+    anns = home_plan().param_annotations(CONFIG)
+    worst = 0.0
+    for name, ref in ref_params.items():
+        held = torch.zeros(ref.shape, dtype=torch.bool)
+        for d in home_plan().devices:
+            ranges = anns[name].local_slices(d, ref.shape)
+            if ranges is None:
+                continue
+            slices = tuple(slice(lo, hi) for lo, hi in ranges)
+            shard = results[d]["params"][name]
+            assert not torch.isnan(shard).any(), (name, d)
+            worst = max(worst, (shard - ref[slices]).abs().max().item())
+            held[slices] = True
+        assert held.all(), f"{name}: elements no rank holds"
+    return worst
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory):
+    p = str(tmp_path_factory.mktemp("docs") / "corpus")
+    corpus(p)
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(prefix):
+    data = batches(sampler(prefix))
+    return reference_train(CONFIG, SEED, [t for t, _ in data], AdamWConfig(),
+                           [g for _, g in data])
+
+
+def test_rows_are_grouped_by_bucket_and_keyed_by_the_sample_index(prefix):
+    sample = sampler(prefix)
+    for s in range(4):
+        for j in range(GLOBAL_BATCH):
+            (n,) = sample.lengths(s * GLOBAL_BATCH + j)
+            b = sample.bucket_of(j)
+            assert n <= WINDOWS[b] + 1 and (b == 0 or n > WINDOWS[b - 1] + 1), (s, j, n)
+    again = sampler(prefix)
+    assert torch.equal(again.sample(37)[0], sample.sample(37)[0])
+
+
+@pytest.mark.parametrize("windows, rows, bad", [
+    ((4, 12), (4,), "row count"),
+    ((8, 4, 12), (1, 1, 1), "not strictly increasing"),
+    ((4, 8), (4, 4), "max_len 12"),
+    ((1, 12), (4, 4), "bucket 0 (documents of 1..2 tokens)"),
+])
+def test_bad_buckets_are_one_line(prefix, windows, rows, bad):
+    if bad.startswith("bucket 0"):  # no document of 1..2 tokens: rebuild without length 2
+        gen = np.random.default_rng(3)
+        write_indexed(prefix + "-long", [gen.integers(0, 32, n) for n in range(3, 20)])
+        with pytest.raises(DataError, match="holds no document") as err:
+            sampler(prefix + "-long", windows, rows)
+    else:
+        with pytest.raises(DataError) as err:
+            sampler(prefix, windows, rows)
+    assert bad in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bucketed_steps_equal_the_single_plan_run(prefix, reference):
+    ref_params, ref_losses = reference
+    results = run_world(train, 2, ({"prefix": prefix, "mode": "bucketed"},))
+    for r in results:
+        assert "error" not in r, r
+        assert r["switches"] == [4] * STEPS  # two buckets out of the home layout and back
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
+    assert worst_error(results, ref_params) <= TOL
+    home = run_world(train, 2, ({"prefix": prefix, "mode": "home"},))
+    assert worst_error(home, ref_params) <= TOL
+
+
+def test_the_check_catches_a_skipped_gradient_transfer(prefix, reference):
+    results = run_world(train, 2, ({"prefix": prefix, "mode": "skip-grads"},))
+    assert worst_error(results, reference[0]) > 1e-6
+
+
+def test_rows_in_the_wrong_bucket_order_are_refused(prefix):
+    results = run_world(train, 2, ({"prefix": prefix, "mode": "wrong-order"},))
+    for r in results:
+        assert "beyond bucket 0's window of 4" in r.get("error", ""), r
