@@ -40,6 +40,20 @@ def test_bad_times_are_ignored_and_bad_settings_are_one_line():
         BusyMeter(window=0)
 
 
+def test_a_busy_time_measured_elsewhere_goes_through_the_same_window():
+    """``add_busy`` (the CUDA timer's figures) skips, windows and ignores as ``add`` does."""
+    meter = BusyMeter(window=3, skip=1, min_steps=1)
+    meter.add_busy(1, 9.0)  # warm-up
+    for busy in (math.nan, -1.0, math.inf):
+        meter.add_busy(1, busy)
+    assert meter.steps == 0
+    meter.add_busy(1, 0.5)
+    meter.add(1, 2.0, 0.5)
+    assert meter.busy_s == pytest.approx(1.0) and meter.steps == 2
+    meter.add_busy(2, 0.1)
+    assert meter.steps == 0
+
+
 @settings(max_examples=200, deadline=None, database=None, derandomize=True)
 @given(st.lists(st.floats(0.0, 10.0), min_size=3, max_size=30), st.integers(0, 4))
 def test_the_median_ignores_a_minority_of_outliers(busy, outliers):

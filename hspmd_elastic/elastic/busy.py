@@ -11,15 +11,19 @@ Promises (``BusyMeter``, pure: the caller passes the times):
 
 * ``add(plan_version, wall_s, waited_s)`` takes one finished step; the busy time is
   ``max(wall_s - waited_s, 0)``; non-finite or negative inputs are ignored;
+  ``add_busy(plan_version, busy_s)`` takes a step's busy time measured otherwise (a non-finite
+  or negative one is ignored); steps must come in the order they ran;
 * the first ``skip`` steps after a change of plan version are left out (warm-up: new groups,
   caches, a first step that reads its state), and a new plan version starts a new window;
 * ``busy_s`` is the median of the last ``window`` kept steps of the current plan, 0.0 while
   fewer than ``min_steps`` are kept (not measured yet): robust to a step slowed by a one-off
   (a checkpoint write, the garbage collector).
 
-On CPU workers the times come from ``time.perf_counter``. On CUDA workers the host-side times
-are what is measured today: a wait returns when the work is enqueued, so the figure is the
-host's view of the step, not the device's.
+The runtime measures each step with ``elastic.device_timer``. On CPU workers the times come from
+``time.perf_counter`` (busy = wall - waited, as above). On CUDA workers they come from CUDA events
+on the compute stream around the compute segments between waits on communication, the device's
+own clock, read back a step or more later without a synchronisation and fed in through
+``add_busy``: the window then trails the newest step by a step.
 """
 
 from __future__ import annotations
@@ -43,16 +47,20 @@ class BusyMeter:
         self._kept: deque[float] = deque(maxlen=window)
 
     def add(self, plan_version: int, wall_s: float, waited_s: float) -> None:
+        if not (math.isfinite(wall_s) and math.isfinite(waited_s)) or wall_s < 0 \
+                or waited_s < 0:
+            self.add_busy(plan_version, math.nan)  # counted as seen, not kept
+            return
+        self.add_busy(plan_version, max(wall_s - waited_s, 0.0))
+
+    def add_busy(self, plan_version: int, busy_s: float) -> None:
         if plan_version != self._version:
             self._version, self._seen = plan_version, 0
             self._kept.clear()
         self._seen += 1
-        if self._seen <= self.skip:
+        if self._seen <= self.skip or not math.isfinite(busy_s) or busy_s < 0:
             return
-        if not (math.isfinite(wall_s) and math.isfinite(waited_s)) or wall_s < 0 \
-                or waited_s < 0:
-            return
-        self._kept.append(max(wall_s - waited_s, 0.0))
+        self._kept.append(busy_s)
 
     @property
     def busy_s(self) -> float:

@@ -18,14 +18,21 @@ Creating the groups blocks inside gloo until every member connects (up to the gr
 others one ``aborted()`` check (``CommAborted``) or the deadline, not a blocked ``new_group``.
 A rank that dies after the barrier, while the groups connect, is still waited for up to the
 group timeout.
+
+Inside ``with bracket_waits(hooks):`` every ``Comm.wait`` on that thread calls ``hooks.pause()``
+before it waits and ``hooks.resume()`` after a wait that returned (``elastic/device_timer.py``
+cuts a step into compute segments there); ``with waiting():`` brackets a wait that does not go
+through ``Comm.wait`` the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -71,6 +78,37 @@ def store_barrier(store, key: str, rank: int, world: int, deadline: float,
         if isinstance(exc, CommTimeoutError):
             raise
         raise CommTimeoutError(f"barrier {key!r}: the store failed: {exc}") from exc
+
+
+class WaitHooks(Protocol):
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+_wait_hooks: contextvars.ContextVar[Optional[WaitHooks]] = contextvars.ContextVar(
+    "hspmd_wait_hooks", default=None)
+
+
+@contextlib.contextmanager
+def bracket_waits(hooks: WaitHooks) -> Iterator[None]:
+    """While inside, every ``Comm.wait`` on this thread is bracketed by ``hooks``."""
+    token = _wait_hooks.set(hooks)
+    try:
+        yield
+    finally:
+        _wait_hooks.reset(token)
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Bracket, like ``Comm.wait``, a wait on communication that does not go through it."""
+    hooks = _wait_hooks.get()
+    if hooks is not None:
+        hooks.pause()
+    yield
+    if hooks is not None:
+        hooks.resume()
 
 
 # A waiter blocks until ``work`` completes or raises; ``what`` names the operation for errors.
@@ -148,11 +186,16 @@ class Comm:
         return self.groups[tuple(sorted(devices))]
 
     def wait(self, work, what: str) -> None:
+        hooks = _wait_hooks.get()
+        if hooks is not None:
+            hooks.pause()
         started = time.perf_counter()
         try:
             self.waiter(work, what)
         finally:
             self.waited_s += time.perf_counter() - started
+        if hooks is not None:
+            hooks.resume()
 
     @staticmethod
     def post(start: Callable[[], object], what: str):

@@ -18,8 +18,8 @@ or a failure:
 3. ``comm``: one worker process per GPU forms an NCCL group and runs ``all_reduce``; with two
    GPUs or more, two of them also run a ``batch_isend_irecv`` ring and a fused BSR reshard from
    row shards to column shards on CUDA buffers, every element checked.
-4. ``unit``: the ``gpu``-marked tests (``tests/test_gpu.py``), pytest with only the
-   ``pytest-timeout`` plugin loaded.
+4. ``unit``: the ``gpu``-marked tests (``tests/test_gpu.py``, ``tests/test_device_timer.py``),
+   pytest with only the ``pytest-timeout`` plugin loaded.
 5. ``switches``: an elastic job (etcd, agent, one worker on ``cuda:0``) that switches in memory
    twice (a scripted slowdown, then its recovery): same pid, every step, GPU memory after each
    switch no larger than after the first (``gpu_check_job.py``).
@@ -265,8 +265,9 @@ def check_unit(budget_s: float) -> str:
     tests = os.path.join(ROOT, "tests", "test_gpu.py")
     if not os.path.exists(tests):
         raise Skipped(f"{tests} is not here")
+    timer = os.path.join(ROOT, "tests", "test_device_timer.py")  # busy time from CUDA events
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "-p", "pytest_timeout", tests]
+           "-p", "pytest_timeout", tests, *([timer] if os.path.exists(timer) else [])]
     env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s,
