@@ -27,7 +27,7 @@ model whose ``seq_len`` is its window. Promises:
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -107,3 +107,22 @@ class BucketedDocuments:
         self.base._check_ids(index, d, part)
         tokens[:part.size], segments[:part.size] = part, 1
         return torch.from_numpy(tokens), torch.from_numpy(segments)
+
+
+def bucketed_sampler(config, path: str, lengths: str, global_batch: int,
+                     dtype: Optional[str] = None, seed: int = 0) -> BucketedDocuments:
+    """The documents at ``path``, one per row (truncated to ``config.seq_len + 1`` tokens),
+    grouped by the buckets of ``lengths`` (``--hspmd-lengths``' ``LEN:SHARE,...``: windows and,
+    from the shares, each bucket's rows of ``global_batch`` as the planner splits them,
+    ``planner.bucket_rows``)."""
+    from hspmd_elastic.documents import document_sampler
+    from hspmd_elastic.planner import PlannerError
+    from hspmd_elastic.planner.buckets import bucket_rows, parse_lengths
+
+    try:
+        buckets = parse_lengths(lengths)
+        rows = bucket_rows([b.share for b in buckets], global_batch)
+    except PlannerError as exc:
+        raise DataError(f"lengths {lengths!r}: {exc}") from None
+    base = document_sampler(config, path, "truncate", dtype=dtype, seed=seed)
+    return BucketedDocuments(base, [b.max_len for b in buckets], rows, seed=seed)

@@ -44,6 +44,8 @@ from hspmd_elastic.coord import EtcdClient
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.elastic.busy import BusyMeter
+from hspmd_elastic.elastic.device_timer import step_timer
+from hspmd_elastic.graph.bucketed import BucketStats, check_sampler
 from hspmd_elastic.elastic.api import (ConfigurationError, Lifecycle, PlanWaitTimeout,
                                        ProgressReporter, SwitchTimings, TRANSITIONS, WorkerIdentity,
                                        WorkerProgress, WorkerState, reporter_from_env)
@@ -98,6 +100,8 @@ class RunResult:
     drained: Optional[SwitchTimings] = None  # the drain this worker served before it left
     final_state: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)
     world_size: int = 0  # ranks of the final plan: each returns its own final_state
+    # length buckets: per step this rank ran bucketed, its layout switches, their time and bytes
+    bucket_stats: dict[int, BucketStats] = field(default_factory=dict)
 
 
 def synthetic_sampler(config: ModelConfig, seed: int = 0) -> Sampler:
@@ -206,6 +210,7 @@ class _Worker:
             checkpoints=writer, checkpoint_dir=checkpoint_dir, undo=undo, init_from=init_from)
         self._rate = (time.monotonic(), 0)
         self.busy = BusyMeter()  # this rank's own compute per step (elastic.busy)
+        self.timer = step_timer(device)  # host clock, or CUDA events (elastic.device_timer)
 
     # ------------------------------------------------------------------------ main loop
     def run(self) -> RunResult:
@@ -297,6 +302,8 @@ class _Worker:
             self._enter(WorkerState.WAITING_PLAN)
             return False
         self._retire_held()
+        if res.held is not None and res.held.bucketed is not None:
+            check_sampler(res.held.bucketed.buckets, self.sample)
         self.held, self.rank, self.step = res.held, res.rank, res.resume_step
         self.stalled_since = None
         self.watchdog.reset()
@@ -314,8 +321,8 @@ class _Worker:
         """The held plan's groups are about to be dropped: one may still run a collective this
         rank abandoned, so they go through the reaper (see ``GroupReaper``)."""
         if self.held is not None:
-            self.former.reaper.retire(self.held.model.comm,
-                                      what=f"plan v{self.held.version}'s groups")
+            for comm in self.held.comms():
+                self.former.reaper.retire(comm, what=f"plan v{self.held.version}'s groups")
 
     def _phase(self, phase: str) -> None:
         state = WorkerState(phase)
@@ -333,21 +340,23 @@ class _Worker:
             while self.step < self.steps:
                 if is_documents(self.sample):  # packed documents: tokens and segment ids
                     batch, segments = document_rows_at(self.sample, self.step, self.global_batch,
-                                                       held.model.batch_rows())
+                                                       held.batch_rows())
                     docs = (segments, counted_targets(self.sample, self.step,
                                                       self.global_batch))
                 else:
                     batch, docs = rows_at(self.sample, self.step, self.global_batch,
-                                          held.model.batch_rows()), None
+                                          held.batch_rows()), None
                 self.watchdog.check(f"step {self.step}")
                 comm = held.model.comm
-                began, waited = time.perf_counter(), comm.waited_s
                 with self.former.armed(f"step {self.step}", self.timeouts.comm_s,
-                                       self.watchdog.superseded):
+                                       self.watchdog.superseded), \
+                        self.timer.step(self.version, comm):
                     loss = held.train_step(batch, *(docs or ()))
-                self.busy.add(self.version, time.perf_counter() - began,
-                              comm.waited_s - waited)
+                for done in self.timer.finished():  # CUDA: earlier steps, read back now
+                    self.busy.add_busy(done.plan_version, done.busy_s)
                 self.result.losses[self.step] = loss
+                if held.bucketed is not None:
+                    self.result.bucket_stats[self.step] = held.bucketed.stats
                 self.step = held.step
                 if self.checkpoints and self.checkpoints.due(self.step):
                     self.checkpoints.submit(self.step, self.config, held.plan, self.rank,

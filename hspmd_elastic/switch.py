@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from hspmd_elastic.coord import EtcdClient, append_event
 from hspmd_elastic.contract import schema
+from hspmd_elastic.contract.ids import node_of
 from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.elastic import agree
@@ -60,6 +61,7 @@ from hspmd_elastic.elastic.api import (ConfigurationError, SwitchError, SwitchTi
 from hspmd_elastic.elastic.checkpoint import CheckpointWriter, latest_complete, load_shards
 from hspmd_elastic.elastic.group import GroupFormer
 from hspmd_elastic.elastic.watchdog import PlanWatcher, Watchdog
+from hspmd_elastic.graph.bucketed import BucketedModel, buckets_from, create_comms
 from hspmd_elastic.graph.comm import Comm, CommTimeoutError
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
@@ -103,6 +105,8 @@ class Held:
     undo: Optional[tuple[int, dict[str, torch.Tensor]]] = None
     undo_mode: str = "device"
     _undo_ready: Optional[object] = None  # CUDA event: the host copy has landed
+    # length buckets (PlanRecord.buckets): the step runs each bucket under its plan
+    bucketed: Optional[BucketedModel] = None
 
     def __post_init__(self) -> None:
         if self.undo_mode not in UNDO_MODES:
@@ -138,8 +142,24 @@ class Held:
         ``SpecializedModel.step``); the undo copy becomes the state before it once it
         commits."""
         keep = None if self.undo_mode == "off" else self._keep_undo
+        if self.bucketed is not None:
+            return self.bucketed.step(batch, segments, real_tokens, before_update=keep)
         return self.model.step(batch, before_update=keep, segments=segments,
                                real_tokens=real_tokens)
+
+    def batch_rows(self) -> tuple[int, int]:
+        """The rows of each global batch this rank reads (in any length bucket)."""
+        return self.bucketed.rows_needed() if self.bucketed is not None \
+            else self.model.batch_rows()
+
+    def comms(self) -> list[Comm]:
+        """Every set of process groups this rank holds: the plan's, then the buckets'."""
+        extra = [m.comm for m in self.bucketed.models] if self.bucketed is not None else []
+        out: list[Comm] = [self.model.comm]
+        for c in extra:
+            if all(c is not o for o in out):
+                out.append(c)
+        return out
 
     @torch.no_grad()
     def _keep_undo(self) -> None:
@@ -263,11 +283,15 @@ class GraphSwitch:
 
         on_phase("building")
         t = time.monotonic()
+        buckets = buckets_from(record.buckets, len(record.devices))
         try:
             comm = Comm.create(plan, self.config, rank, timeout_s=self.timeouts.comm_s,
                                waiter=self.watchdog, store=self.former.store,
                                aborted=self._superseded(record.version),
                                device=self.former.device)
+            bucket_comms = create_comms(plan, buckets, self.config, rank, lambda p, c: Comm.create(
+                p, c, rank, timeout_s=self.timeouts.comm_s, waiter=self.watchdog,
+                device=self.former.device))
         except CommTimeoutError:
             raise
         except RuntimeError as exc:  # a peer left the switch: creating sub-groups timed out
@@ -280,6 +304,12 @@ class GraphSwitch:
             return SwitchResult(None, rank, resume, timings)
         model = SpecializedModel.build(self.config, plan, rank, seed=self.seed, state=state,
                                        comm=comm, optim=self.optim)
+        bucketed = None
+        if buckets:
+            bucketed = BucketedModel(model, buckets, bucket_comms,
+                                     node_of={i: node_of(d) for i, d in enumerate(record.devices)},
+                                     timeout_s=self.timeouts.comm_s,
+                                     should_abort=self._superseded(record.version))
         timings.rebuild_s = time.monotonic() - t
         if int(model.optimizer.step_count) != resume:
             raise SwitchError(f"plan v{record.version} rank {rank}: rebuilt state is at step "
@@ -288,7 +318,7 @@ class GraphSwitch:
         timings.total_s = time.monotonic() - start
         self._report(record, rank, timings)
         return SwitchResult(Held(record.version, plan, list(record.devices), model,
-                                 undo_mode=self.undo), rank, resume, timings)
+                                 undo_mode=self.undo, bucketed=bucketed), rank, resume, timings)
 
     def _superseded(self, version: int) -> Callable[[], bool]:
         """True once a plan newer than ``version`` is known (a lock-only check)."""

@@ -136,6 +136,17 @@ class ElasticSettings:
     # --hspmd-straggler-replans: the leader replans on measured speeds (launcher.leader.speeds)
     straggler_replans: bool = True
     straggler_dwell_s: float = 30.0  # --hspmd-straggler-dwell: seconds between such switches
+    # --hspmd-lengths: length buckets as (longest sequence, share), shortest first; each plan
+    # then runs each bucket's rows under the bucket's plan inside the step (graph.bucketed)
+    lengths: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        seq_len = getattr(self.model_profile, "seq_len", None)
+        if self.lengths and seq_len is not None and self.lengths[-1][0] != seq_len:
+            raise ConfigError(f"invalid --hspmd-lengths: the longest bucket "
+                              f"({self.lengths[-1][0]} tokens) must be the model's sequence "
+                              f"length {seq_len} (--hspmd-seq-len): every sequence needs a "
+                              "bucket")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from launcher.api import ConfigError
 
 CAPACITY_FLAGS = ("hspmd_device_memory", "hspmd_device_speed", "hspmd_redundancy",
                   "hspmd_planner", "hspmd_straggler_replans",
-                  "hspmd_straggler_dwell")  # CLI params
+                  "hspmd_straggler_dwell", "hspmd_lengths")  # CLI params
 PLANNERS = ("hetero", "uniform")  # --hspmd-planner
 SWITCHES = {"on": True, "off": False}  # --hspmd-straggler-replans
 
@@ -69,6 +69,19 @@ def parse_redundancy(value: Optional[str], max_nodes: int) -> int:
     return count
 
 
+def parse_lengths_flag(value: Optional[str]) -> tuple[tuple[int, float], ...]:
+    """``--hspmd-lengths LEN:SHARE,...``: the length buckets, shortest first (none when not
+    given); the planner's ``parse_lengths`` says what is valid."""
+    if value is None:
+        return ()
+    from hspmd_elastic.planner import PlannerError, parse_lengths
+
+    try:
+        return tuple((b.max_len, b.share) for b in parse_lengths(value))
+    except PlannerError as exc:
+        raise ConfigError(f"invalid --hspmd-lengths value {value!r}: {exc}") from None
+
+
 def _choice(flag: str, value: Optional[str], choices, default: str) -> str:
     text = default if value is None else str(value).strip().lower()
     if text not in choices:
@@ -80,7 +93,7 @@ def capacity_settings(params: dict, max_nodes: int) -> dict:
     """The ``ElasticSettings`` fields of the planning flags (``params``: the CLI's values):
     declared memory and speed, the redundancy guarantee, ``--hspmd-planner`` (``hetero``, the
     default, or ``uniform``: one TP/PP everywhere, even layers and rows) and
-    ``--hspmd-straggler-replans`` (``on``, the default, or ``off``)."""
+    ``--hspmd-straggler-replans`` (``on``, the default, or ``off``) and ``--hspmd-lengths``."""
     return {"device_memory_bytes": parse_device_memory(params.get("hspmd_device_memory")),
             "device_speed": parse_device_speed(params.get("hspmd_device_speed")),
             "redundancy": parse_redundancy(params.get("hspmd_redundancy"), max_nodes),
@@ -89,5 +102,6 @@ def capacity_settings(params: dict, max_nodes: int) -> dict:
             "straggler_replans": SWITCHES[_choice("--hspmd-straggler-replans",
                                                   params.get("hspmd_straggler_replans"),
                                                   tuple(SWITCHES), "on")],
+            "lengths": parse_lengths_flag(params.get("hspmd_lengths")),
             **({} if params.get("hspmd_straggler_dwell") is None else
                {"straggler_dwell_s": params["hspmd_straggler_dwell"]})}

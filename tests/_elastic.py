@@ -199,8 +199,14 @@ def reference_params(payload: dict):
         from hspmd_elastic.documents import document_sampler
         from hspmd_elastic.runtime import document_rows_at
 
-        docs = document_sampler(config, payload["documents"], mode="pack",
-                                seed=payload["data_seed"])
+        if payload.get("lengths"):  # one document per row, grouped by length bucket
+            from hspmd_elastic.bucket_data import bucketed_sampler
+
+            docs = bucketed_sampler(config, payload["documents"], payload["lengths"],
+                                    payload["global_batch"], seed=payload["data_seed"])
+        else:
+            docs = document_sampler(config, payload["documents"], mode="pack",
+                                    seed=payload["data_seed"])
         rows = [document_rows_at(docs, s, payload["global_batch"], (0, payload["global_batch"]))
                 for s in range(payload["steps"])]
         params, _losses = reference_train(config, payload["seed"], [t for t, _ in rows], optim,
@@ -241,7 +247,8 @@ def assert_matches_reference(results, payload: dict, tol: float = 1e-9) -> None:
 
 def reference_payload(config, *, steps: int, global_batch: int, seed: int,
                       data_seed: int, adam_eps: Optional[float] = None,
-                      documents: Optional[str] = None) -> dict:
+                      documents: Optional[str] = None, lengths: Optional[str] = None
+                      ) -> dict:
     """What the reference needs of a run of ``tests/scripts/elastic_train.py`` with these
     arguments (``config``: a ``ModelConfig``; ``adam_eps``: its ``--adam-eps``, if given)."""
     import dataclasses
@@ -252,6 +259,8 @@ def reference_payload(config, *, steps: int, global_batch: int, seed: int,
         payload["adam_eps"] = adam_eps
     if documents is not None:  # its --documents: packed rows of that dataset
         payload["documents"] = documents
+    if lengths is not None:  # its --lengths: one document per row, by length bucket
+        payload["lengths"] = lengths
     return payload
 
 

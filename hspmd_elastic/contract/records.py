@@ -204,6 +204,11 @@ class PlanRecord(Record):
     # if larger (0: nobody trained yet): a switch where nobody holds state starts from the seed
     # only when it is 0.
     step: int = 0
+    # Length buckets (``--hspmd-lengths``): per bucket, shortest first, its window (tokens),
+    # its first row of the global batch and the plan its rows run under inside each step
+    # ({"window", "start", "strategy"}; graph.bucketed); empty: every row runs under
+    # ``strategy``.
+    buckets: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -365,6 +370,8 @@ class PlanLayoutRecord(Record):
     # The plan's strategy with its pipelines as runs (``coord.strategy_runs``), or verbatim
     # when it is no plan's strategy.
     strategy: dict[str, Any]
+    # The plan's length buckets, verbatim (``PlanRecord.buckets``)
+    buckets: list[dict[str, Any]] = field(default_factory=list)
 
 
 RECORD_TYPES: tuple[type[Record], ...] = (

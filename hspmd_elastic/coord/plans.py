@@ -146,7 +146,7 @@ def plan_layout(plan: schema.PlanRecord,
     return schema.PlanLayoutRecord(
         version=plan.version, created_at=plan.created_at, store_endpoint=plan.store_endpoint,
         step=plan.step, digest=head.digest, devices=head.devices, drain=head.drain,
-        strategy=compact_strategy(plan.strategy))
+        strategy=compact_strategy(plan.strategy), buckets=plan.buckets)
 
 
 def plan_stamp(plan: schema.PlanRecord, payload: Optional[bytes] = None,
@@ -160,12 +160,13 @@ def plan_stamp(plan: schema.PlanRecord, payload: Optional[bytes] = None,
 
 def layout_plan(layout: schema.PlanLayoutRecord) -> schema.PlanRecord:
     """The ``PlanRecord`` a worker switches with, rebuilt from ``layout``: devices, drain,
-    strategy, store, step and times as published; ``reason``, ``inventory``, ``leader`` and
+    strategy, length buckets, store, step and times as published; ``reason``, ``inventory``, ``leader`` and
     ``term`` are left empty (a switch reads none of them). ``ValueError`` on a bad run."""
     return schema.PlanRecord(
         version=layout.version, reason="", devices=expand_runs(layout.devices),
         strategy=expand_strategy(layout.strategy), store_endpoint=layout.store_endpoint,
-        created_at=layout.created_at, drain=expand_runs(layout.drain), step=layout.step)
+        created_at=layout.created_at, drain=expand_runs(layout.drain), step=layout.step,
+        buckets=layout.buckets)
 
 
 def _layout_payload(plan: schema.PlanRecord, payload: bytes) -> Optional[bytes]:

@@ -39,7 +39,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from hspmd_elastic.graph.comm import Comm, GraphError
+from hspmd_elastic.graph.comm import Comm, GraphError, waiting
 from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.graph.specialize import SpecializedModel, rank_rows
 from hspmd_elastic.plan import Plan, PlanError
@@ -219,8 +219,9 @@ class BucketedModel:
         t = time.perf_counter()
         local = {n: (v.data if isinstance(v, torch.nn.Parameter) else v)
                  for n, v in tensors.items()}
-        out, ex = execute_fused(schedule, self.rank, local, device=self.home.device,
-                                timeout_s=self.timeout_s, should_abort=self.should_abort)
+        with waiting():  # a device timer counts this as communication (elastic.device_timer)
+            out, ex = execute_fused(schedule, self.rank, local, device=self.home.device,
+                                    timeout_s=self.timeout_s, should_abort=self.should_abort)
         spent = time.perf_counter() - t
         self.home.comm.waited_s += spent  # communication: not this rank's compute
         stats.switches += 1
@@ -232,3 +233,37 @@ class BucketedModel:
     def _bind(model: SpecializedModel, params: Mapping[str, torch.Tensor]) -> None:
         for n, p in model.params.items():
             p.data = params[n]
+
+
+def buckets_from(entries: Sequence[Mapping], devices: int) -> list[Bucket]:
+    """A published plan's length buckets (``PlanRecord.buckets``: ``{"window", "start",
+    "strategy"}`` each) over ids ``0..devices-1``; ``PlanError`` naming the bad entry."""
+    out = []
+    for i, entry in enumerate(entries):
+        try:
+            window, start = entry["window"], entry["start"]
+            plan = Plan.from_dict(entry["strategy"])
+        except (KeyError, TypeError) as exc:
+            raise PlanError(f"length bucket {i}: {type(exc).__name__}: {exc}; expected "
+                            "window, start and strategy") from None
+        for what, v in (("window", window), ("start", start)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if what == "window" else 0):
+                raise PlanError(f"length bucket {i}: {what}={v!r} is not a valid integer")
+        if plan.devices != tuple(range(devices)):
+            raise PlanError(f"length bucket {i}: its plan uses device ids {list(plan.devices)}; "
+                            f"the plan's {devices} devices need ids 0..{devices - 1}")
+        out.append(Bucket(window, start, plan))
+    return out
+
+
+def check_sampler(buckets: Sequence[Bucket], sample: object) -> None:
+    """The worker's sampler groups its global batches as the published buckets do (the same
+    windows and rows: ``bucket_data.BucketedDocuments``); else a one-line ``GraphError``."""
+    windows = tuple(b.window for b in buckets)
+    rows = tuple(b.rows for b in buckets)
+    got = (tuple(getattr(sample, "windows", ()) or ()), tuple(getattr(sample, "rows", ()) or ()))
+    if got != (windows, rows):
+        raise GraphError(f"the plan has length buckets of windows {list(windows)} and rows "
+                         f"{list(rows)}, the script's data {list(got[0])} and {list(got[1])}: "
+                         "give the script the same lengths as --hspmd-lengths (bucket_data."
+                         "BucketedDocuments)")

@@ -155,7 +155,8 @@ class Leader:
                  planner_options: Optional[PlannerOptions] = None,
                  wall_clock: Clock = time.time, election_recheck_s: float = 1.0,
                  hold: Optional[Callable[[], bool]] = None, view: Optional[WatchedJob] = None,
-                 stragglers: Optional["StragglerWatch"] = None):
+                 stragglers: Optional["StragglerWatch"] = None,
+                 lengths: tuple[tuple[int, float], ...] = ()):
         if debounce_s < 0 or max_debounce_s < debounce_s:
             raise ValueError(f"need 0 <= debounce_s ({debounce_s}) <= max_debounce_s "
                              f"({max_debounce_s})")
@@ -166,6 +167,7 @@ class Leader:
         self.client, self.job, self.node = client, job, node
         self.planner_fn, self.profile, self.global_batch = planner_fn, model_profile, global_batch
         self.planner_options = planner_options
+        self.lengths = tuple(lengths)  # --hspmd-lengths: each plan's length buckets
         self.debounce_s, self.max_debounce_s, self.min_nodes = debounce_s, max_debounce_s, min_nodes
         self.max_nodes = max_nodes
         # ``hold()`` true: a due replan waits (the agent's etcd-outage policy while records
@@ -412,7 +414,7 @@ class Leader:
             self._retries = (step, done + 1)
         try:
             layout = make_layout(decision, current, self.planner_fn, self.profile,
-                                 self.global_batch, self.planner_options)
+                                 self.global_batch, self.planner_options, self.lengths)
         except PlanningFailed as exc:
             whole = largest_cluster(snap, self.max_nodes)
             if whole:

@@ -70,6 +70,8 @@ class PlannedLayout:
     plan: Plan
     devices: tuple[str, ...]
     planner: str  # PLANNER_SEARCH or PLANNER_FALLBACK
+    # length buckets (``--hspmd-lengths``): PlanRecord.buckets, over the same compact ids
+    buckets: tuple[dict, ...] = ()
 
 
 class RedundantPlanner:
@@ -144,19 +146,22 @@ def default_planner_options(devices: Sequence[DeviceView]) -> PlannerOptions:
 
 def make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
                 planner_fn: Optional[PlannerFn], profile: ModelProfile, global_batch: int,
-                options: Optional[PlannerOptions] = None) -> PlannedLayout:
+                options: Optional[PlannerOptions] = None,
+                lengths: Sequence[tuple[int, float]] = ()) -> PlannedLayout:
     """Pure (given a pure ``planner_fn``): the plan for ``decision`` (see the module docstring).
     Raises ``PlanningFailed`` when the planner finds no plan. The cyclic garbage collector is
     paused meanwhile (``planner.search.paused_gc``: the objects made here have no cycles)."""
     from hspmd_elastic.planner.search import paused_gc
 
     with paused_gc():
-        return _make_layout(decision, current, planner_fn, profile, global_batch, options)
+        return _make_layout(decision, current, planner_fn, profile, global_batch, options,
+                            lengths)
 
 
 def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
                  planner_fn: Optional[PlannerFn], profile: ModelProfile, global_batch: int,
-                 options: Optional[PlannerOptions]) -> PlannedLayout:
+                 options: Optional[PlannerOptions],
+                 lengths: Sequence[tuple[int, float]] = ()) -> PlannedLayout:
     from hspmd_elastic.planner import PlanInfeasibleError, fallback_dp_plan
 
     usable = {d.id: d for d in decision.devices}
@@ -165,6 +170,7 @@ def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
     ids = {dev: i for i, dev in enumerate(universe)}
     planner = PLANNER_SEARCH
     plan: Optional[Plan] = None
+    inventory, opts = None, None
     if planner_fn is not None:
         try:
             inventory = _inventory(universe, usable, ids, decision.devices[0].type)
@@ -186,7 +192,36 @@ def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
             raise PlanningFailed(str(exc)) from exc
     used = sorted(plan.devices)
     compact = {u: k for k, u in enumerate(used)}
-    return PlannedLayout(_relabel(plan, compact), tuple(universe[u] for u in used), planner)
+    buckets: tuple[dict, ...] = ()
+    if lengths and inventory is not None and planner == PLANNER_SEARCH:
+        buckets = _buckets(decision.version, inventory, profile, plan, lengths, opts, compact)
+    return PlannedLayout(_relabel(plan, compact), tuple(universe[u] for u in used), planner,
+                         buckets)
+
+
+def _buckets(version: int, inventory: Inventory, profile: ModelProfile, plan: Plan,
+             lengths: Sequence[tuple[int, float]], options: PlannerOptions,
+             compact: Mapping[int, int]) -> tuple[dict, ...]:
+    """``planner.bucket_layouts`` for ``plan``, relabelled to the published ids; none (every row
+    under the plan: the same result, without the bucket plans' speed) when no set fits."""
+    from hspmd_elastic.planner import LengthBucket, PlannerError
+    from hspmd_elastic.planner.bucket_layouts import bucket_layouts
+
+    try:
+        layouts = bucket_layouts(inventory, profile, plan,
+                                 [LengthBucket(n, s) for n, s in lengths], options)
+    except PlannerError as exc:
+        log.warning("plan v%d: no length buckets (%s); every row runs under the plan",
+                    version, exc)
+        return ()
+    out = []
+    for b in layouts:
+        out.append({"window": b.window, "start": b.start,
+                    "strategy": _relabel(b.plan, compact).to_dict()})
+        log.info("plan v%d: length bucket %d tokens, rows %d+%d, %s (estimated %.3gs; home "
+                 "layout %.3gs, switch %.3gs)", version, b.window, b.start, b.plan.global_batch,
+                 "its own plan" if b.own else "the home layout", b.step_s, b.home_s, b.switch_s)
+    return tuple(out)
 
 
 def _relabel(plan: Plan, mapping: Mapping[int, int]) -> Plan:
@@ -242,4 +277,4 @@ def plan_record(decision: PlanDecision, layout: PlannedLayout, created_at: float
                              store_endpoint=decision.store_endpoint, created_at=created_at,
                              inventory=decision.inventory,
                              drain=[d for d in decision.drain if d not in layout.devices],
-                             step=step)
+                             step=step, buckets=[dict(b) for b in layout.buckets])

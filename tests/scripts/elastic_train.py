@@ -66,6 +66,9 @@ def _main() -> int:
     parser.add_argument("--documents", default=None, metavar="PREFIX",
                         help="train on the documents of a Megatron-LM indexed dataset "
                              "(PREFIX.idx/.bin), rows packed (hspmd_elastic.documents)")
+    parser.add_argument("--lengths", default=None, metavar="LEN:SHARE,...",
+                        help="with --documents: one document per row, global batches grouped "
+                             "by these length buckets (the job's --hspmd-lengths)")
     parser.add_argument("--adam-eps", type=float, default=None,
                         help="AdamW's eps (default: AdamWConfig's); a large one such as 1.0 "
                              "keeps rounding differences from growing over a long run")
@@ -137,7 +140,12 @@ def _main() -> int:
 
     t = args.timeout
     try:
-        if args.documents:
+        if args.documents and args.lengths:  # one document per row, batches by bucket
+            from hspmd_elastic.bucket_data import bucketed_sampler
+
+            sample = bucketed_sampler(config, args.documents, args.lengths, args.global_batch,
+                                      seed=args.data_seed)
+        elif args.documents:
             from hspmd_elastic.documents import document_sampler
 
             sample = document_sampler(config, args.documents, mode="pack", seed=args.data_seed)
@@ -186,7 +194,8 @@ def write_result(out_dir: str, device: str, result) -> None:
         out = {"pid": os.getpid(), "state": result.state.value, "steps_done": result.steps_done,
                "plan_version": result.plan_version, "rank": result.rank,
                "final_state": result.final_state,
-               "switches": [s.as_dict() for s in result.switches]}
+               "switches": [s.as_dict() for s in result.switches],
+               "bucket_switches": {k: v.switches for k, v in result.bucket_stats.items()}}
         tmp = os.path.join(out_dir, f".{device}.pt")
         torch.save(out, tmp)
         os.replace(tmp, os.path.join(out_dir, f"{device}.pt"))

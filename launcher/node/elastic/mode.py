@@ -282,7 +282,7 @@ class ElasticMode:
                         self.settings.model_profile, self.settings.global_batch,
                         debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes,
                         max_nodes=cfg.rdzv.max_nodes, hold=ctx.outage.reconciling,
-                        view=self.view, stragglers=stragglers)
+                        view=self.view, stragglers=stragglers, lengths=settings.lengths)
         store_host = cfg.local_addr or ("localhost" if cfg.rdzv.standalone else ctx.host)
         try:
             monitor = ProgressMonitor(hang_detector_from_env(os.environ))
