@@ -69,6 +69,10 @@ def main() -> int:
     parser.add_argument("--doc-mode", choices=("pack", "truncate"), default="pack",
                         help="with --documents: whole documents packed into each row "
                              "(attention stays inside each document), or one per row")
+    parser.add_argument("--lengths", metavar="LEN:SHARE,...",
+                        help="with --documents: one document per row, each global batch "
+                             "grouped by these length buckets; give the launcher the same "
+                             "--hspmd-lengths so each bucket runs under its own plan")
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--out", help="directory for each worker's final parameter shards")
@@ -90,12 +94,19 @@ def main() -> int:
         print(f"{parser.prog}: error: --data and --documents cannot be used together",
               file=sys.stderr)
         return 2
+    if args.lengths and not args.documents:
+        print(f"{parser.prog}: error: --lengths {args.lengths} needs --documents PATH",
+              file=sys.stderr)
+        return 2
     if args.documents:
+        from hspmd_elastic.bucket_data import bucketed_sampler
         from hspmd_elastic.documents import document_sampler
 
         try:  # checks the index against its tokens; ids are checked as read
-            sample = document_sampler(config, args.documents, args.doc_mode,
-                                      dtype=args.data_dtype, seed=args.seed)
+            sample = bucketed_sampler(config, args.documents, args.lengths, args.global_batch,
+                                      dtype=args.data_dtype, seed=args.seed) \
+                if args.lengths else document_sampler(config, args.documents, args.doc_mode,
+                                                      dtype=args.data_dtype, seed=args.seed)
         except DataError as exc:
             print(f"{parser.prog}: error: {exc}", file=sys.stderr)
             return 2

@@ -145,8 +145,7 @@ class ElasticSettings:
         if self.lengths and seq_len is not None and self.lengths[-1][0] != seq_len:
             raise ConfigError(f"invalid --hspmd-lengths: the longest bucket "
                               f"({self.lengths[-1][0]} tokens) must be the model's sequence "
-                              f"length {seq_len} (--hspmd-seq-len): every sequence needs a "
-                              "bucket")
+                              f"length {seq_len}: every sequence needs a bucket")
 
 
 @dataclass(frozen=True)

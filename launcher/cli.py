@@ -214,7 +214,7 @@ class _LaunchCommand(click.Command):
       help="Elastic mode: seconds at least between two switches driven by measured speeds "
            "(0..3600, default 30), so a noisy device does not flap.")
 @_opt("--hspmd-lengths", default=None, help="Elastic mode: length buckets LEN:SHARE,... "
-      "(512:0.9,2048:0.1; the last LEN is --hspmd-seq-len): each bucket's rows run under its "
+      "(512:0.9,2048:0.1; the last LEN is the model's seq_len): each bucket's rows run under its "
       "own plan inside every step (the script groups its batches the same way).")
 @_opt("--hspmd-slurm", type=click.Choice(SLURM_SETTINGS, case_sensitive=False), default="auto",
       show_default=True, help="auto: under srun (SLURM_JOB_ID, SLURM_STEP_ID, SLURM_PROCID "

@@ -83,6 +83,8 @@ def test_capacity_flags_reach_the_elastic_settings(tmp_path):
         (150 * KiB, 0.5, 2)
     plain = _build([], tmp_path).elastic
     assert (plain.device_memory_bytes, plain.device_speed, plain.redundancy) == (0, 1.0, 0)
+    buckets = _build(["--hspmd-lengths", f"4:0.75,{CONFIG.seq_len}:0.25"], tmp_path).elastic
+    assert buckets.lengths == ((4, 0.75), (CONFIG.seq_len, 0.25)) and plain.lengths == ()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -93,6 +95,11 @@ def test_capacity_flags_reach_the_elastic_settings(tmp_path):
     (["--hspmd-redundancy", "0"], "invalid --hspmd-redundancy value '0': must be an integer"),
     (["--nnodes", "1:2", "--hspmd-redundancy", "3"],
      "invalid --hspmd-redundancy value '3': the job has at most 2 nodes"),
+    (["--hspmd-lengths", "64:0.9,16:0.1"], "invalid --hspmd-lengths value '64:0.9,16:0.1'"),
+    (["--hspmd-lengths", "8:0.5,16:0.4"], "invalid --hspmd-lengths value '8:0.5,16:0.4'"),
+    (["--hspmd-lengths", f"4:0.5,{CONFIG.seq_len * 2}:0.5"],
+     f"the longest bucket ({CONFIG.seq_len * 2} tokens) must be the model's sequence length "
+     f"{CONFIG.seq_len}"),
 ])
 def test_bad_capacity_flags_get_one_line(args, message, tmp_path, capsys):
     from launcher.cli import main

@@ -54,6 +54,9 @@ COVERAGE: list[tuple[str, str, str]] = [
     ("examples/elastic_llama.py --config model.json --global-batch 8 --documents", "check",
      "test_documents_commands_run: '...' stands for the elastic flags above; "
      "tests/test_elastic_documents.py runs an elastic job on packed documents"),
+    ("examples/elastic_llama.py --config model.json --global-batch 8 --documents "
+     "/shared/docs.idx --lengths", "check", "test_length_buckets_command_parses: '...' stands "
+     "for the elastic flags above; tests/test_elastic_buckets.py runs a bucketed elastic job"),
     ("save_pretrained(\"/tmp/ft/llama-tiny\")", "run", "test_finetune_example"),
     ("data make /tmp/ft/train.bin", "run", "test_finetune_example"),
     ("examples/finetune_llama.py --model /tmp/ft/llama-tiny", "check", "test_finetune_example: "
@@ -262,6 +265,29 @@ def test_documents_commands_run(tmp_path):
     argv = words(command(key), **{"/shared": shared})
     assert_script_takes("examples/elastic_llama.py",
                         script_flags(argv, "examples/elastic_llama.py"))
+
+
+def test_length_buckets_command_parses(tmp_path, monkeypatch):
+    from _elastic_job import write_tiny
+
+    from launcher.api import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    write_tiny(tmp_path / "tiny.json")
+    model = json.loads((tmp_path / "tiny.json").read_text())
+    (tmp_path / "model.json").write_text(json.dumps(dict(model, seq_len=2048)))
+    key = ("examples/elastic_llama.py --config model.json --global-batch 8 --documents "
+           "/shared/docs.idx --lengths")
+    elastic = ("--nnodes 1 --rdzv-endpoint 10.0.0.1:2379 --hspmd-elastic --hspmd-model "
+               "model.json --hspmd-global-batch 8")
+    argv = words(command(key), **{"...": elastic, "examples/": str(REPO / "examples") + "/"})
+    cfg = parse_launch(argv)
+    assert cfg.elastic.lengths == ((256, 0.9), (2048, 0.1))
+    script = str(REPO / "examples/elastic_llama.py")
+    assert_script_takes(script, script_flags(argv, script))
+    with pytest.raises(ConfigError, match="longest bucket .1024 tokens. must be the model's "
+                                          "sequence length 2048"):
+        parse_launch([a.replace("2048:0.1", "1024:0.1") for a in argv])
 
 
 def test_demo_runs(tmp_path):
