@@ -432,3 +432,52 @@ def shared_worker_kill_run(tmp_path_factory) -> WorkerKillRun:
     from _hf_worlds import once_per_session
 
     return once_per_session(tmp_path_factory, "worker-kill", worker_kill_run)
+
+
+def one_node_kill_run(tmp_path: Path, marker: str, etcd_server, model: Path, *, nproc: int,
+                      batch: int, steps: int, pause: int, victim: int, node: str,
+                      flags: Sequence[str] = (), train: Sequence[str] = (), prefix: str = "kj"):
+    """A one-node elastic job of ``nproc`` workers of ``elastic_train.py`` on ``model``: once
+    every worker reached step ``pause`` (it waits there for ``tmp_path/release``), local rank
+    ``victim`` is SIGKILLed and the others released; the agent must exit 0. Returns the job's
+    journal, the results by device (``node:local_rank``) and the workers' pids by local rank."""
+    job = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    out, release = tmp_path / "out", tmp_path / "release"
+    agent = Launcher(["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "etcd",
+                      "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
+                      "--hspmd-node-id", node, "--shutdown-timeout", "5",
+                      *elastic_argv(model, batch, *flags, steps=steps, out=out,
+                                    train=(*train, "--pause-at", str(pause), "--release",
+                                           str(release), "--timeout", "30"))],
+                     base_env(marker), tmp_path, node)
+    client = EtcdClient(etcd_server.endpoints, timeout=5.0)
+    try:
+        def workers() -> dict:
+            return {rec.local_rank: rec for kv in client.get_prefix(schema.workers_prefix(job))
+                    for rec in [schema.decode(kv.key, kv.value)]}
+
+        wait_for(lambda: len(workers()) == nproc and all(w.step >= pause
+                                                         for w in workers().values()),
+                 60, f"{nproc} workers at step {pause}", proc=agent.proc)
+        pids = {lr: w.pid for lr, w in workers().items()}
+        os.kill(pids[victim], signal.SIGKILL)
+        release.touch()
+        assert agent.wait(120) == 0, agent.stderr()[-4000:]
+        events = read_events(client, job)
+        plans = {}
+        for kv in client.get_prefix(schema.plan_history_prefix(job)):
+            record = schema.decode(kv.key, kv.value)
+            plans[record.version] = record
+        results = {p.stem.replace("_", ":"): _load(p) for p in sorted(out.glob("*.pt"))}
+        return events, results, pids, plans
+    finally:
+        if agent.proc.poll() is None:
+            agent.proc.kill()
+            agent.proc.wait(10)
+        client.close()
+
+
+def _load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=False)

@@ -8,21 +8,14 @@ global batches (float64, 1e-9)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import uuid
 
 import pytest
 import torch
 
 import _elastic
-from _elastic_job import DATA_SEED, SEED, TINY, elastic_argv, write_tiny
-from _wait import wait_for
-from launch_harness import Launcher, base_env
+from _elastic_job import DATA_SEED, SEED, TINY, one_node_kill_run, write_tiny
 
 from hspmd_elastic.contract import schema
-from hspmd_elastic.coord import read_events
-from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.documents import write_indexed
 from hspmd_elastic.graph.bucketed import buckets_from, layout_key
@@ -45,60 +38,32 @@ def corpus(prefix) -> None:
 
 def test_a_bucketed_job_loses_a_worker_and_ends_equal_to_the_fault_free_run(tmp_path, marker,
                                                                             etcd_server):
-    job = f"bj-{uuid.uuid4().hex[:8]}"
-    model, out, release = tmp_path / "model.json", tmp_path / "out", tmp_path / "release"
-    write_tiny(model)
+    model = write_tiny(tmp_path / "model.json")
     corpus(tmp_path / "docs")
     payload = _elastic.reference_payload(TINY, steps=STEPS, global_batch=BATCH, seed=SEED,
                                          data_seed=DATA_SEED, documents=str(tmp_path / "docs"),
                                          lengths=LENGTHS)
-    agent = Launcher(["--nnodes", "1", "--nproc-per-node", "4", "--rdzv-backend", "etcd",
-                      "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
-                      "--hspmd-node-id", NODE, "--shutdown-timeout", "5",
-                      *elastic_argv(model, BATCH, "--hspmd-lengths", LENGTHS,
-                                    "--hspmd-device-memory", MEMORY,
-                                    "--hspmd-straggler-replans", "off", steps=STEPS, out=out,
-                                    train=("--documents", str(tmp_path / "docs"),
-                                           "--lengths", LENGTHS,
-                                           "--pause-at", str(PAUSE), "--release", str(release),
-                                           "--timeout", "30"))],
-                     base_env(marker), tmp_path, NODE)
-    client = EtcdClient(etcd_server.endpoints, timeout=5.0)
-    try:
-        def workers() -> dict:
-            return {rec.local_rank: rec for kv in client.get_prefix(schema.workers_prefix(job))
-                    for rec in [schema.decode(kv.key, kv.value)]}
-
-        wait_for(lambda: len(workers()) == 4 and all(w.step >= PAUSE for w in workers().values()),
-                 60, f"four workers at step {PAUSE}", proc=agent.proc)
-        pids = {lr: w.pid for lr, w in workers().items()}
-        os.kill(pids[3], signal.SIGKILL)
-        release.touch()
-        assert agent.wait(120) == 0, agent.stderr()[-4000:]
-        events = read_events(client, job)
-        types = [e.type for e in events]
-        assert "failure" in types and types.count("replan") == 2, types
-        done = [schema.event_detail(e) for e in events if e.type == "switch-done"]
-        assert [(d.plan_version, d.source) for d in done] == [(2, "bsr")], done
-        for version, devices in ((1, 4), (2, 3)):
-            key = schema.plan_history_key(job, version)
-            record = schema.decode(key, client.get(key).value)
-            buckets = buckets_from(record.buckets, len(record.devices))
-            assert len(record.devices) == devices and [b.window for b in buckets] == [3, 8]
-            # the long bucket's rows are too few for the home plan's pipelines: its own plan
-            assert layout_key(buckets[1].plan) != layout_key(plan_of(record)), record.buckets
-        results = {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
-                   for p in sorted(out.glob("*.pt"))}
-        assert set(results) == {f"{NODE}:{lr}" for lr in range(3)}, sorted(results)
-        for device, r in results.items():  # every step ran its long bucket out and back
-            assert r["bucket_switches"] == {s: 2 for s in range(STEPS)}, (device, r)
-        _elastic.assert_recovered_in_memory(
-            results, {f"{NODE}:{lr}": pids[lr] for lr in range(3)}, payload)
-        # the same documents packed several to a row train something else: the check can fail
-        packed = dict(payload, lengths=None)
-        assert _elastic.max_param_diff(results.values(), packed) > 1e-6
-    finally:
-        if agent.proc.poll() is None:
-            agent.proc.kill()
-            agent.proc.wait(10)
-        client.close()
+    events, results, pids, plans = one_node_kill_run(
+        tmp_path, marker, etcd_server, model, nproc=4, batch=BATCH, steps=STEPS, pause=PAUSE,
+        victim=3, node=NODE, prefix="bj",
+        flags=("--hspmd-lengths", LENGTHS, "--hspmd-device-memory", MEMORY,
+               "--hspmd-straggler-replans", "off"),
+        train=("--documents", str(tmp_path / "docs"), "--lengths", LENGTHS))
+    types = [e.type for e in events]
+    assert "failure" in types and types.count("replan") == 2, types
+    done = [schema.event_detail(e) for e in events if e.type == "switch-done"]
+    assert [(d.plan_version, d.source) for d in done] == [(2, "bsr")], done
+    for version, devices in ((1, 4), (2, 3)):
+        record = plans[version]
+        buckets = buckets_from(record.buckets, len(record.devices))
+        assert len(record.devices) == devices and [b.window for b in buckets] == [3, 8]
+        # the long bucket's rows are too few for the home plan's pipelines: its own plan
+        assert layout_key(buckets[1].plan) != layout_key(plan_of(record)), record.buckets
+    assert set(results) == {f"{NODE}:{lr}" for lr in range(3)}, sorted(results)
+    for device, r in results.items():  # every step ran its long bucket out and back
+        assert r["bucket_switches"] == {s: 2 for s in range(STEPS)}, (device, r)
+    _elastic.assert_recovered_in_memory(
+        results, {f"{NODE}:{lr}": pids[lr] for lr in range(3)}, payload)
+    # the same documents packed several to a row train something else: the check can fail
+    packed = dict(payload, lengths=None)
+    assert _elastic.max_param_diff(results.values(), packed) > 1e-6
