@@ -294,3 +294,24 @@ def test_a_suspect_gpu_is_counted_listed_rendered_and_exported():
         exposition(make_registry(lambda: view)).decode())}
     assert any(s.labels["health"] == "suspect" and s.value == 1
                for s in families["hspmd_devices"].samples)
+
+
+def test_length_buckets_are_listed_rendered_and_a_bad_one_is_named():
+    home = simple_plan(dp=2, num_layers=2, global_batch=8)
+    own = simple_plan(pp=2, num_layers=2, global_batch=2, num_microbatches=2)
+    rec = schema.PlanRecord(version=3, reason="start", devices=["a:0", "a:1"],
+                            strategy=home.to_dict(), store_endpoint="x:1", created_at=NOW,
+                            buckets=[{"window": 4, "start": 0, "strategy": simple_plan(
+                                dp=2, num_layers=2, global_batch=6).to_dict()},
+                                {"window": 16, "start": 6, "strategy": own.to_dict()},
+                                {"window": 32, "start": 8, "strategy": {"dp": 1}}])
+    view = JobView.build(JOB, [(schema.plan_current_key(JOB), rec)], now=NOW)
+    short, long_, bad = view.plan.buckets
+    assert (short["window"], short["rows"], short["switches"]) == (4, 6, False)
+    assert (long_["window"], long_["start"], long_["switches"]) == (16, 6, True)
+    assert long_["layout"] == "tp1:L0-0+tp1:L1-1 x2"
+    assert bad["error"].startswith("not a valid bucket")
+    assert json.loads(json.dumps(view.document()))["plan"]["buckets"][1]["window"] == 16
+    text = _render_text(view)
+    assert "16 tokens, rows 6+2: tp1:L0-0+tp1:L1-1 x2 (own plan, switched in the step)" in text
+    assert "4 tokens, rows 0+6" in text and "(home layout)" in text and "bucket 2: not a" in text

@@ -215,6 +215,15 @@ def _plan(view: JobView) -> RenderableType:
             for dev in st["devices"]:
                 line.append(f" {clean(dev)}", style=HEALTH_STYLE.get(health.get(dev, "unknown")))
             branch.add(line)
+    if plan.buckets:
+        branch = tree.add(Text("length buckets (one optimizer step over all):"))
+        for b in plan.buckets:
+            if "error" in b:
+                branch.add(text(f"bucket {b['index']}: {b['error']}", "yellow", limit=300))
+                continue
+            how = "own plan, switched in the step" if b["switches"] else "home layout"
+            branch.add(text(f"{b['window']} tokens, rows {b['start']}+{b['rows']}: "
+                            f"{b['layout']} ({how})", limit=300))
     if view.plan_history:
         tree.add(text("history: " + ", ".join(
             f"v{p['version']} {clean(p['reason'], 60)}" for p in view.plan_history[-5:]),

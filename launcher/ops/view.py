@@ -31,7 +31,7 @@ from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import RecordError
 from hspmd_elastic.contract.ids import parse_device_id
 from hspmd_elastic.coord.contract import plan_of
-from hspmd_elastic.plan import PlanError
+from hspmd_elastic.plan import Plan, PlanError
 
 from launcher.ops.api import HEALTH_STATES, RECENT_EVENTS, STATUS_FORMAT, STATUS_VERSION
 from launcher.ops.events import SwitchView, counters_of, event_dict, switches_of
@@ -118,6 +118,8 @@ class PlanView:
     global_batch: Optional[int] = None
     layout_error: Optional[str] = None  # the strategy is not a Plan layout (shown raw)
     inventory: dict[str, float] = field(default_factory=dict)  # device -> relative speed
+    # length buckets: [{window, start, rows, layout, switches}] (PlanRecord.buckets)
+    buckets: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -292,7 +294,27 @@ def _plan_view(p: schema.PlanRecord) -> PlanView:
                   for si, st in enumerate(pipe.stages)]
         view.pipelines.append({"index": pi, "num_microbatches": pipe.num_microbatches,
                                "microbatch_size": pipe.microbatch_size, "stages": stages})
+    view.buckets = [_bucket_row(i, b, layout) for i, b in enumerate(p.buckets or [])]
     return view
+
+
+def _shape(plan: Plan) -> list:
+    return [[(s.devices, s.layers) for s in pipe.stages] for pipe in plan.pipelines]
+
+
+def _bucket_row(index: int, bucket: Any, home: Plan) -> dict[str, Any]:
+    """One length bucket for display: its window, rows and layout (pipelines as
+    ``tpT:Lfirst-last`` stages), and whether the step switches out of the home layout for it."""
+    try:
+        plan = Plan.from_dict(bucket["strategy"])
+        layout = " | ".join("+".join(f"tp{s.tp}:L{s.layers[0]}-{s.layers[1] - 1}"
+                                     for s in pipe.stages) + f" x{pipe.rows}"
+                            for pipe in plan.pipelines)
+        return {"index": index, "window": int(bucket["window"]), "start": int(bucket["start"]),
+                "rows": plan.global_batch, "layout": layout,
+                "switches": _shape(plan) != _shape(home)}
+    except (PlanError, TypeError, KeyError, ValueError) as exc:
+        return {"index": index, "error": f"not a valid bucket: {exc}"}
 
 
 def _split_device(device_id: str) -> Optional[tuple[str, int]]:
