@@ -360,6 +360,12 @@ def _pct(v: Optional[float]) -> str:
     return "-" if v is None else f"{100 * v:+.0f}%"
 
 
+def _update(seconds) -> str:
+    """The fitted cost per parameter element per step (``TypeFit.update_s``; None: the fit left
+    the term out, the data did not determine it)."""
+    return "not fitted" if seconds is None else f"{seconds * 1e9:.2f} ns"
+
+
 def report(result: Mapping, command: str, header: str) -> str:
     """The markdown section body: setup line, the tables, the targets."""
     lines = [header, "", f"Command: `{command}`", ""]
@@ -394,7 +400,8 @@ def report(result: Mapping, command: str, header: str) -> str:
                   f"core, {_f(cpu.get('overhead_s') and 1000 * cpu['overhead_s'], '{:.2f}')} ms "
                   f"per micro-batch, "
                   f"{_f(cpu.get('latency_s') and 1000 * cpu['latency_s'], '{:.2f}')}"
-                  f" ms per collective; rms error {100 * fit.get('rms_rel_error', 0):.1f}%."]
+                  f" ms per collective, {_update(cpu.get('update_s'))} per parameter element "
+                  f"per step; rms error {100 * fit.get('rms_rel_error', 0):.1f}%."]
     b = result.get("b", {})
     off = result.get("b_off", {})
     lines += ["", "### (b) A straggler mid-run: one worker from 0.5 to 0.125 of a core", "",

@@ -101,6 +101,8 @@ class DeviceSpec:
     mfu: float = 0.5
     microbatch_overhead_s: float = 0.0005  # fixed cost per micro-batch per stage (launches, Python)
     link_latency_s: float = 1e-5  # start-up cost of one collective or send/receive
+    # per local parameter element per step, whatever the rows (optimizer update, gradient copies)
+    update_s_per_param: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("peak_tflops", "memory_bytes", "intra_node_gbps", "inter_node_gbps", "mfu"):
@@ -109,7 +111,7 @@ class DeviceSpec:
                 raise PlannerError(f"device type {self.name!r}: {name}={value!r} must be > 0")
         if self.mfu > 1:
             raise PlannerError(f"device type {self.name!r}: mfu={self.mfu} must be <= 1")
-        for name in ("microbatch_overhead_s", "link_latency_s"):
+        for name in ("microbatch_overhead_s", "link_latency_s", "update_s_per_param"):
             if not getattr(self, name) >= 0:
                 raise PlannerError(f"device type {self.name!r}: {name}={getattr(self, name)!r} "
                                    "must be >= 0")

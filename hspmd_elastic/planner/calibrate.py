@@ -3,25 +3,29 @@
 The model. Every time the cost model (``cost``) predicts is a sum of known work, each part times
 one constant of one device type ``k``, plus a part the constants do not scale::
 
-    t = sum_k ( F_k / R_k + M_k * O_k + C_k * L_k ) + K
+    t = sum_k ( F_k / R_k + M_k * O_k + C_k * L_k + P_k * U_k ) + K
 
 ``R_k``: effective FLOP/s (``peak_tflops x 1e12 x mfu``); ``O_k``: fixed cost per micro-batch
 (``microbatch_overhead_s``); ``L_k``: start-up cost of a collective or send/receive
-(``link_latency_s``). ``F_k``: FLOPs on devices of type ``k`` (3 x forward, per TP rank);
-``M_k``: micro-batches; ``C_k``: collective and send/receive start-ups; ``K``: bytes over
-bandwidth. A device of declared speed ``s`` (spec ``<type>@<s>``, ``spec_for_device``) and
-slowdown ``d`` counts ``F d / s`` and ``M d / s``, so one constant serves every declared speed
-and health of a type. Step times follow ``estimate_plan``: the slowest pipeline (1F1B:
-every stage once plus the slowest stage ``m - 1`` more times) plus the slowest gradient sync,
-the slowest stage and members chosen as the constants in use say; given those, ``t`` is linear
-in ``1/R_k``, ``O_k`` and ``L_k``. Promises:
+(``link_latency_s``); ``U_k``: cost per local parameter element per step, whatever the rows
+(``update_s_per_param``). ``F_k``: FLOPs on devices of type ``k`` (3 x forward, per TP rank);
+``M_k``: micro-batches; ``C_k``: collective and send/receive start-ups; ``P_k``: parameter
+elements updated (a device's local share; in a step, the slowest update of the pipeline's
+stages); ``K``: bytes over bandwidth. A device of declared speed ``s`` (spec ``<type>@<s>``,
+``spec_for_device``) and slowdown ``d`` counts ``F d / s``, ``M d / s`` and ``P d / s``, so one
+constant serves every declared speed and health of a type. Step times follow
+``estimate_plan``: the slowest pipeline (1F1B: every stage once plus the slowest stage ``m - 1``
+more times, plus the slowest stage's update) plus the slowest gradient sync, the slowest stage
+and members chosen as the constants in use say; given those, ``t`` is linear in ``1/R_k``,
+``O_k``, ``L_k`` and ``U_k``. Promises:
 
 * ``predicted_busy_s(plan, profile, inventory, device)``: the cost model's compute time per step
   of ``device``'s share of ``plan`` at nominal speed (its health's slowdown ignored): its
   micro-batches x (3 x forward FLOPs of its layers, and of the head on a last stage, over its
-  TP degree at its spec's effective FLOP/s, plus the fixed cost per micro-batch); no
-  communication. It is ``stage_time_coeffs`` of ``cost`` with the links made free, so it is
-  the compute part of ``estimate_plan``'s stage times for a group of alike devices;
+  TP degree at its spec's effective FLOP/s, plus the fixed cost per micro-batch), plus its
+  local parameter elements x its cost per element per step; no communication. It is
+  ``stage_time_coeffs`` and ``update_time`` of ``cost`` with the links made free, so it is
+  the compute part of ``estimate_plan``'s times for a group of alike devices;
 * ``busy_measurement`` / ``step_measurement`` turn a measured busy time of one device, or a
   measured step time of a plan, into a ``Measurement`` (its work per type, ``K``, and
   ``predicted_s``: the model's value under the constants in use, ``estimate_plan``'s step time
@@ -29,8 +33,13 @@ in ``1/R_k``, ``O_k`` and ``L_k``. Promises:
 * ``fit_steps(profile, records)`` fits measured step times of plans, rebuilding their
   measurements under the fitted constants until the critical paths agree with them;
 * ``fit(measurements)`` solves for every constant the measurements involve by least squares
-  over relative errors (rows weighted by ``1 / seconds``), keeping ``O_k`` and ``L_k`` >= 0; a
-  constant no measurement involves is None (``apply`` keeps the spec's). Bad input (none, a
+  over relative errors (rows weighted by ``1 / seconds``), keeping ``O_k``, ``L_k`` and ``U_k``
+  >= 0; a constant no measurement involves is None (``apply`` keeps the spec's), and so is
+  every ``U_k`` unless the fit with them is determined, keeps every rate positive and beats
+  the fit without them by more than their number is worth (Akaike's criterion: plans whose
+  parameters move with their micro-batches cannot tell ``U_k`` from ``O_k``, and times without
+  such a cost do not need it); ``predict`` counts a ``U_k`` of None as 0 (the built-in
+  value). Bad input (none, a
   time that is not a positive finite number, negative work, ``K`` not below the time, data
   that do not determine the constants) raises a one-line ``ValueError`` naming it;
 * ``apply(calibration, spec)``: ``spec`` with its type's fitted constants (scaled by its
@@ -47,10 +56,11 @@ import numpy as np
 
 from hspmd_elastic.plan import Plan
 from hspmd_elastic.planner.api import Device, DeviceSpec, Inventory, ModelProfile, PlannerError
-from hspmd_elastic.planner.cost import StageShape, layer_nodes, stage_params, stage_time_coeffs
+from hspmd_elastic.planner.cost import (StageShape, layer_nodes, stage_params, stage_time_coeffs,
+                                        update_time)
 
 SpecOf = Callable[[Device], DeviceSpec]
-PARAMS = ("rate", "overhead", "latency")  # per type: 1/R (s per FLOP), O (s), L (s)
+PARAMS = ("rate", "overhead", "latency", "update")  # per type: 1/R (s per FLOP), O, L, U (s)
 
 
 def type_of(spec: DeviceSpec) -> tuple[str, float]:
@@ -69,11 +79,17 @@ def type_of(spec: DeviceSpec) -> tuple[str, float]:
 
 @dataclass(frozen=True)
 class Work:
-    """Work of one device type in a measured time: FLOPs, micro-batches, start-ups."""
+    """Work of one device type in a measured time: FLOPs, micro-batches, start-ups, parameter
+    elements updated."""
 
     flops: float = 0.0
     microbatches: float = 0.0
     collectives: float = 0.0
+    params: float = 0.0
+
+    def amounts(self) -> tuple[float, float, float, float]:
+        """The amounts in ``PARAMS`` order."""
+        return self.flops, self.microbatches, self.collectives, self.params
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,7 @@ class TypeFit:
     rate_flops: Optional[float]  # effective FLOP/s (peak x mfu)
     overhead_s: Optional[float]  # per micro-batch
     latency_s: Optional[float]  # per collective or send/receive
+    update_s: Optional[float] = None  # per parameter element per step
 
 
 @dataclass(frozen=True)
@@ -112,17 +129,20 @@ class Calibration:
         total = m.fixed_s
         for name, work in m.work.items():
             fit = self.types.get(name)
-            for param, amount in zip(PARAMS, (work.flops, work.microbatches, work.collectives)):
+            for param, amount in zip(PARAMS, work.amounts()):
                 if amount == 0:
                     continue
                 value = None if fit is None else getattr(fit, _FIELD[param])
+                if value is None and param == "update":
+                    continue  # not determined: the built-in 0
                 if value is None:
                     raise ValueError(f"calibration has no {_FIELD[param]} for type {name!r}")
                 total += amount / value if param == "rate" else amount * value
         return total
 
 
-_FIELD = {"rate": "rate_flops", "overhead": "overhead_s", "latency": "latency_s"}
+_FIELD = {"rate": "rate_flops", "overhead": "overhead_s", "latency": "latency_s",
+          "update": "update_s"}
 
 
 # ---- the work of a plan --------------------------------------------------------------------
@@ -165,9 +185,12 @@ def predicted_busy_s(plan: Plan, profile: ModelProfile, inventory: Inventory, de
     spec = _spec(_device(inventory, device), spec_of)
     shape = StageShape(tp=stage.tp, flops=spec.peak_tflops * 1e12 * spec.mfu, memory=0,
                        intra_gbps=math.inf, next_gbps=None,
-                       overhead_s=spec.microbatch_overhead_s, latency_s=0.0)
+                       overhead_s=spec.microbatch_overhead_s, latency_s=0.0,
+                       update_s=spec.update_s_per_param)
     fixed, per_layer = stage_time_coeffs(profile, shape, last, pipe.microbatch_size)
-    return pipe.num_microbatches * (fixed + per_layer * layers)
+    first = stage is pipe.stages[0]
+    return (pipe.num_microbatches * (fixed + per_layer * layers)
+            + update_time(profile, shape, layers, first, last))
 
 
 def busy_measurement(plan: Plan, profile: ModelProfile, inventory: Inventory, device: int,
@@ -182,8 +205,9 @@ def busy_measurement(plan: Plan, profile: ModelProfile, inventory: Inventory, de
     spec = _spec(_device(inventory, device), spec_of)
     name, declared = type_of(spec)
     scale = pipe.num_microbatches / (declared * speed)
+    params = stage_params(profile, layers, stage is pipe.stages[0], last) / stage.tp
     work = Work(flops=_stage_flops(profile, pipe.microbatch_size, stage.tp, layers, last) * scale,
-                microbatches=scale)
+                microbatches=scale, params=params / (declared * speed))
     predicted = predicted_busy_s(plan, profile, inventory, device, spec_of) / speed
     return Measurement(float(busy_s), {name: work}, 0.0, predicted)
 
@@ -201,7 +225,7 @@ class _Lin:
         """``amount`` of ``param`` on ``spec``'s type; ``constant``: ``spec``'s own value of it
         (for ``rate``: its FLOP/s, divided by; else multiplied by)."""
         name, declared = type_of(spec)
-        scaled = amount / declared if param in ("rate", "overhead") else amount
+        scaled = amount / declared if param in ("rate", "overhead", "update") else amount
         key = (param, name)
         self.coef[key] = self.coef.get(key, 0.0) + scaled
         self.value += amount / constant if param == "rate" else amount * constant
@@ -221,8 +245,8 @@ class _Lin:
         for (param, name), c in self.coef.items():
             work.setdefault(name, {})[param] = c
         return Measurement(float(seconds), {
-            n: Work(w.get("rate", 0.0), w.get("overhead", 0.0), w.get("latency", 0.0))
-            for n, w in sorted(work.items())}, self.fixed, self.value)
+            n: Work(*(w.get(p, 0.0) for p in PARAMS)) for n, w in sorted(work.items())},
+            self.fixed, self.value)
 
 
 def _stage_lin(profile: ModelProfile, group: Sequence[Device], nxt: Optional[Sequence[Device]],
@@ -251,6 +275,20 @@ def _stage_lin(profile: ModelProfile, group: Sequence[Device], nxt: Optional[Seq
                    else _spec(d, spec_of).inter_node_gbps for d in both)
         lin.add("latency", specs[lat], 2.0, specs[lat].link_latency_s)
         lin.add_fixed(2.0 * act / (link * 1e9))
+    return lin
+
+
+def _update_lin(profile: ModelProfile, group: Sequence[Device], layers: int, first: bool,
+                last: bool, spec_of: Optional[SpecOf]) -> _Lin:
+    """One step's update on one stage, as ``cost.update_time`` computes it: the member with
+    the largest cost per parameter element."""
+    specs = [_spec(d, spec_of) for d in group]
+    costs = [s.update_s_per_param * d.slowdown for d, s in zip(group, specs)]
+    worst = max(range(len(group)), key=costs.__getitem__)
+    lin = _Lin()
+    params = stage_params(profile, layers, first, last) / len(group)
+    lin.add("update", specs[worst], params * group[worst].slowdown,
+            specs[worst].update_s_per_param)
     return lin
 
 
@@ -301,6 +339,9 @@ def step_measurement(plan: Plan, profile: ModelProfile, inventory: Inventory, se
         for s in stages:
             lin.plus(s)
         lin.plus(stages[max(range(n), key=times.__getitem__)], pipe.num_microbatches - 1)
+        updates = [_update_lin(profile, groups[si], s.layers[1] - s.layers[0], si == 0,
+                               si == n - 1, spec_of) for si, s in enumerate(pipe.stages)]
+        lin.plus(max(updates, key=lambda u: u.value))
         if slowest is None or lin.value > slowest.value:
             slowest = lin
     if slowest is None:
@@ -320,11 +361,19 @@ def _check(i: int, m: Measurement) -> None:
         raise ValueError(f"measurement #{i}: fixed_s={m.fixed_s!r} must be >= 0 and below "
                          f"seconds={s!r}")
     for name, work in m.work.items():
-        for what in ("flops", "microbatches", "collectives"):
+        for what in ("flops", "microbatches", "collectives", "params"):
             v = getattr(work, what)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"measurement #{i}: type {name!r} {what}={v!r} must be a "
                                  "finite number >= 0")
+
+
+class _Undetermined(ValueError):
+    """The measurements do not tell the constants apart."""
+
+
+class _Contradicted(ValueError):
+    """The best fit needs a non-positive compute rate."""
 
 
 def _solve(a: np.ndarray, y: np.ndarray, keys: list[tuple[str, str]]) -> np.ndarray:
@@ -335,7 +384,7 @@ def _solve(a: np.ndarray, y: np.ndarray, keys: list[tuple[str, str]]) -> np.ndar
     sv = np.linalg.svd(scaled, compute_uv=False)
     if len(sv) < a.shape[1] or sv[-1] < 1e-9 * sv[0]:
         names = ", ".join(f"{_FIELD[p]}[{t}]" for p, t in keys)
-        raise ValueError(f"the measurements do not determine {names} ({a.shape[0]} "
+        raise _Undetermined(f"the measurements do not determine {names} ({a.shape[0]} "
                          "measurement(s)): vary the layers, micro-batches or plans")
     x, *_ = np.linalg.lstsq(scaled, y, rcond=None)
     return x / norms
@@ -351,19 +400,38 @@ def fit(measurements: Sequence[Measurement]) -> Calibration:
             raise ValueError(f"measurement #{i}: {m!r} is not a Measurement")
         _check(i, m)
     keys = sorted({(p, name) for m in ms for name, w in m.work.items()
-                   for p, v in zip(PARAMS, (w.flops, w.microbatches, w.collectives)) if v > 0},
+                   for p, v in zip(PARAMS, w.amounts()) if v > 0},
                   key=lambda k: (k[1], PARAMS.index(k[0])))
     if not keys:
-        raise ValueError("fit: the measurements hold no work (every flops, microbatches and "
-                         "collectives is 0)")
-    a = np.array([[getattr(m.work.get(t, Work()), _WORK[p]) for p, t in keys] for m in ms],
-                 dtype=float)
+        raise ValueError("fit: the measurements hold no work (every flops, microbatches, "
+                         "collectives and params is 0)")
     seconds = np.array([m.seconds for m in ms])
-    y = seconds - np.array([m.fixed_s for m in ms])
     weights = 1.0 / seconds
-    a, y = a * weights[:, None], y * weights
+    y = (seconds - np.array([m.fixed_s for m in ms])) * weights
+    base = [k for k in keys if k[0] != "update"]
+    if len(base) == len(keys) or not base:
+        values, _ = _fit_values(ms, keys, y, weights)
+    else:
+        keys, values = _with_or_without_update(ms, keys, base, y, weights)
+    fits: dict[str, dict[str, Optional[float]]] = {}
+    for j, (p, t) in enumerate(keys):
+        v = float(values[j])
+        fits.setdefault(t, dict.fromkeys(PARAMS))[p] = 1.0 / v if p == "rate" else v
+    cal = Calibration({t: TypeFit(f["rate"], f["overhead"], f["latency"], f["update"])
+                       for t, f in sorted(fits.items())}, len(ms))
+    errors = [abs(cal.predict(m) - m.seconds) / m.seconds for m in ms]
+    return replace(cal, rms_rel_error=float(math.sqrt(sum(e * e for e in errors) / len(ms))),
+                   max_rel_error=float(max(errors)))
+
+
+def _fit_values(ms: list[Measurement], keys: list[tuple[str, str]], y: np.ndarray,
+                weights: np.ndarray) -> tuple[dict[int, float], float]:
+    """(key index -> fitted value, weighted residual sum of squares); a negative overhead,
+    latency or update is pinned to 0 (an active set)."""
+    a = np.array([[getattr(m.work.get(t, Work()), _WORK[p]) for p, t in keys] for m in ms],
+                 dtype=float) * weights[:, None]
     active = list(range(len(keys)))
-    while True:  # active set: a negative overhead or latency is pinned to 0
+    while True:
         if not active:
             raise ValueError("fit: every constant comes out negative: the measurements "
                              "contradict the model")
@@ -377,20 +445,33 @@ def fit(measurements: Sequence[Measurement]) -> Calibration:
     values.update(zip(active, x))
     for j, (p, t) in enumerate(keys):
         if p == "rate" and not values[j] > 0:
-            raise ValueError(f"fit: type {t!r} gets a non-positive compute time per FLOP "
-                             f"({values[j]:.3g}): the measurements contradict the model")
-    fits: dict[str, dict[str, Optional[float]]] = {}
-    for j, (p, t) in enumerate(keys):
-        v = float(values[j])
-        fits.setdefault(t, dict.fromkeys(PARAMS))[p] = 1.0 / v if p == "rate" else v
-    cal = Calibration({t: TypeFit(f["rate"], f["overhead"], f["latency"])
-                       for t, f in sorted(fits.items())}, len(ms))
-    errors = [abs(cal.predict(m) - m.seconds) / m.seconds for m in ms]
-    return replace(cal, rms_rel_error=float(math.sqrt(sum(e * e for e in errors) / len(ms))),
-                   max_rel_error=float(max(errors)))
+            raise _Contradicted(f"fit: type {t!r} gets a non-positive compute time per FLOP "
+                                f"({values[j]:.3g}): the measurements contradict the model")
+    residual = a @ np.array([values[j] for j in range(len(keys))]) - y
+    return values, float(residual @ residual)
 
 
-_WORK = {"rate": "flops", "overhead": "microbatches", "latency": "collectives"}
+def _with_or_without_update(ms: list[Measurement], keys: list, base: list, y: np.ndarray,
+                            weights: np.ndarray) -> tuple[list, dict[int, float]]:
+    """(keys, values) of the fit with the per-parameter costs or of the one without them
+    (``base``): with them only when they are determined, keep every compute rate positive and
+    explain the measurements better than their extra constants are worth (Akaike: the
+    residual sum of squares falls below ``exp(-2 extra / measurements)`` of the other's)."""
+    try:
+        full, full_rss = _fit_values(ms, keys, y, weights)
+    except (_Undetermined, _Contradicted):
+        return base, _fit_values(ms, base, y, weights)[0]
+    try:
+        values, rss = _fit_values(ms, base, y, weights)
+    except _Contradicted:
+        return keys, full
+    if full_rss < rss * math.exp(-2.0 * (len(keys) - len(base)) / len(ms)):
+        return keys, full
+    return base, values
+
+
+_WORK = {"rate": "flops", "overhead": "microbatches", "latency": "collectives",
+         "update": "params"}
 
 
 def fit_steps(profile: ModelProfile, records: Sequence[tuple[Plan, Inventory, float]],
@@ -437,4 +518,6 @@ def apply(calibration: Calibration, spec: DeviceSpec) -> DeviceSpec:
         changes["microbatch_overhead_s"] = fit_.overhead_s / declared
     if fit_.latency_s is not None:
         changes["link_latency_s"] = fit_.latency_s
+    if fit_.update_s is not None:
+        changes["update_s_per_param"] = fit_.update_s / declared
     return replace(spec, **changes)

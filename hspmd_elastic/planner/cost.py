@@ -7,8 +7,12 @@ Per stage and micro-batch of ``b`` sequences (``tokens = b x seq_len``):
   * pipeline hand-off: activations forward and their gradients back to the next stage (latency
     plus bytes), over intra-node bandwidth when both stages share a node, inter-node otherwise;
   * a fixed cost per micro-batch (kernel launches, Python).
-A pipeline of stage times ``t_s`` running ``m`` micro-batches with 1F1B takes
-``sum(t_s) + (m - 1) max(t_s)`` (fill and drain are the bubble). Gradients are then all-reduced
+Per stage and step, whatever its rows: ``u_s``, each device's local parameter elements (its
+layers' share over its TP degree, the embedding on the first stage, the head on the last) x the
+slowest member's cost per element (``DeviceSpec.update_s_per_param``: the optimizer update,
+gradient copies). A pipeline of stage times ``t_s`` running ``m`` micro-batches with 1F1B takes
+``sum(t_s) + (m - 1) max(t_s) + max(u_s)`` (fill and drain are the bubble; the slowest update
+delays the next step's fill). Gradients are then all-reduced
 across the pipelines (every pipeline holds every layer), ring cost per device over its shard,
 inter-node when a layer's holders span nodes; this sync is not overlapped. The step time is the
 slowest pipeline plus the slowest sync.
@@ -45,6 +49,7 @@ class StageShape:
     next_gbps: Optional[float]  # link to the next stage; None on the last stage
     overhead_s: float  # fixed cost per micro-batch (a slow device is slow at this too)
     latency_s: float = 0.0  # start-up cost of one collective or send/receive
+    update_s: float = 0.0  # per local parameter element per step (the slowest member's)
 
 
 def group_shape(devices: Sequence[Device], nxt: Optional[Sequence[Device]],
@@ -63,6 +68,7 @@ def group_shape(devices: Sequence[Device], nxt: Optional[Sequence[Device]],
     spec = first.spec
     flops, memory, intra = first.flops, spec.memory_bytes, spec.intra_node_gbps
     overhead, latency = spec.microbatch_overhead_s * first.slowdown, spec.link_latency_s
+    update = spec.update_s_per_param * first.slowdown
     for d in devices[1:]:
         spec = d.spec
         if spec is not first.spec or d.slowdown != first.slowdown:
@@ -71,8 +77,10 @@ def group_shape(devices: Sequence[Device], nxt: Optional[Sequence[Device]],
             intra = min(intra, spec.intra_node_gbps)
             overhead = max(overhead, spec.microbatch_overhead_s * d.slowdown)
             latency = max(latency, spec.link_latency_s)
+            update = max(update, spec.update_s_per_param * d.slowdown)
     return StageShape(tp=len(devices), flops=flops, memory=int(memory * memory_fraction),
-                      intra_gbps=intra, next_gbps=link, overhead_s=overhead, latency_s=latency)
+                      intra_gbps=intra, next_gbps=link, overhead_s=overhead, latency_s=latency,
+                      update_s=update)
 
 
 # ---- time ----------------------------------------------------------------------------------
@@ -100,9 +108,28 @@ def stage_time(profile: ModelProfile, shape: StageShape, layers: int, last: bool
     return fixed + per_layer * layers
 
 
-def pipeline_time(stage_times: Sequence[float], num_microbatches: int) -> float:
-    """1F1B: fill and drain once, then the slowest stage paces every other micro-batch."""
-    return sum(stage_times) + (num_microbatches - 1) * max(stage_times)
+def update_coeffs(profile: ModelProfile, shape: StageShape, first: bool,
+                  last: bool) -> tuple[float, float]:
+    """(fixed, per layer) seconds per step of the stage's work that does not depend on its
+    rows: each device's local parameter elements x ``shape.update_s``."""
+    if not shape.update_s:
+        return 0.0, 0.0
+    per = shape.update_s / shape.tp
+    return per * stage_params(profile, 0, first, last), per * profile.layer_params
+
+
+def update_time(profile: ModelProfile, shape: StageShape, layers: int, first: bool,
+                last: bool) -> float:
+    fixed, per_layer = update_coeffs(profile, shape, first, last)
+    return fixed + per_layer * layers
+
+
+def pipeline_time(stage_times: Sequence[float], num_microbatches: int,
+                  updates: Sequence[float] = ()) -> float:
+    """1F1B: fill and drain once, then the slowest stage paces every other micro-batch; then
+    the slowest stage's per-step update (``updates``, per stage; none: 0)."""
+    return (sum(stage_times) + (num_microbatches - 1) * max(stage_times)
+            + max(updates, default=0.0))
 
 
 def grad_sync_time(profile: ModelProfile, params_per_device: float, replicas: int,
@@ -182,12 +209,14 @@ def estimate_plan(plan: Plan, inventory: Inventory, profile: ModelProfile,
             raise PlanInfeasibleError(f"plan uses device {d}, which is not in the inventory")
         raise PlanInfeasibleError(f"plan uses device {d}, which has failed")
     costs = _StageCosts(index, profile, options)
-    memory, limits, stage_times, pipe_times = {}, {}, [], []
+    memory, limits, stage_times, pipe_times, pipe_updates = {}, {}, [], [], []
     facts = []  # per stage: (layers, classes, nodes)
     for pi, pipe in enumerate(plan.pipelines):
-        times = costs.pipeline(plan, pi, stages[pi], memory, limits, facts)
+        updates: list[float] = []
+        times = costs.pipeline(plan, pi, stages[pi], memory, limits, facts, updates)
         stage_times.append(tuple(times))
-        pipe_times.append(pipeline_time(times, pipe.num_microbatches))
+        pipe_times.append(pipeline_time(times, pipe.num_microbatches, updates))
+        pipe_updates.append(max(updates))
     layers = _LayerNodes(plan.num_layers, facts)
     sync = costs.grad_sync(len(plan.pipelines), facts, layers)
     slowest = max(range(len(pipe_times)), key=lambda i: pipe_times[i])
@@ -201,7 +230,7 @@ def estimate_plan(plan: Plan, inventory: Inventory, profile: ModelProfile,
         pipeline_times_s=tuple(pipe_times),
         stage_times_s=tuple(stage_times),
         grad_sync_s=sync,
-        bubble_fraction=max(0.0, 1.0 - busy / pipe_times[slowest]),
+        bubble_fraction=max(0.0, 1.0 - busy / (pipe_times[slowest] - pipe_updates[slowest])),
         memory_bytes=memory,
         memory_limit_bytes=limits,
         unused_devices=tuple(d for d in index.usable_order if d not in used),
@@ -267,9 +296,10 @@ class _StageCosts:
         self.stages: dict[tuple, tuple] = {}
 
     def pipeline(self, plan: Plan, pi: int, groups: list[tuple], memory: dict, limits: dict,
-                 facts: list) -> list[float]:
-        """Stage times of pipeline ``pi``; fills ``memory`` and ``limits`` per device and
-        ``facts`` per stage; raises as ``_pipeline_stage_times`` does when memory is short."""
+                 facts: list, updates: list) -> list[float]:
+        """Stage times of pipeline ``pi``; fills ``memory`` and ``limits`` per device,
+        ``facts`` and ``updates`` (``update_time``) per stage; raises as
+        ``_pipeline_stage_times`` does when memory is short."""
         index, profile = self.index, self.profile
         pipe = plan.pipelines[pi]
         n, m, b = len(pipe.stages), pipe.num_microbatches, pipe.microbatch_size
@@ -297,8 +327,9 @@ class _StageCosts:
                 need = stage_memory(profile, shape.tp, layers, si == 0, last, b, key[5])
                 lims = tuple(self.limit[c] for c in dict.fromkeys(classes[si]))
                 found = self.stages[key] = (need, lims, min(lims),
-                                            stage_time(profile, shape, layers, last, b))
-            need, lims, lowest, elapsed = found
+                                            stage_time(profile, shape, layers, last, b),
+                                            update_time(profile, shape, layers, si == 0, last))
+            need, lims, lowest, elapsed, update = found
             if need > lowest:  # the reference names the device that is short
                 _pipeline_stage_times(plan, pi, index.devs, profile, self.options, {}, {})
                 raise AssertionError("unreachable: the reference raises for this stage")
@@ -308,6 +339,7 @@ class _StageCosts:
             else:
                 limits.update(zip(groups[si], map(self.limit.__getitem__, classes[si])))
             times.append(elapsed)
+            updates.append(update)
             facts.append((stage.layers, si == 0, last, classes[si], nodes[si]))
         return times
 

@@ -51,6 +51,8 @@ BUILTIN_SPECS: dict[str, DeviceSpec] = {
     "L40S": DeviceSpec("L40S", 362.0, 48 * GiB, 32.0, 12.5, mfu=0.4),
     # One CPU training process (one thread): about 10 GFLOP/s on small matmuls, gloo over
     # loopback or TCP, a large fixed cost per micro-batch (Python, autograd) and per collective.
+# No type has a built-in cost per parameter element per step (``update_s_per_param``, the
+# optimizer update of a device's whole shard whatever its rows): calibration fits it.
     "CPU": DeviceSpec("CPU", 0.01, 8 * GiB, 2.0, 0.5, mfu=1.0, microbatch_overhead_s=0.004,
                       link_latency_s=0.002),
 }
@@ -112,7 +114,8 @@ def spec_for_device(type_name: str, memory_bytes: Optional[int] = None,
     the table entry ``known_type`` finds; an unknown name gets ``generic_gpu_spec`` under that
     name, with a warning naming it (once per name). Memory is taken from the device when given
     (NVML's measured total). ``speed`` (declared by the node, relative to the type's nominal)
-    scales the peak FLOP/s and divides the fixed cost per micro-batch; the spec is then named
+    scales the peak FLOP/s and divides the fixed cost per micro-batch and the cost per
+    parameter element per step (``update_s_per_param``); the spec is then named
     ``<type>@<speed>`` (``CPU@0.5``) so layouts tell the two kinds apart."""
     if not (isinstance(speed, (int, float)) and 0 < speed < float("inf")):
         raise PlannerError(f"device speed={speed!r} must be a number > 0")
@@ -132,7 +135,8 @@ def spec_for_device(type_name: str, memory_bytes: Optional[int] = None,
         spec = replace(spec, memory_bytes=int(memory_bytes))
     if speed != 1.0:
         spec = replace(spec, name=f"{spec.name}@{speed:g}", peak_tflops=spec.peak_tflops * speed,
-                       microbatch_overhead_s=spec.microbatch_overhead_s / speed)
+                       microbatch_overhead_s=spec.microbatch_overhead_s / speed,
+                       update_s_per_param=spec.update_s_per_param / speed)
     return spec
 
 
@@ -165,11 +169,11 @@ def inventory_from_nodes(text: str, types: Optional[Mapping[str, DeviceSpec]] = 
 
 def spec_from_dict(name: str, data: Mapping[str, Any]) -> DeviceSpec:
     """A device type from JSON: peak_tflops, memory_gib, intra_node_gbps, inter_node_gbps[, mfu,
-    microbatch_overhead_s, link_latency_s]."""
+    microbatch_overhead_s, link_latency_s, update_s_per_param]."""
     if not isinstance(data, Mapping):
         raise PlannerError(f"device type {name!r} must be a JSON object, got {data!r}")
     known = {"peak_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "mfu",
-             "microbatch_overhead_s", "link_latency_s"}
+             "microbatch_overhead_s", "link_latency_s", "update_s_per_param"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlannerError(f"device type {name!r}: unknown keys {unknown}; known: {sorted(known)}")
@@ -178,7 +182,8 @@ def spec_from_dict(name: str, data: Mapping[str, Any]) -> DeviceSpec:
                           float(data["intra_node_gbps"]), float(data["inter_node_gbps"]),
                           mfu=float(data.get("mfu", 0.5)),
                           microbatch_overhead_s=float(data.get("microbatch_overhead_s", 0.0005)),
-                          link_latency_s=float(data.get("link_latency_s", 1e-5)))
+                          link_latency_s=float(data.get("link_latency_s", 1e-5)),
+                          update_s_per_param=float(data.get("update_s_per_param", 0.0)))
     except KeyError as exc:
         raise PlannerError(f"device type {name!r}: missing key {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
@@ -246,6 +251,7 @@ def uniform_inventory(inventory: Inventory) -> Inventory:
         intra_node_gbps=min(d.spec.intra_node_gbps for d in live),
         inter_node_gbps=min(d.spec.inter_node_gbps for d in live),
         microbatch_overhead_s=max(d.spec.microbatch_overhead_s * d.slowdown for d in live),
+        update_s_per_param=max(d.spec.update_s_per_param * d.slowdown for d in live),
         link_latency_s=max(d.spec.link_latency_s for d in live))
     return Inventory(tuple(
         d if d.health is Health.FAILED else replace(d, spec=spec, health=Health.HEALTHY,

@@ -7,9 +7,13 @@ memory, rows per pipeline by ``solve.split_rows``. ``Solver.exact`` turns a scor
 sizes picked per pipeline. The solver caches by value within one ``plan_for`` call; nothing here
 keeps state across calls.
 
+Both passes see each stage's per-step update (``cost.update_coeffs``): the fast pass spreads
+it over the estimated micro-batches in its water-filling and adds the slowest stage's to a
+pipeline's fixed time; the exact pass solves the layer split with it.
+
 A group is any object with ``devices``, ``node``, ``tp``, ``key`` (its ``StageShape`` fields
-without the link: tp, FLOP/s, memory, intra-node GB/s, overhead, latency), ``inter`` and ``sid``
-(an int interned from ``(key, inter)``).
+without the link: tp, FLOP/s, memory, intra-node GB/s, overhead, latency, update), ``inter`` and
+``sid`` (an int interned from ``(key, inter)``).
 """
 
 from __future__ import annotations
@@ -53,12 +57,12 @@ def shapes_of(signature: tuple, attrs: list) -> tuple[cost.StageShape, ...]:
     sids, same = (signature, ()) if len(signature) == 1 else signature
     out = []
     for i, sid in enumerate(sids):
-        (tp, flops, memory, intra, overhead, latency), inter = attrs[sid]
+        (tp, flops, memory, intra, overhead, latency, update), inter = attrs[sid]
         nxt = None
         if i + 1 < len(sids):
-            (_, _, _, intra2, _, _), inter2 = attrs[sids[i + 1]]
+            (_, _, _, intra2, _, _, _), inter2 = attrs[sids[i + 1]]
             nxt = min(intra, intra2) if same[i] else min(inter, inter2)
-        out.append(cost.StageShape(tp, flops, memory, intra, nxt, overhead, latency))
+        out.append(cost.StageShape(tp, flops, memory, intra, nxt, overhead, latency, update))
     return tuple(out)
 
 
@@ -97,6 +101,16 @@ class Solver:
         return [cost.stage_time(self.profile, sh, split[s], s == n - 1, b)
                 for s, sh in enumerate(shapes)]
 
+    def updates(self, shapes) -> list[tuple[float, float]]:
+        """Per stage, ``cost.update_coeffs``: (fixed, per layer) seconds per step."""
+        n = len(shapes)
+        return [cost.update_coeffs(self.profile, sh, s == 0, s == n - 1)
+                for s, sh in enumerate(shapes)]
+
+    def update_time(self, shapes, split) -> float:
+        """The slowest stage's per-step update with ``split`` layers per stage."""
+        return max(f + c * layers for (f, c), layers in zip(self.updates(shapes), split))
+
     def caps(self, shapes, b: int, m: int) -> list[int]:
         n = len(shapes)
         return [cost.layer_cap(self.profile, sh, s == 0, s == n - 1, b, cost.inflight(n, s, m))
@@ -114,10 +128,14 @@ class Solver:
         n = len(shapes)
         coeffs = [cost.stage_time_coeffs(self.profile, sh, s == n - 1, 1)
                   for s, sh in enumerate(shapes)]
-        split = minmax_layers([c[0] for c in coeffs], [c[1] for c in coeffs],
+        # the per-step update, spread over the rows_est micro-batches of one row
+        ups = self.updates(shapes)
+        split = minmax_layers([c[0] + u[0] / rows_est for c, u in zip(coeffs, ups)],
+                              [c[1] + u[1] / rows_est for c, u in zip(coeffs, ups)],
                               self.caps(shapes, 1, rows_est), self.profile.num_layers)
         if split is None:
             return None
+        update = self.update_time(shapes, split)
         best = None
         for b in self._batch_sizes(rows_est):
             m = math.ceil(rows_est / b)
@@ -131,7 +149,7 @@ class Solver:
             return None
         _, b, times = best
         slowest = max(times)
-        return PipeModel(shapes, split, b, sum(times) - slowest, slowest / b)
+        return PipeModel(shapes, split, b, sum(times) - slowest + update, slowest / b)
 
     def fast(self, pipelines: Sequence[tuple],
              signatures: Optional[Sequence[tuple]] = None) -> Optional["Draft"]:
@@ -201,10 +219,12 @@ class Solver:
         m = max(1, math.ceil(rows / b))
         coeffs = [cost.stage_time_coeffs(self.profile, sh, s == n - 1, b)
                   for s, sh in enumerate(model.shapes)]
-        key = (tuple(coeffs), tuple(self.caps(model.shapes, b, m)), m)
+        ups = tuple(self.updates(model.shapes))
+        key = (tuple(coeffs), tuple(self.caps(model.shapes, b, m)), m, ups)
         if key not in self.splits:
             self.splits[key] = pipeline_layers([c[0] for c in coeffs], [c[1] for c in coeffs],
-                                               list(key[1]), self.profile.num_layers, m)
+                                               list(key[1]), self.profile.num_layers, m,
+                                               [u[0] for u in ups], [u[1] for u in ups])
         return self.splits[key] or model.split
 
     def pick_batch(self, shapes, split, rows: int) -> int:

@@ -73,7 +73,7 @@ class _Group:
             inter = min(d.spec.inter_node_gbps for d in devices)
             shape = cost.group_shape(devices, None, memory_fraction)
             key = (shape.tp, shape.flops, shape.memory, shape.intra_gbps, shape.overhead_s,
-                   shape.latency_s)
+                   shape.latency_s, shape.update_s)
             # A small int standing for (key, inter): pipeline signatures are tuples of these.
             attrs = (flops, inter, key, interned.setdefault((key, inter), len(interned)))
             if known is not None:

@@ -4,8 +4,9 @@
   layer and at most its memory cap. Greedy water-filling (always give the next layer to the stage
   that stays fastest) is exact for a min-max of increasing costs.
 * ``pipeline_layers``: the same split minimising the real 1F1B time
-  ``sum(t_s) + (m - 1) max(t_s)``, a small MILP for ``scipy.optimize.milp`` (HiGHS):
-  integer layers per stage, one continuous variable for the slowest stage.
+  ``sum(t_s) + (m - 1) max(t_s) + max(u_s)`` (``u_s``: a stage's per-step update, linear in its
+  layers; none: 0), a small MILP for ``scipy.optimize.milp`` (HiGHS): integer layers per stage,
+  one continuous variable for the slowest stage and one for the slowest update.
 * ``split_rows``: rows of the global batch per pipeline minimising the slowest pipeline, where a
   pipeline's time is ``fixed + per_row x rows`` (zero when it gets no rows). Identical pipelines
   come as one class with a count; a bisection on the step time finds the least feasible level,
@@ -43,26 +44,40 @@ def minmax_layers(fixed: Sequence[float], per_layer: Sequence[float], caps: Sequ
 
 
 def pipeline_layers(fixed: Sequence[float], per_layer: Sequence[float], caps: Sequence[int],
-                    total: int, num_microbatches: int) -> Optional[tuple[int, ...]]:
-    """Layers per stage minimising the 1F1B pipeline time; None when infeasible."""
+                    total: int, num_microbatches: int,
+                    update_fixed: Optional[Sequence[float]] = None,
+                    update_per_layer: Optional[Sequence[float]] = None
+                    ) -> Optional[tuple[int, ...]]:
+    """Layers per stage minimising the 1F1B pipeline time plus the slowest stage's update
+    (``update_fixed + update_per_layer x layers`` per stage; None: none); None when
+    infeasible."""
     start = minmax_layers(fixed, per_layer, caps, total)
     n = len(fixed)
-    if start is None or n == 1 or max(per_layer) == min(per_layer):
+    ua = np.zeros(n) if update_fixed is None else np.asarray(update_fixed, dtype=float)
+    uc = np.zeros(n) if update_per_layer is None else np.asarray(update_per_layer, dtype=float)
+    updates = bool(ua.any() or uc.any())
+    if start is None or n == 1 or (max(per_layer) == min(per_layer) and not updates):
         return start  # equal per-layer costs: the sum is fixed, so the min-max split is optimal
     scale = 1.0 / max(per_layer)
-    a = np.asarray(fixed) * scale
-    c = np.asarray(per_layer) * scale
-    # variables: l_0..l_{n-1} (integer), z (the slowest stage)
-    objective = np.concatenate([c, [num_microbatches - 1.0]])
-    rows = np.zeros((n + 1, n + 1))
+    a, c = np.asarray(fixed) * scale, np.asarray(per_layer) * scale
+    ua, uc = ua * scale, uc * scale
+    # variables: l_0..l_{n-1} (integer), z (the slowest stage), w (the slowest update, only
+    # when some stage has one)
+    k = 2 if updates else 1
+    objective = np.concatenate([c, [num_microbatches - 1.0, 1.0][:k]])
+    rows = np.zeros((k * n + 1, n + k))
     rows[:n, :n] = np.diag(c)
     rows[:n, n] = -1.0
-    rows[n, :n] = 1.0
-    lower = np.concatenate([np.full(n, -np.inf), [total]])
-    upper = np.concatenate([-a, [total]])
+    if updates:
+        rows[n:2 * n, :n] = np.diag(uc)
+        rows[n:2 * n, n + 1] = -1.0
+    rows[k * n, :n] = 1.0
+    lower = np.concatenate([np.full(k * n, -np.inf), [total]])
+    upper = np.concatenate([-a, *([-ua] if updates else []), [total]])
     caps_hi = np.array([min(cap, total) for cap in caps], dtype=float)
-    bounds = Bounds(np.concatenate([np.ones(n), [0.0]]), np.concatenate([caps_hi, [np.inf]]))
-    integrality = np.concatenate([np.ones(n), [0]])
+    bounds = Bounds(np.concatenate([np.ones(n), np.zeros(k)]),
+                    np.concatenate([caps_hi, np.full(k, np.inf)]))
+    integrality = np.concatenate([np.ones(n), np.zeros(k)])
     res = milp(objective, constraints=LinearConstraint(rows, lower, upper),
                integrality=integrality, bounds=bounds)
     if res.x is None:
@@ -70,13 +85,14 @@ def pipeline_layers(fixed: Sequence[float], per_layer: Sequence[float], caps: Se
     layers = tuple(int(round(v)) for v in res.x[:n])
     if sum(layers) != total or any(not 1 <= l <= caps_hi[i] for i, l in enumerate(layers)):
         return start
-    return layers if _pipe_time(a, c, layers, num_microbatches) <= \
-        _pipe_time(a, c, start, num_microbatches) else start
+    return layers if _pipe_time(a, c, ua, uc, layers, num_microbatches) <= \
+        _pipe_time(a, c, ua, uc, start, num_microbatches) else start
 
 
-def _pipe_time(a, c, layers, m) -> float:
+def _pipe_time(a, c, ua, uc, layers, m) -> float:
     times = [a[i] + c[i] * l for i, l in enumerate(layers)]
-    return sum(times) + (m - 1) * max(times)
+    return (sum(times) + (m - 1) * max(times)
+            + max(ua[i] + uc[i] * l for i, l in enumerate(layers)))
 
 
 def split_rows(classes: Sequence[tuple[float, float, int]], total: int) -> list[list[int]]:

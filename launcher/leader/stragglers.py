@@ -27,7 +27,8 @@ measured speeds pays for its switch. Promises:
   measured at full speed (relative speed >= ``NOMINAL``) under each plan is a
   ``calibrate.busy_measurement``; when a new plan version comes and the measurements of the
   last ``CALIBRATION_KEEP`` (plan, device) pairs determine the CPU's (or a type's) compute rate
-  and fixed cost per micro-batch (``calibrate.fit``), the predictions of that plan and every
+  and fixed cost per micro-batch, and where they tell it apart its cost per parameter element
+  per step (``calibrate.fit``), the predictions of that plan and every
   later comparison use the fitted constants (``calibration``); measurements that do not
   determine them leave the last calibration (or none) in place;
 * nothing here blocks: the planner runs only when measured speeds differ from the assumed ones
