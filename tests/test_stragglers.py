@@ -117,3 +117,27 @@ def test_recovery_after_the_dwell_gives_the_work_back_and_the_cost_model_is_cali
     clock.t += 1.0
     watch.observe(lambda: records(3, 41, (0.1, 0.1)), plan_record(3, (8, 8)), USABLE)
     assert watch.calibration is not None and watch.calibration.samples >= 2
+
+
+def test_a_bucketed_plan_is_predicted_bucket_by_bucket_and_adds_no_calibration():
+    from hspmd_elastic.planner.buckets import profile_at
+
+    profile = profile_from_config(MID)
+    watch = StragglerWatch(profile, 16, plan_for, default_planner_options,
+                           StragglerPolicy(dwell_s=5.0), Clock(), [].append)
+    short = Plan(tuple(Pipeline((Stage((i,), (0, 2)),), 1, 6) for i in range(2)), 12, 2)
+    long_ = Plan((Pipeline((Stage((0,), (0, 1)), Stage((1,), (1, 2))), 4, 1),), 4, 2)
+    record = plan_record(1, (8, 8))
+    record.buckets = [{"window": 8, "start": 0, "strategy": short.to_dict()},
+                      {"window": MID.seq_len, "start": 12, "strategy": long_.to_dict()}]
+    got = watch._predictions(record, USABLE)
+    inventory = watch._inventory(record, USABLE, {})
+    for rank, dev in enumerate(DEVS):
+        want = (predicted_busy_s(short, profile_at(profile, 8), inventory, rank)
+                + predicted_busy_s(long_, profile, inventory, rank))
+        assert got[dev] == pytest.approx(want, rel=1e-12)
+        assert got[dev] != pytest.approx(predicted_busy_s(plan_of(record), profile, inventory,
+                                                          rank), rel=1e-3)
+    watch._busy[(1, "n:0")] = 0.1
+    watch._note_nominal(record, USABLE, {"n:0": 1.0})
+    assert not watch._measurements

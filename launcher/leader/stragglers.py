@@ -9,7 +9,8 @@ measured speeds pays for its switch. Promises:
 * ``StragglerWatch.observe(workers, current, usable)`` takes the worker records of the
   current plan (``workers()``, read at most every ``SAMPLE_S``) (a record of another plan version, or ``busy_s`` 0, is no sample); a device's
   sample is the cost model's predicted compute for its share of the current plan at nominal
-  health (``planner.calibrate.predicted_busy_s``) over its measured busy time; the estimator
+  health (``planner.calibrate.predicted_busy_s``; with length buckets, the sum over the
+  buckets' plans at their lengths) over its measured busy time; the estimator
   (``speeds.SpeedEstimator``: a median over a window, the steps right after a switch skipped)
   gives each device's speed, relative to the fastest device (1.0);
 * ``applied`` is what the leader's snapshot plans for (device -> speed below 1; absent: full
@@ -28,7 +29,8 @@ measured speeds pays for its switch. Promises:
   ``calibrate.busy_measurement``; when a new plan version comes and the measurements of the
   last ``CALIBRATION_KEEP`` (plan, device) pairs determine the CPU's (or a type's) compute rate
   and fixed cost per micro-batch, and where they tell it apart its cost per parameter element
-  per step (``calibrate.fit``), the predictions of that plan and every
+  per step (``calibrate.fit``; a plan with length buckets mixes plans in a step and adds no
+  measurement), the predictions of that plan and every
   later comparison use the fitted constants (``calibration``); measurements that do not
   determine them leave the last calibration (or none) in place;
 * nothing here blocks: the planner runs only when measured speeds differ from the assumed ones
@@ -46,7 +48,7 @@ from typing import Callable, Mapping, Optional
 from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.ids import device_id
 from hspmd_elastic.coord.contract import plan_of
-from hspmd_elastic.plan import PlanError
+from hspmd_elastic.plan import Plan, PlanError
 from launcher.leader.decide import assumed_inventory
 from launcher.leader.snapshot import DeviceView
 from launcher.leader.speeds import (BusySample, SpeedEstimator, StragglerPolicy,
@@ -118,7 +120,7 @@ class StragglerWatch:
         fresh = [(d, self._busy[(current.version, d)]) for d, sp in measured.items()
                  if sp >= NOMINAL and (current.version, d) in self._busy
                  and (current.version, d) not in self._measurements]
-        if not fresh:
+        if not fresh or current.buckets:  # a bucketed step mixes plans: predictions only
             return
         try:
             plan, inventory = plan_of(current), self._inventory(current, usable, {})
@@ -145,19 +147,30 @@ class StragglerWatch:
 
         out: dict[str, float] = {}
         try:
-            plan = plan_of(current)
+            parts = self._parts(current)
             inventory = self._inventory(current, usable, {})
-        except (PlanError, KeyError, ValueError) as exc:
+        except (PlanError, KeyError, ValueError, TypeError) as exc:
             log.debug("plan v%d: no predictions (%s)", current.version, exc)
             inventory = None
         if inventory is not None:
             for rank, dev in enumerate(current.devices):
                 try:
-                    out[dev] = predicted_busy_s(plan, self.profile, inventory, rank, spec_of)
+                    out[dev] = sum(predicted_busy_s(plan, profile, inventory, rank, spec_of)
+                                   for plan, profile in parts)
                 except Exception as exc:  # noqa: BLE001 - a device without a prediction
                     log.debug("plan v%d: no prediction for %s (%s)", current.version, dev, exc)
         self._predicted = (current.version, out)
         return out
+
+    def _parts(self, current: schema.PlanRecord) -> list:
+        """What a step of ``current`` runs: its plan at the model's length, or with length
+        buckets each bucket's plan at the bucket's length (``PlanRecord.buckets``)."""
+        if not current.buckets:
+            return [(plan_of(current), self.profile)]
+        from hspmd_elastic.planner.buckets import profile_at
+
+        return [(Plan.from_dict(b["strategy"]), profile_at(self.profile, int(b["window"])))
+                for b in current.buckets]
 
     def _inventory(self, current: schema.PlanRecord, usable: Mapping[str, DeviceView],
                    speeds: Mapping[str, float]):
