@@ -101,6 +101,14 @@ def train(rank: int, world: int, payload: dict) -> dict:
     return {"params": model.local_params(), "losses": losses, "switches": switches}
 
 
+MODES = ("bucketed", "home", "skip-grads", "wrong-order")
+
+
+def train_all(rank: int, world: int, prefix: str) -> dict:
+    """Every mode of ``train`` in one world, one after the other (fresh groups and models)."""
+    return {mode: train(rank, world, {"prefix": prefix, "mode": mode}) for mode in MODES}
+
+
 class SkipsGradients(BucketedModel):
     """Drops the gradients of the middle bucket on their way home (a broken switcher)."""
 
@@ -140,6 +148,13 @@ def prefix(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def runs(prefix) -> dict:
+    """mode -> the ranks' results (one world runs every mode)."""
+    results = run_world(train_all, 2, (prefix,))
+    return {mode: [r[mode] for r in results] for mode in MODES}
+
+
+@pytest.fixture(scope="module")
 def reference(prefix):
     data = batches(sampler(prefix))
     return reference_train(CONFIG, SEED, [t for t, _ in data], AdamWConfig(),
@@ -175,24 +190,21 @@ def test_bad_buckets_are_one_line(prefix, windows, rows, bad):
     assert bad in str(err.value) and "\n" not in str(err.value)
 
 
-def test_bucketed_steps_equal_the_single_plan_run(prefix, reference):
+def test_bucketed_steps_equal_the_single_plan_run(runs, reference):
     ref_params, ref_losses = reference
-    results = run_world(train, 2, ({"prefix": prefix, "mode": "bucketed"},))
+    results = runs["bucketed"]
     for r in results:
         assert "error" not in r, r
         assert r["switches"] == [4] * STEPS  # two buckets out of the home layout and back
         assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
     assert worst_error(results, ref_params) <= TOL
-    home = run_world(train, 2, ({"prefix": prefix, "mode": "home"},))
-    assert worst_error(home, ref_params) <= TOL
+    assert worst_error(runs["home"], ref_params) <= TOL
 
 
-def test_the_check_catches_a_skipped_gradient_transfer(prefix, reference):
-    results = run_world(train, 2, ({"prefix": prefix, "mode": "skip-grads"},))
-    assert worst_error(results, reference[0]) > 1e-6
+def test_the_check_catches_a_skipped_gradient_transfer(runs, reference):
+    assert worst_error(runs["skip-grads"], reference[0]) > 1e-6
 
 
-def test_rows_in_the_wrong_bucket_order_are_refused(prefix):
-    results = run_world(train, 2, ({"prefix": prefix, "mode": "wrong-order"},))
-    for r in results:
+def test_rows_in_the_wrong_bucket_order_are_refused(runs):
+    for r in runs["wrong-order"]:
         assert "beyond bucket 0's window of 4" in r.get("error", ""), r
