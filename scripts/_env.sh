@@ -41,12 +41,13 @@ if ! { command -v nft && command -v ss && command -v ip; } >/dev/null 2>&1 && [ 
     say "apt-get could not install nftables/iproute2: the partition tests in drop mode will fail"
 fi
 
-# Slurm (slurmctld, slurmd, srun) for the real-Slurm tests: Debian's slurm-wlm.
-if ! command -v slurmd >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  say "installing Debian slurm-wlm (real-Slurm tests)"
+# Slurm (slurmctld, slurmd, srun) for the real-Slurm tests: Debian's slurm-wlm; accounting
+# (sacct) through slurmdbd on a private MariaDB server that the tests start themselves.
+if ! { command -v slurmd && command -v slurmdbd && command -v mariadbd; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  say "installing Debian slurm-wlm, slurmdbd and mariadb-server (real-Slurm tests)"
   { apt-get update -qq >/dev/null && \
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm >/dev/null; } || \
-    say "apt-get could not install slurm-wlm: the real-Slurm tests will fail"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm slurmdbd mariadb-server >/dev/null; } || \
+    say "apt-get could not install slurm-wlm/slurmdbd/mariadb-server: the real-Slurm tests will fail"
 fi
 
 # Headless Chromium for the dashboard's browser test (Debian packages chromium + its fonts).

@@ -9,7 +9,8 @@ stopped and removed in a finalizer.
   wins): node ranks from ``SLURM_NODEID``, ranks 0-3 in node order, one rendezvous under
   ``slurm-<job id>``.
 
-No test here kills a node's slurmd yet, and there is no accounting (``sacct``).
+A node's slurmd killed mid-run, spares, ``sacct`` and ``sbatch --requeue`` are in
+tests/test_slurm_elastic.py, on a Slurm whose nodes are network namespaces (tests/_slurm.py).
 """
 
 from __future__ import annotations
