@@ -59,11 +59,19 @@ def counted(segments: torch.Tensor) -> int:
     return int(document_masks(segments)[1].sum())
 
 
-def home_plan():
+def home_plan(pipelined: bool = False):
+    """TP2 (or, ``pipelined``, PP2: each rank holds one stage's parameters only)."""
+    if pipelined:
+        return simple_plan(pp=2, num_layers=2, global_batch=GLOBAL_BATCH, num_microbatches=4)
     return simple_plan(tp=2, num_layers=2, global_batch=GLOBAL_BATCH, num_microbatches=2)
 
 
-def bucket_plans():
+def bucket_plans(pipelined: bool = False):
+    """Short: DP2; middle: PP2 (TP2 under a pipelined home); long: the home plan's layout."""
+    if pipelined:
+        return [simple_plan(dp=2, num_layers=2, global_batch=ROWS[0], num_microbatches=2),
+                simple_plan(tp=2, num_layers=2, global_batch=ROWS[1], num_microbatches=1),
+                simple_plan(pp=2, num_layers=2, global_batch=ROWS[2], num_microbatches=2)]
     return [simple_plan(dp=2, num_layers=2, global_batch=ROWS[0], num_microbatches=2),
             simple_plan(pp=2, num_layers=2, global_batch=ROWS[1], num_microbatches=2),
             simple_plan(tp=2, num_layers=2, global_batch=ROWS[2], num_microbatches=1)]
@@ -75,9 +83,11 @@ def train(rank: int, world: int, payload: dict) -> dict:
     from hspmd_elastic.graph.comm import Comm
     from hspmd_elastic.graph.specialize import SpecializedModel
 
-    config, home = CONFIG, home_plan()
+    pipelined = payload["mode"] == "pipelined-home"
+    config, home = CONFIG, home_plan(pipelined)
     starts = np.cumsum((0,) + ROWS[:-1])
-    buckets = [Bucket(w, int(s), p) for w, s, p in zip(WINDOWS, starts, bucket_plans())]
+    buckets = [Bucket(w, int(s), p) for w, s, p in zip(WINDOWS, starts,
+                                                        bucket_plans(pipelined))]
     comm = Comm.create(home, config, rank, timeout_s=30)
     comms = create_comms(home, buckets, config, rank,
                          lambda plan, cfg: Comm.create(plan, cfg, rank, timeout_s=30))
@@ -101,7 +111,7 @@ def train(rank: int, world: int, payload: dict) -> dict:
     return {"params": model.local_params(), "losses": losses, "switches": switches}
 
 
-MODES = ("bucketed", "home", "skip-grads", "wrong-order")
+MODES = ("bucketed", "pipelined-home", "home", "skip-grads", "wrong-order")
 
 
 def train_all(rank: int, world: int, prefix: str) -> dict:
@@ -120,14 +130,14 @@ class SkipsGradients(BucketedModel):
 
 
 # ------------------------------------------------------------------------------ checks
-def worst_error(results: list, ref_params: dict) -> float:
+def worst_error(results: list, ref_params: dict, pipelined: bool = False) -> float:
     """The largest element error of the home shards against the reference; NaN or an element
     no rank holds fails at once."""
-    anns = home_plan().param_annotations(CONFIG)
+    anns = home_plan(pipelined).param_annotations(CONFIG)
     worst = 0.0
     for name, ref in ref_params.items():
         held = torch.zeros(ref.shape, dtype=torch.bool)
-        for d in home_plan().devices:
+        for d in home_plan(pipelined).devices:
             ranges = anns[name].local_slices(d, ref.shape)
             if ranges is None:
                 continue
@@ -199,6 +209,16 @@ def test_bucketed_steps_equal_the_single_plan_run(runs, reference):
         assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
     assert worst_error(results, ref_params) <= TOL
     assert worst_error(runs["home"], ref_params) <= TOL
+
+
+def test_a_pipelined_home_plan_holds_each_stage_on_its_rank_only(runs, reference):
+    ref_params, ref_losses = reference
+    results = runs["pipelined-home"]
+    for r in results:
+        assert "error" not in r, r
+        assert r["switches"] == [4] * STEPS
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
+    assert worst_error(results, ref_params, pipelined=True) <= TOL
 
 
 def test_the_check_catches_a_skipped_gradient_transfer(runs, reference):

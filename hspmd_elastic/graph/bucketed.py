@@ -41,6 +41,7 @@ import torch
 
 from hspmd_elastic.graph.comm import Comm, GraphError, waiting
 from hspmd_elastic.graph.config import ModelConfig, param_specs
+from hspmd_elastic.graph.model import torch_dtype
 from hspmd_elastic.graph.specialize import SpecializedModel, rank_rows
 from hspmd_elastic.plan import Plan, PlanError
 from hspmd_elastic.reshard import FusedSchedule, TensorSpec, fused_bsr_schedule
@@ -129,6 +130,7 @@ class BucketedModel:
         home_key = layout_key(home.plan)
         specs = param_specs(home.config)
         home_ann = home.plan.param_annotations(home.config)
+        dtype = torch_dtype(home.config)  # every parameter's, on every stage (ModelConfig.dtype)
         for i, b in enumerate(self.buckets):
             config = replace(home.config, seq_len=b.window)
             moves = layout_key(b.plan) != home_key
@@ -137,8 +139,7 @@ class BucketedModel:
             model.optimizer.exp_avg, model.optimizer.exp_avg_sq = {}, {}  # never steps
             if moves:
                 ann = b.plan.param_annotations(config)
-                dtype = {n: p.dtype for n, p in home.params.items()}
-                out = tuple(TensorSpec(n, specs[n].shape, dtype[n], home_ann[n], ann[n])
+                out = tuple(TensorSpec(n, specs[n].shape, dtype, home_ann[n], ann[n])
                             for n in sorted(specs))
                 back = tuple(TensorSpec(n, s.shape, s.dtype, s.new, s.old) for n, s in
                              zip(sorted(specs), out))
