@@ -395,3 +395,40 @@ def test_a_lightly_loaded_device_is_predicted_once_the_per_parameter_cost_is_fit
                for m in (step_measurement(p, PROFILE, inv, s) for p, inv, s in records)])
     assert old.types["CPU"].update_s is None
     assert abs(predicted(old) / measured - 1) > 0.1
+
+
+def test_a_slow_device_with_few_rows_and_a_large_cost_per_step_is_fitted_from_the_right_paths():
+    """The shape of scripts/bench_hetero: DP4 over CPU workers at 0.5 and 0.125 of a core, each
+    pipeline one micro-batch, and a cost per step (per micro-batch here) large against the
+    compute of a few rows. From the built-in constants the first critical paths are the
+    pipelines with the most rows, and rounds from there settle on a fit that charges the fixed
+    cost to latency and misses the plans a slow device paces with few rows; the second start
+    (``_fixed_cost_start``) finds the true paths and the true constants."""
+    from hspmd_elastic.planner import Health, profile_from_config
+    from hspmd_elastic.graph.config import ModelConfig
+
+    profile = profile_from_config(ModelConfig(vocab_size=64, hidden_size=256, num_heads=4,
+                                              num_layers=2, ffn_size=1024, seq_len=32,
+                                              dtype="float32"))
+
+    def inv(speeds, truth: bool):
+        def spec(s):
+            base = spec_for_device("CPU", None, speed=s)
+            return replace(base, mfu=base.mfu * 0.8, microbatch_overhead_s=0.04 / s,
+                           link_latency_s=0.0) if truth else base
+        return Inventory(tuple(Device(i, "n", spec(s), Health.HEALTHY)
+                               for i, s in enumerate(speeds)))
+
+    mix, one_slow, even = (0.5, 0.5, 0.125, 0.125), (0.5, 0.5, 0.5, 0.125), (0.5,) * 4
+    cases = [((16, 16, 16, 16), mix), ((26, 26, 6, 6), mix), ((20, 20, 20, 4), one_slow),
+             ((16, 16, 16, 16), even), ((21, 21, 20, 2), one_slow), ((15, 15, 15, 19), even),
+             ((16, 16, 16, 16), one_slow)]
+    records = []
+    for rows, speeds in cases:
+        plan = Plan(tuple(Pipeline((Stage((i,), (0, 2)),), 1, r) for i, r in enumerate(rows)),
+                    sum(rows), 2)
+        seconds = estimate_plan(plan, inv(speeds, True), profile).step_time_s
+        records.append((plan, inv(speeds, False), seconds))
+    cal = fit_steps(profile, records)
+    assert cal.max_rel_error < 1e-6, cal
+    assert cal.types["CPU"].overhead_s == pytest.approx(0.04, rel=1e-6)
