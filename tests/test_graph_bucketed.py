@@ -228,3 +228,26 @@ def test_the_check_catches_a_skipped_gradient_transfer(runs, reference):
 def test_rows_in_the_wrong_bucket_order_are_refused(runs):
     for r in runs["wrong-order"]:
         assert "beyond bucket 0's window of 4" in r.get("error", ""), r
+
+
+def test_a_script_grouping_other_buckets_and_a_bad_bucket_record_are_one_line(prefix):
+    from hspmd_elastic.graph.bucketed import Bucket, buckets_from, check_sampler
+    from hspmd_elastic.graph.comm import GraphError
+    from hspmd_elastic.plan import PlanError
+
+    starts = np.cumsum((0,) + ROWS[:-1])
+    buckets = [Bucket(w, int(s), p) for w, s, p in zip(WINDOWS, starts, bucket_plans())]
+    check_sampler(buckets, sampler(prefix))  # the same windows and rows: accepted
+    with pytest.raises(GraphError) as err:
+        check_sampler(buckets, sampler(prefix, (4, 12), (6, 2)))
+    assert "windows [4, 8, 12] and rows [4, 2, 2], the script's data [4, 12] and [6, 2]" in \
+        str(err.value) and "\n" not in str(err.value)
+    entries = [{"window": b.window, "start": b.start, "strategy": b.plan.to_dict()}
+               for b in buckets]
+    assert [b.window for b in buckets_from(entries, 2)] == list(WINDOWS)
+    for bad, named in (([{"window": 4}], "length bucket 0: KeyError"),
+                       ([dict(entries[0], window="4")], "window='4'"),
+                       (entries, "need ids 0..2")):
+        with pytest.raises(PlanError) as err:
+            buckets_from(bad, 3 if named.startswith("need") else 2)
+        assert named in str(err.value) and "\n" not in str(err.value)

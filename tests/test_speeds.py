@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher.leader.speeds import (BusySample, SpeedEstimator, StragglerPolicy,
+from launcher.leader.speeds import (RELIABLE_SHARE, BusySample, SpeedEstimator, StragglerPolicy,
                                     decide_speeds)
 
 pytestmark = pytest.mark.timeout(300)
@@ -279,3 +279,36 @@ def test_a_slow_flip_is_followed_and_a_fast_one_is_damped():
     fast = _simulate(3.0, 1200.0, seed=2)
     for before, after in zip(fast, fast[1:]):
         assert after - before >= POLICY.dwell_s
+
+
+def _fed(samples: dict) -> SpeedEstimator:
+    """device -> (predicted_s, ratio) for three usable steps of plan 1."""
+    est = SpeedEstimator(window=4, skip_after_switch=0, min_samples=3)
+    for step in range(3):
+        for dev, (predicted, ratio) in samples.items():
+            est.add(BusySample(dev, 1, step, predicted / ratio, predicted))
+    return est
+
+
+def test_a_device_with_a_small_share_is_no_reference_for_the_others():
+    """A worker back at full speed while it holds 2 rows of 64 reads fast (its busy time is
+    mostly the cost per step, which the calibration got wrong): the others stay at 1.0 and it
+    is an equal, not the reference that makes them look twice as slow."""
+    est = _fed({"a": (0.2, 0.5), "b": (0.2, 0.52), "c": (0.19, 0.5), "d": (0.02, 1.0)})
+    rel = est.relative()
+    assert rel["d"] == 1.0 and rel["b"] == 1.0
+    assert rel["a"] == pytest.approx(0.5 / 0.52) and rel["c"] == pytest.approx(0.5 / 0.52)
+    # a slow device with an equal share is still slow, and a slow small one stays slow
+    assert _fed({"a": (0.2, 1.0), "b": (0.2, 0.25)}).relative()["b"] == 0.25
+    assert _fed({"a": (0.2, 1.0), "d": (0.02, 0.25)}).relative()["d"] == 0.25
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from("abcdef"),
+                       st.tuples(st.floats(1e-3, 1.0), st.floats(0.05, 4.0)), min_size=1))
+def test_relative_speeds_are_in_0_1_and_the_reference_is_1(samples):
+    rel = _fed(samples).relative()
+    assert set(rel) == set(samples) and all(0 < v <= 1.0 for v in rel.values())
+    largest = max(p for p, _r in samples.values())
+    reliable = [d for d, (p, _r) in samples.items() if p >= RELIABLE_SHARE * largest]
+    assert any(rel[d] == 1.0 for d in reliable)

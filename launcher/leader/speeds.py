@@ -15,11 +15,16 @@ model expects, 0.25 a device four times slower. Promises:
   not reported since the switch). The lower median is a sample, never the mean of two: a window
   that straddles a change of speed gives the old speed or the new one, not one in between that
   the device never ran at. It ignores up to ``(w - 1) // 2`` outliers of ``w`` samples;
-* ``relative(devices)`` divides those speeds by the fastest one's, so the fastest device is 1.0
-  and every speed is in (0, 1]: the planner's inventory takes a device's speed as a slowdown
-  ``1 / speed >= 1``, and only relative speeds matter while the cost model's absolute scale is
-  uncalibrated (the calibration corrects the scale, ``planner.calibrate``). The fastest device
-  rather than the median is the reference because a slowdown below 1 does not exist. Given
+* ``relative(devices)`` divides those speeds by the reference's, the fastest device whose
+  predicted share of the step (its newest sample's prediction) is at least ``RELIABLE_SHARE``
+  of the largest; a device faster than the reference is 1.0, so every speed is in (0, 1]: the
+  planner's inventory takes a device's speed as a slowdown ``1 / speed >= 1``, and only
+  relative speeds matter while the cost model's absolute scale is uncalibrated (the
+  calibration corrects the scale, ``planner.calibrate``). The fastest device rather than the
+  median is the reference because a slowdown below 1 does not exist; a device with a small
+  share is none, because its busy time is mostly the cost per step, where a calibration error
+  weighs most: a device that recovers while it holds a few rows must not make the others look
+  slow (it gets its work back, as an equal). Given
   ``devices``, the answer is empty unless every one of them has a speed, so a partial view
   (right after a switch) never rescales the others;
 * ``StragglerPolicy.quantise`` rounds a speed to a multiple of ``quantum`` (at least ``floor``);
@@ -81,6 +86,13 @@ class _Track:
     seen: int = 0  # distinct steps of this version seen, warm-up included
     last_step: Optional[int] = None
     window: deque = field(default_factory=deque)
+    predicted_s: float = 0.0  # the newest usable sample's prediction: the device's share
+
+
+# A device whose predicted share of the step is below this fraction of the largest share is no
+# reference for the others: its busy time is mostly the cost per step (the optimizer update of
+# its replica), where an error of the calibration weighs most.
+RELIABLE_SHARE = 0.25
 
 
 class SpeedEstimator:
@@ -121,6 +133,7 @@ class SpeedEstimator:
         if track.seen <= self.skip_after_switch:
             return False
         track.window.append(ratio)
+        track.predicted_s = float(sample.predicted_s)
         return True
 
     def add_all(self, samples: Iterable[BusySample]) -> int:
@@ -148,8 +161,10 @@ class SpeedEstimator:
             speeds = {d: speeds[d] for d in wanted}
         if not speeds:
             return {}
-        fastest = max(speeds.values())
-        return {d: (1.0 if s == fastest else s / fastest) for d, s in speeds.items()}
+        shares = {d: self._tracks[d].predicted_s for d in speeds}
+        largest = max(shares.values())
+        reference = max(s for d, s in speeds.items() if shares[d] >= RELIABLE_SHARE * largest)
+        return {d: (1.0 if s >= reference else s / reference) for d, s in speeds.items()}
 
 
 @dataclass(frozen=True)
