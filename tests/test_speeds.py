@@ -312,3 +312,21 @@ def test_relative_speeds_are_in_0_1_and_the_reference_is_1(samples):
     largest = max(p for p, _r in samples.values())
     reliable = [d for d, (p, _r) in samples.items() if p >= RELIABLE_SHARE * largest]
     assert any(rel[d] == 1.0 for d in reliable)
+
+
+def test_the_share_picks_the_reference_not_the_prediction_with_its_costs_per_step():
+    """A recovered worker with 2 rows of 64 whose prediction is mostly an overestimated cost
+    per step (0.18 of the others' 0.2) reads three times as fast as the others; its share of
+    the work (without that cost) is small, so it is no reference."""
+    est = SpeedEstimator(window=4, skip_after_switch=0, min_samples=3)
+    for step in range(3):
+        for dev, predicted, share, ratio in (("a", 0.2, 0.15, 0.33), ("b", 0.2, 0.15, 0.31),
+                                             ("d", 0.18, 0.015, 1.0)):
+            est.add(BusySample(dev, 1, step, predicted / ratio, predicted, share))
+    rel = est.relative()
+    assert rel == {"a": 1.0, "b": pytest.approx(0.31 / 0.33), "d": 1.0}
+    without = SpeedEstimator(window=4, skip_after_switch=0, min_samples=3)
+    for step in range(3):
+        for dev, predicted, ratio in (("a", 0.2, 0.33), ("d", 0.18, 1.0)):
+            without.add(BusySample(dev, 1, step, predicted / ratio, predicted))
+    assert without.relative()["a"] == pytest.approx(0.33)  # the prediction alone: d leads

@@ -16,14 +16,15 @@ model expects, 0.25 a device four times slower. Promises:
   that straddles a change of speed gives the old speed or the new one, not one in between that
   the device never ran at. It ignores up to ``(w - 1) // 2`` outliers of ``w`` samples;
 * ``relative(devices)`` divides those speeds by the reference's, the fastest device whose
-  predicted share of the step (its newest sample's prediction) is at least ``RELIABLE_SHARE``
-  of the largest; a device faster than the reference is 1.0, so every speed is in (0, 1]: the
+  share of the step's work (its newest sample's ``share``: the predicted compute without the
+  costs per step and per micro-batch, else its prediction) is at least ``RELIABLE_SHARE`` of
+  the largest; a device faster than the reference is 1.0, so every speed is in (0, 1]: the
   planner's inventory takes a device's speed as a slowdown ``1 / speed >= 1``, and only
   relative speeds matter while the cost model's absolute scale is uncalibrated (the
   calibration corrects the scale, ``planner.calibrate``). The fastest device rather than the
   median is the reference because a slowdown below 1 does not exist; a device with a small
   share is none, because its busy time is mostly the cost per step, where a calibration error
-  weighs most: a device that recovers while it holds a few rows must not make the others look
+  weighs most (which is why the share leaves those costs out): a device that recovers while it holds a few rows must not make the others look
   slow (it gets its work back, as an equal). Given
   ``devices``, the answer is empty unless every one of them has a speed, so a partial view
   (right after a switch) never rescales the others;
@@ -64,6 +65,9 @@ class BusySample:
     step: int
     busy_s: float
     predicted_s: float
+    # the device's share of the step's work: its predicted compute without the costs per step
+    # and per micro-batch (None: ``predicted_s``); only picks the reference (``relative``)
+    share: Optional[float] = None
 
     @property
     def ratio(self) -> Optional[float]:
@@ -86,7 +90,7 @@ class _Track:
     seen: int = 0  # distinct steps of this version seen, warm-up included
     last_step: Optional[int] = None
     window: deque = field(default_factory=deque)
-    predicted_s: float = 0.0  # the newest usable sample's prediction: the device's share
+    predicted_s: float = 0.0  # the newest usable sample's share of the work (``BusySample``)
 
 
 # A device whose predicted share of the step is below this fraction of the largest share is no
@@ -133,7 +137,8 @@ class SpeedEstimator:
         if track.seen <= self.skip_after_switch:
             return False
         track.window.append(ratio)
-        track.predicted_s = float(sample.predicted_s)
+        share = sample.predicted_s if sample.share is None else sample.share
+        track.predicted_s = float(share) if math.isfinite(float(share)) else 0.0
         return True
 
     def add_all(self, samples: Iterable[BusySample]) -> int:

@@ -81,6 +81,7 @@ class StragglerWatch:
         self.last: Optional[schema.SpeedsDetail] = None  # the newest decision (for status)
         self._last_switch_at = -math.inf
         self._predicted: tuple[int, dict[str, float]] = (-1, {})
+        self._shares: dict[str, float] = {}  # device -> its work share of the plan (speeds)
         self._seen: dict[str, tuple[int, int]] = {}  # device -> (plan version, step) sampled
         self._checked_at = self._sampled_at = -math.inf
         self._journaled: set[tuple] = set()
@@ -146,6 +147,12 @@ class StragglerWatch:
         spec_of = self._spec_of()
 
         out: dict[str, float] = {}
+        self._shares = {}
+
+        def work_only(d):  # the compute of the device's rows, no cost per step or micro-batch
+            spec = spec_of(d) if spec_of is not None else d.spec
+            return replace(spec, microbatch_overhead_s=0.0, update_s_per_param=0.0)
+
         try:
             parts = self._parts(current)
             inventory = self._inventory(current, usable, {})
@@ -157,6 +164,9 @@ class StragglerWatch:
                 try:
                     out[dev] = sum(predicted_busy_s(plan, profile, inventory, rank, spec_of)
                                    for plan, profile in parts)
+                    self._shares[dev] = sum(predicted_busy_s(plan, profile, inventory, rank,
+                                                             work_only)
+                                            for plan, profile in parts)
                 except Exception as exc:  # noqa: BLE001 - a device without a prediction
                     log.debug("plan v%d: no prediction for %s (%s)", current.version, dev, exc)
         self._predicted = (current.version, out)
@@ -188,6 +198,7 @@ class StragglerWatch:
     def _sample(self, workers: Mapping[tuple[str, int], schema.WorkerRecord],
                 current: schema.PlanRecord, usable: Mapping[str, DeviceView]) -> None:
         predicted = self._predictions(current, usable)
+        shares = self._shares
         for (node, lr), rec in workers.items():
             dev = device_id(node, lr)
             if rec.plan_version != current.version or rec.busy_s <= 0 or dev not in predicted:
@@ -197,7 +208,7 @@ class StragglerWatch:
             self._seen[dev] = (rec.plan_version, rec.step)
             self._busy[(rec.plan_version, dev)] = rec.busy_s
             self.estimator.add(BusySample(dev, rec.plan_version, rec.step, rec.busy_s,
-                                          predicted[dev]))
+                                          predicted[dev], shares.get(dev)))
 
     # ------------------------------------------------------------------ decisions
     def observe(self, workers: Callable[[], Mapping[tuple[str, int], schema.WorkerRecord]],
