@@ -481,3 +481,18 @@ def _load(path: Path) -> dict:
     import torch
 
     return torch.load(path, weights_only=False)
+
+
+def write_corpus(prefix: Path, longest: int, count: int = 120, seed: int = 11) -> str:
+    """A Megatron-LM indexed dataset at ``prefix`` of ``count`` random documents of 2 to
+    ``longest`` tokens (ids below ``TINY``'s vocabulary); returns the prefix."""
+    import torch
+
+    from hspmd_elastic.documents import write_indexed
+
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, TINY.vocab_size,
+                          (int(torch.randint(2, longest + 1, (1,), generator=gen)),),
+                          generator=gen).numpy() for _ in range(count)]
+    write_indexed(str(prefix), docs)
+    return str(prefix)

@@ -89,6 +89,39 @@ def kill_netns(netns: str, rounds: int = 20) -> None:
     raise AssertionError(f"processes left in namespace {netns}: {netns_pids(netns)}")
 
 
+
+def slurm_conf(root, cluster: str, ctld_host: str, ctld_port: int, names, nodes: str,
+               accounting: str = "AccountingStorageType=accounting_storage/none",
+               extra: str = "") -> str:
+    """A test cluster's slurm.conf: auth/none, state, spool and logs under ``root``, one
+    partition of ``names`` (``nodes``: their NodeName lines), plus ``accounting`` and ``extra``
+    lines."""
+    return f"""ClusterName={cluster}
+SlurmctldHost={ctld_host}
+SlurmctldPort={ctld_port}
+AuthType=auth/none
+CredType=cred/none
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd.%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+JobAcctGatherType=jobacct_gather/none
+{accounting}
+MpiDefault=none
+ReturnToService=2
+{extra}
+{nodes}
+PartitionName=debug Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP
+"""
+
 class Accounting:
     """A private ``mariadbd`` (unix socket only) and a ``slurmdbd`` on loopback over it."""
 
@@ -172,41 +205,14 @@ class NetnsSlurm:
         nodes = "\n".join(
             f"NodeName={n} NodeHostname={n} NodeAddr={topo.nodes[n].control_addr} "
             f"Port={SLURMD_PORT} CPUs={cpus} State=UNKNOWN" for n in self.nodes)
-        self.conf.write_text(f"""ClusterName={self.cluster}
-SlurmctldHost=localhost({self.ctld_addr})
-SlurmctldPort={self.ctld_port}
-SlurmdPort={SLURMD_PORT}
-AuthType=auth/none
-CredType=cred/none
-AuthInfo=cred_expire={CRED_EXPIRE_S}
-SlurmUser=root
-SlurmdUser=root
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool/%n
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.%n.pid
-SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
-AccountingStoragePort={self.accounting.port}
-JobCompType=jobcomp/none
-MpiDefault=none
-ReturnToService=2
-SlurmdTimeout={SLURMD_TIMEOUT_S}
-InactiveLimit=0
-KillWait=5
-MessageTimeout=3
-SchedulerParameters=bf_interval=1
-MinJobAge=600
-{nodes}
-PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
-""")
+        self.conf.write_text(slurm_conf(
+            root, self.cluster, f"localhost({self.ctld_addr})", self.ctld_port, self.nodes, nodes,
+            accounting=f"AccountingStorageType=accounting_storage/slurmdbd\n"
+                       f"AccountingStorageHost=localhost\n"
+                       f"AccountingStoragePort={self.accounting.port}\nJobCompType=jobcomp/none",
+            extra=f"SlurmdPort={SLURMD_PORT}\nAuthInfo=cred_expire={CRED_EXPIRE_S}\n"
+                  f"SlurmdTimeout={SLURMD_TIMEOUT_S}\nInactiveLimit=0\nKillWait=5\n"
+                  "MessageTimeout=3\nSchedulerParameters=bf_interval=1\nMinJobAge=600"))
 
     # ---------------------------------------------------------------------------- lifecycle
     def start(self) -> "NetnsSlurm":

@@ -3,21 +3,19 @@ one plan per length bucket: each step runs the short bucket under the home plan 
 parallel) and the long one under its own pipeline plan (the memory each device declares does not
 hold a replica beside a long row's activations), and the gradients come home by fused BSR before
 the one optimizer step. One of four workers is SIGKILLed mid-run: the leader recomputes the
-bucket plans over the three survivors, they switch in memory, and the final parameters equal the fault-free run on the same
-global batches (float64, 1e-9)."""
+bucket plans over the three survivors, they switch in memory, and the final parameters equal
+the fault-free run on the same global batches (float64, 1e-9)."""
 
 from __future__ import annotations
 
 
 import pytest
-import torch
 
 import _elastic
-from _elastic_job import DATA_SEED, SEED, TINY, one_node_kill_run, write_tiny
+from _elastic_job import DATA_SEED, SEED, TINY, one_node_kill_run, write_corpus, write_tiny
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.contract import plan_of
-from hspmd_elastic.documents import write_indexed
 from hspmd_elastic.graph.bucketed import buckets_from, layout_key
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -30,10 +28,7 @@ NODE = "bn"
 
 def corpus(prefix) -> None:
     """Documents of 2 to 14 tokens: short ones (up to 4) and long ones, cut to 9."""
-    gen = torch.Generator().manual_seed(11)
-    docs = [torch.randint(0, TINY.vocab_size, (int(torch.randint(2, 15, (1,), generator=gen)),),
-                          generator=gen).numpy() for _ in range(120)]
-    write_indexed(str(prefix), docs)
+    write_corpus(prefix, 14)
 
 
 def test_a_bucketed_job_loses_a_worker_and_ends_equal_to_the_fault_free_run(tmp_path, marker,

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 
 import _elastic
-from _elastic_job import DATA_SEED, SEED, TINY, one_node_kill_run, write_tiny
+from _elastic_job import DATA_SEED, SEED, TINY, one_node_kill_run, write_corpus, write_tiny
 
 from hspmd_elastic.contract import schema
-from hspmd_elastic.documents import write_indexed
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -24,10 +22,7 @@ NODE = "dn"
 def corpus(prefix) -> None:
     """Documents of 2 to 20 tokens (a row holds seq_len + 1 = 9): short ones pack together,
     long ones are cut to the row."""
-    gen = torch.Generator().manual_seed(11)
-    docs = [torch.randint(0, TINY.vocab_size, (int(torch.randint(2, 21, (1,), generator=gen)),),
-                          generator=gen).numpy() for _ in range(120)]
-    write_indexed(str(prefix), docs)
+    write_corpus(prefix, 20)
 
 
 def test_a_killed_worker_of_a_documents_job_is_switched_away_in_memory(tmp_path, marker,

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from _wait import wait_for
+from _slurm import slurm_conf
 from launch_harness import LAUNCH, base_env
 
 from hspmd_elastic.contract import schema
@@ -67,30 +68,8 @@ class Slurm:
         nodes = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} "
                           f"CPUs=2 State=UNKNOWN" for n, p in zip(NODES, ports))
         self.conf = root / "slurm.conf"
-        self.conf.write_text(f"""ClusterName=hspmdtest
-SlurmctldHost=localhost(127.0.0.1)
-SlurmctldPort={ctld}
-AuthType=auth/none
-CredType=cred/none
-SlurmUser=root
-SlurmdUser=root
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool/%n
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.%n.pid
-SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-MpiDefault=none
-ReturnToService=2
-{nodes}
-PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
-""")
+        self.conf.write_text(slurm_conf(root, "hspmdtest", "localhost(127.0.0.1)", ctld, NODES,
+                                        nodes))
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.procs: list[subprocess.Popen] = []
         try:
