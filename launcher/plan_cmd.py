@@ -21,8 +21,10 @@ shares summing to 1 (they are not normalised). Each bucket gets its rows of the 
 (largest remainders, at least one each) and its own plan at its length; the output shows every
 bucket's plan (layout line, estimated step time, memory), the best single plan that fits the
 longest bucket (its step time summed over the buckets' rows) and the estimated gain, the single
-plan's step time over the sum of the buckets' (no switch cost counted). ``--json`` prints the
-same. ``--lengths`` does not combine with ``--current`` or ``--uniform``.
+plan's step time over the sum of the buckets' (no switch cost counted); then what an elastic
+job's leader publishes for them (``--hspmd-lengths``): the home plan and each bucket's plan
+inside the step (``planner.bucket_layouts``). ``--json`` prints the same (``in_step``).
+``--lengths`` does not combine with ``--current`` or ``--uniform``.
 """
 
 from __future__ import annotations
@@ -292,8 +294,42 @@ def _show_buckets(inventory: Inventory, profile, global_batch: int,
         raise click.ClickException(str(exc)) from None
     except PlannerError as exc:
         raise click.UsageError(str(exc)) from None
-    click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True) if as_json
-               else result.explain())
+    in_step = _in_step(inventory, profile, global_batch, buckets, options)
+    if as_json:
+        click.echo(json.dumps(dict(result.to_dict(), in_step=in_step), indent=2,
+                              sort_keys=True))
+        return
+    click.echo(result.explain())
+    click.echo(f"In an elastic job with --hspmd-lengths (the model at {in_step['seq_len']} "
+               f"tokens): home plan {in_step['home']}")
+    for b in in_step["buckets"]:
+        how = ("its own plan, switched in the step" if b["own"]
+               else "the home layout, no switch")
+        click.echo(f"  <= {b['window']} tokens, rows {b['start']}+{b['rows']}: {how}: "
+                   f"{b['layout']} (estimate {b['step_s']:.4g} s; home layout "
+                   f"{b['home_s']:.4g} s; switch {b['switch_s']:.4g} s)")
+
+
+def _in_step(inventory: Inventory, profile, global_batch: int,
+             buckets: tuple[LengthBucket, ...], options: PlannerOptions) -> dict:
+    """What a job's leader publishes for these buckets: the home plan (``plan_for`` on the
+    whole batch at the longest length) and each bucket's plan inside the step
+    (``planner.bucket_layouts``)."""
+    from hspmd_elastic.planner.bucket_layouts import bucket_layouts
+    from hspmd_elastic.planner.buckets import profile_at
+    from hspmd_elastic.planner.explain import layout_line
+
+    at = profile_at(profile, buckets[-1].max_len)
+    try:
+        home = plan_for(inventory, at, global_batch, options=options).plan
+        layouts = bucket_layouts(inventory, at, home, buckets, options)
+    except PlanInfeasibleError as exc:
+        raise click.ClickException(str(exc)) from None
+    return {"seq_len": at.seq_len, "home": layout_line(home), "buckets": [
+        {"window": b.window, "start": b.start, "rows": b.plan.global_batch, "own": b.own,
+         "layout": layout_line(b.plan), "step_s": b.step_s,
+         "home_s": b.home_s if b.home_s != float("inf") else None, "switch_s": b.switch_s}
+        for b in layouts]}
 
 
 command = plan_command  # the name launcher.cli's subcommand table looks up

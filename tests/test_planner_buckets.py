@@ -172,6 +172,10 @@ def test_cli_prints_each_bucket_plan_and_the_gain():
     assert out.count("DP4: ") >= 1 and "memory up to" in out
     assert "Best single plan that fits the longest bucket" in out
     assert "Estimated gain of the bucket plans:" in out
+    # what a job's leader would publish: the home plan and each bucket's plan in the step
+    assert "In an elastic job with --hspmd-lengths (the model at 8192 tokens): home plan" in out
+    assert "<= 512 tokens, rows 0+115: the home layout, no switch" in out
+    assert "<= 8192 tokens, rows 115+13: its own plan, switched in the step" in out
 
 
 def test_cli_json_has_the_bucket_plans_and_the_gain():
@@ -184,6 +188,11 @@ def test_cli_json_has_the_bucket_plans_and_the_gain():
     assert data["gain"] > 1.0
     assert data["gain"] == pytest.approx(data["single_step_time_s"]
                                          / data["bucketed_step_time_s"])
+    in_step = data["in_step"]
+    assert in_step["seq_len"] == 8192 and [b["rows"] for b in in_step["buckets"]] == [115, 13]
+    assert [b["start"] for b in in_step["buckets"]] == [0, 115]
+    for b in in_step["buckets"]:  # its own plan only where it pays for the switch
+        assert (not b["own"]) or b["home_s"] is None or b["step_s"] + b["switch_s"] < b["home_s"]
 
 
 @pytest.mark.parametrize("args,needle", [
