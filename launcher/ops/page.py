@@ -229,6 +229,12 @@ function renderPlan(d) {
     }
     body.append(row);
   }
+  for (const b of (p.buckets || [])) {
+    body.append(el("div", {class: "history", "data-bucket": b.index}, b.error ?
+      "bucket " + b.index + ": " + b.error :
+      "\u2264 " + b.window + " tokens, rows " + b.start + "+" + b.rows + ": " + b.layout +
+      (b.switches ? " (own plan, switched in the step)" : " (home layout)")));
+  }
   if (d.plan_history.length) {
     body.append(el("div", {class: "history"}, "history: " + d.plan_history.slice(-6)
       .map(h => "v" + h.version + " " + h.reason).join(" \u2192 ")));
