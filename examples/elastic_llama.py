@@ -70,9 +70,10 @@ def main() -> int:
                         help="with --documents: whole documents packed into each row "
                              "(attention stays inside each document), or one per row")
     parser.add_argument("--lengths", metavar="LEN:SHARE,...",
-                        help="with --documents: one document per row, each global batch "
-                             "grouped by these length buckets; give the launcher the same "
-                             "--hspmd-lengths so each bucket runs under its own plan")
+                        help="with --documents: each global batch grouped by these length "
+                             "buckets (documents packed within a bucket, or one per row with "
+                             "--doc-mode truncate); give the launcher the same --hspmd-lengths "
+                             "so each bucket runs under its own plan")
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--out", help="directory for each worker's final parameter shards")
@@ -104,7 +105,8 @@ def main() -> int:
 
         try:  # checks the index against its tokens; ids are checked as read
             sample = bucketed_sampler(config, args.documents, args.lengths, args.global_batch,
-                                      dtype=args.data_dtype, seed=args.seed) \
+                                      dtype=args.data_dtype, seed=args.seed,
+                                      mode=args.doc_mode) \
                 if args.lengths else document_sampler(config, args.documents, args.doc_mode,
                                                       dtype=args.data_dtype, seed=args.seed)
         except DataError as exc:

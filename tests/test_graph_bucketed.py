@@ -41,8 +41,8 @@ def corpus(prefix: str) -> None:
     write_indexed(prefix, docs)
 
 
-def sampler(prefix: str, windows=WINDOWS, rows=ROWS) -> BucketedDocuments:
-    base = DocumentSampler(open_documents(prefix), CONFIG.seq_len, "truncate", seed=1,
+def sampler(prefix: str, windows=WINDOWS, rows=ROWS, mode="truncate") -> BucketedDocuments:
+    base = DocumentSampler(open_documents(prefix), CONFIG.seq_len, mode, seed=1,
                            vocab_size=CONFIG.vocab_size)
     return BucketedDocuments(base, windows, rows, seed=1)
 
@@ -94,7 +94,8 @@ def train(rank: int, world: int, payload: dict) -> dict:
     model = SpecializedModel.build(config, home, rank, seed=SEED, comm=comm)
     kind = BucketedModel if payload["mode"] != "skip-grads" else SkipsGradients
     bucketed = kind(model, buckets, comms, timeout_s=30)
-    data = batches(sampler(payload["prefix"]))
+    packed = payload["mode"] == "packed"
+    data = batches(sampler(payload["prefix"], mode="pack" if packed else "truncate"))
     if payload["mode"] == "wrong-order":  # the long rows first: the short bucket gets them
         data = [(t.flip(0), g.flip(0)) for t, g in data]
     losses, switches = [], []
@@ -111,7 +112,7 @@ def train(rank: int, world: int, payload: dict) -> dict:
     return {"params": model.local_params(), "losses": losses, "switches": switches}
 
 
-MODES = ("bucketed", "pipelined-home", "home", "skip-grads", "wrong-order")
+MODES = ("bucketed", "pipelined-home", "packed", "home", "skip-grads", "wrong-order")
 
 
 def train_all(rank: int, world: int, prefix: str) -> dict:
@@ -209,6 +210,26 @@ def test_bucketed_steps_equal_the_single_plan_run(runs, reference):
         assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
     assert worst_error(results, ref_params) <= TOL
     assert worst_error(runs["home"], ref_params) <= TOL
+
+
+def test_documents_packed_within_each_bucket_train_as_the_reference(prefix, runs):
+    sample = sampler(prefix, mode="pack")
+    shared = 0
+    for j in range(GLOBAL_BATCH):  # rows hold whole documents of their bucket only
+        (tokens, seg), n = sample.sample(5 * GLOBAL_BATCH + j), sample.lengths(5 * GLOBAL_BATCH + j)
+        b = sample.bucket_of(j)
+        assert int((seg != 0).sum()) == sum(n) <= WINDOWS[b] + 1
+        assert all(m <= WINDOWS[b] + 1 and (b == 0 or m > WINDOWS[b - 1] + 1) for m in n)
+        shared += len(n) > 1
+    assert shared, "no row packs two documents"
+    data = batches(sample)
+    ref_params, ref_losses = reference_train(CONFIG, SEED, [t for t, _ in data], AdamWConfig(),
+                                             [g for _, g in data])
+    for r in runs["packed"]:
+        assert "error" not in r, r
+        assert r["switches"] == [4] * STEPS
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
+    assert worst_error(runs["packed"], ref_params) <= TOL
 
 
 def test_a_pipelined_home_plan_holds_each_stage_on_its_rank_only(runs, reference):
