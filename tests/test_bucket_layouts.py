@@ -106,3 +106,17 @@ def test_bad_buckets_are_one_line(lengths, named):
         bucket_layouts(inv, PROFILE, home, parse_lengths(lengths) if lengths[0] != "8"
                        else [parse_lengths("8:1")[0], parse_lengths("3:1")[0]], OPTIONS)
     assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_bucket_plan_may_leave_a_slow_device_idle():
+    """Without use_all_devices, the short bucket's own plan may skip a device that would pace
+    it; it is still taken (a subset of the home plan's devices), when it pays."""
+    spec = spec_for_device("CPU", 4096 * 1024)
+    slow = replace(spec, name="CPU")
+    inv = Inventory(tuple(Device(i, "n", spec if i < 3 else slow, Health.HEALTHY,
+                                 1.0 if i < 3 else 20.0) for i in range(4)))
+    opts = PlannerOptions(use_all_devices=False)
+    home = Plan(tuple(Pipeline((Stage((i,), (0, 2)),), 1, 2) for i in range(4)), 8, 2)
+    got = bucket_layouts(inv, PROFILE, home, parse_lengths("3:0.5,8:0.5"), opts)
+    assert all(set(b.plan.devices) <= set(home.devices) for b in got)
+    assert any(3 not in b.plan.devices for b in got if b.own), [b.plan for b in got]

@@ -23,7 +23,7 @@ from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.model import document_masks
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.graph.reference import reference_train
-from hspmd_elastic.plan import simple_plan
+from hspmd_elastic.plan import Pipeline, Plan, Stage, simple_plan
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -66,8 +66,13 @@ def home_plan(pipelined: bool = False):
     return simple_plan(tp=2, num_layers=2, global_batch=GLOBAL_BATCH, num_microbatches=2)
 
 
-def bucket_plans(pipelined: bool = False):
-    """Short: DP2; middle: PP2 (TP2 under a pipelined home); long: the home plan's layout."""
+def bucket_plans(pipelined: bool = False, subset: bool = False):
+    """Short: DP2 (rank 0 alone with ``subset``); middle: PP2 (TP2 under a pipelined home);
+    long: the home plan's layout."""
+    if subset:
+        return [Plan((Pipeline((Stage((0,), (0, 2)),), 2, 2),), ROWS[0], 2),
+                simple_plan(pp=2, num_layers=2, global_batch=ROWS[1], num_microbatches=2),
+                simple_plan(tp=2, num_layers=2, global_batch=ROWS[2], num_microbatches=1)]
     if pipelined:
         return [simple_plan(dp=2, num_layers=2, global_batch=ROWS[0], num_microbatches=2),
                 simple_plan(tp=2, num_layers=2, global_batch=ROWS[1], num_microbatches=1),
@@ -86,8 +91,8 @@ def train(rank: int, world: int, payload: dict) -> dict:
     pipelined = payload["mode"] == "pipelined-home"
     config, home = CONFIG, home_plan(pipelined)
     starts = np.cumsum((0,) + ROWS[:-1])
-    buckets = [Bucket(w, int(s), p) for w, s, p in zip(WINDOWS, starts,
-                                                        bucket_plans(pipelined))]
+    buckets = [Bucket(w, int(s), p) for w, s, p in zip(
+        WINDOWS, starts, bucket_plans(pipelined, subset=payload["mode"] == "subset"))]
     comm = Comm.create(home, config, rank, timeout_s=30)
     comms = create_comms(home, buckets, config, rank,
                          lambda plan, cfg: Comm.create(plan, cfg, rank, timeout_s=30))
@@ -112,7 +117,8 @@ def train(rank: int, world: int, payload: dict) -> dict:
     return {"params": model.local_params(), "losses": losses, "switches": switches}
 
 
-MODES = ("bucketed", "pipelined-home", "packed", "home", "skip-grads", "wrong-order")
+MODES = ("bucketed", "pipelined-home", "packed", "subset", "home", "skip-grads",
+         "wrong-order")
 
 
 def train_all(rank: int, world: int, prefix: str) -> dict:
@@ -232,6 +238,17 @@ def test_documents_packed_within_each_bucket_train_as_the_reference(prefix, runs
     assert worst_error(runs["packed"], ref_params) <= TOL
 
 
+def test_a_bucket_plan_may_leave_a_device_idle(runs, reference):
+    """The short bucket on rank 0 alone: rank 1 sends its parameters, computes nothing for the
+    bucket, gets its gradients back and the step's loss by one more all-reduce."""
+    ref_params, ref_losses = reference
+    for r in runs["subset"]:
+        assert "error" not in r, r
+        assert r["switches"] == [4] * STEPS
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
+    assert worst_error(runs["subset"], ref_params) <= TOL
+
+
 def test_a_pipelined_home_plan_holds_each_stage_on_its_rank_only(runs, reference):
     ref_params, ref_losses = reference
     results = runs["pipelined-home"]
@@ -268,7 +285,7 @@ def test_a_script_grouping_other_buckets_and_a_bad_bucket_record_are_one_line(pr
     assert [b.window for b in buckets_from(entries, 2)] == list(WINDOWS)
     for bad, named in (([{"window": 4}], "length bucket 0: KeyError"),
                        ([dict(entries[0], window="4")], "window='4'"),
-                       (entries, "need ids 0..2")):
+                       (entries, "have ids 0..0")):
         with pytest.raises(PlanError) as err:
-            buckets_from(bad, 3 if named.startswith("need") else 2)
+            buckets_from(bad, 1 if named.startswith("have") else 2)
         assert named in str(err.value) and "\n" not in str(err.value)

@@ -21,9 +21,12 @@ Promises (``BucketedModel``, one per rank, wrapping the rank's home ``Specialize
 * The BSR schedules are made once per (home, bucket) pair when the model is built and reused
   every step (no planning on the step's path); bucket models with one layout share one set of
   process groups (``comms``).
+* A bucket's plan may leave devices of the home plan out (a slow device idle for the short
+  rows): those ranks send their parameters, compute nothing for the bucket, receive their
+  gradients back, and the step's loss reaches them by one more all-reduce.
 * A row of a bucket with a real token beyond the bucket's window, bucket rows that do not tile
-  the global batch in order, windows that do not rise, a bucket plan over other devices or a
-  model it does not fit: one-line ``GraphError``/``PlanError`` naming the bucket. A step that
+  the global batch in order, windows that do not rise, a bucket plan over devices outside the
+  home plan or a model it does not fit: one-line ``GraphError``/``PlanError`` naming the bucket. A step that
   fails in communication changes no state (the home update runs after every exchange).
 * ``stats``: the last step's layout switches, their seconds and bytes (``BucketStats``);
   ``rows_needed()``: the span of global-batch rows this rank reads in any bucket.
@@ -90,7 +93,7 @@ def check_buckets(home: Plan, buckets: Sequence[Bucket], config: ModelConfig) ->
         if not last < b.window <= config.seq_len:
             raise GraphError(f"bucket {i} window {b.window} must be above the previous "
                              f"bucket's ({last}) and at most seq_len={config.seq_len}")
-        if b.plan.devices != home.devices:
+        if not set(b.plan.devices) <= set(home.devices):
             raise PlanError(f"bucket {i} plan uses devices {list(b.plan.devices)}; the home "
                             f"plan's are {list(home.devices)}")
         b.plan.check_model(replace(config, seq_len=b.window))
@@ -124,7 +127,7 @@ class BucketedModel:
         self.timeout_s, self.should_abort = timeout_s, should_abort
         devices = home.plan.devices
         self._nodes = dict(node_of) if node_of is not None else {d: "node" for d in devices}
-        self.models: list[SpecializedModel] = []
+        self.models: list[Optional[SpecializedModel]] = []  # None: not in the bucket's plan
         self.moves: list[bool] = []
         self._schedules: list[tuple[Optional[FusedSchedule], Optional[FusedSchedule]]] = []
         home_key = layout_key(home.plan)
@@ -135,8 +138,10 @@ class BucketedModel:
             config = replace(home.config, seq_len=b.window)
             moves = layout_key(b.plan) != home_key
             comm = comms[layout_key(b.plan)] if moves else home.comm
-            model = SpecializedModel(config, b.plan, self.rank, comm, home.optimizer.config)
-            model.optimizer.exp_avg, model.optimizer.exp_avg_sq = {}, {}  # never steps
+            model = None
+            if self.rank in b.plan.devices:
+                model = SpecializedModel(config, b.plan, self.rank, comm, home.optimizer.config)
+                model.optimizer.exp_avg, model.optimizer.exp_avg_sq = {}, {}  # never steps
             if moves:
                 ann = b.plan.param_annotations(config)
                 out = tuple(TensorSpec(n, specs[n].shape, dtype, home_ann[n], ann[n])
@@ -144,7 +149,7 @@ class BucketedModel:
                 back = tuple(TensorSpec(n, s.shape, s.dtype, s.new, s.old) for n, s in
                              zip(sorted(specs), out))
                 self._schedules.append((fused_bsr_schedule(out, devices, self._nodes),
-                                        fused_bsr_schedule(back, devices, self._nodes)))
+                                        fused_bsr_schedule(back, b.plan.devices, self._nodes)))
             else:
                 for n, p in model.params.items():
                     p.data = home.params[n].data  # the home parameters themselves
@@ -152,6 +157,8 @@ class BucketedModel:
             self.models.append(model)
             self.moves.append(moves)
         self.stats = BucketStats()
+        # a bucket over fewer devices: its loss reaches the others through one more all-reduce
+        self._partial = any(b.plan.devices != devices for b in self.buckets)
 
     @property
     def plan(self) -> Plan:
@@ -161,6 +168,7 @@ class BucketedModel:
         """The rows ``[lo, hi)`` of the global batch this rank reads in any bucket (``lo ==
         hi``: none)."""
         spans = [(b.start + lo, b.start + hi) for b in self.buckets
+                 if self.rank in b.plan.devices
                  for lo, hi in [rank_rows(b.plan, self.rank)] if hi > lo]
         if not spans:
             return 0, 0
@@ -178,7 +186,7 @@ class BucketedModel:
         loss = 0.0
         for i, b in enumerate(self.buckets):
             model = self.models[i]
-            lo, hi = rank_rows(b.plan, self.rank)
+            lo, hi = rank_rows(b.plan, self.rank) if model is not None else (0, 0)
             rows = slice(b.start + lo - first, b.start + hi - first) if hi > lo else slice(0, 0)
             tokens, segs = batch[rows], segments[rows]
             if hi > lo and segs.shape[1] > b.window + 1 and bool(
@@ -187,12 +195,18 @@ class BucketedModel:
                 raise GraphError(f"row {row} of the global batch has a real token beyond bucket "
                                  f"{i}'s window of {b.window} (rows out of bucket order?)")
             if self.moves[i]:
-                self._bind(model, self._move(self._schedules[i][0], self.home.params, stats))
-            waited = model.comm.waited_s
-            grads, part = model.gradients(tokens[:, :b.window + 1], segs[:, :b.window + 1],
-                                          real_tokens)
-            if model.comm is not self.home.comm:  # the runtime reads the home groups' waits
-                self.home.comm.waited_s += model.comm.waited_s - waited
+                params = self._move(self._schedules[i][0], self.home.params, stats)
+                if model is not None:
+                    self._bind(model, params)
+            grads, part = {}, 0.0  # a rank outside the bucket's plan gets its gradients back
+            if model is not None:
+                waited = model.comm.waited_s
+                grads, part = model.gradients(tokens[:, :b.window + 1], segs[:, :b.window + 1],
+                                              real_tokens)
+                if model.comm is not self.home.comm:  # the runtime reads the home groups' waits
+                    self.home.comm.waited_s += model.comm.waited_s - waited
+                if self._partial and self.rank != min(b.plan.devices):
+                    part = 0.0  # counted once, by the bucket's first device
             if self.moves[i]:
                 grads = self._move(self._schedules[i][1], grads, stats)
             if total is None:
@@ -201,6 +215,10 @@ class BucketedModel:
                 for n, g in grads.items():
                     total[n].add_(g)
             loss += part
+        if self._partial:
+            loss = float(self.home.comm.all_reduce(
+                torch.tensor([loss], dtype=torch.float64, device=self.home.device),
+                self.home.plan.devices)[0])
         self.home.update(total, before_update)
         stats.step_s = time.perf_counter() - began
         self.stats = stats
@@ -250,9 +268,9 @@ def buckets_from(entries: Sequence[Mapping], devices: int) -> list[Bucket]:
         for what, v in (("window", window), ("start", start)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if what == "window" else 0):
                 raise PlanError(f"length bucket {i}: {what}={v!r} is not a valid integer")
-        if plan.devices != tuple(range(devices)):
+        if not set(plan.devices) <= set(range(devices)):
             raise PlanError(f"length bucket {i}: its plan uses device ids {list(plan.devices)}; "
-                            f"the plan's {devices} devices need ids 0..{devices - 1}")
+                            f"the plan's {devices} devices have ids 0..{devices - 1}")
         out.append(Bucket(window, start, plan))
     return out
 

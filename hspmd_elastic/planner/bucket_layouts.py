@@ -9,8 +9,10 @@ and the gradients back by fused BSR. Promises (pure, torch-free):
   shares; the last bucket's length must be the profile's ``seq_len`` (every sequence fits some
   bucket), else ``PlannerError``.
 * A bucket runs under its own plan (``plan_for`` at the bucket's length and rows) only when that
-  plan uses exactly the home plan's devices, differs from the home layout, and its estimated
-  step time plus the estimated switch (``switch_s``: the parameters out and the gradients back,
+  plan uses the home plan's devices or some of them (a device the bucket's plan leaves idle
+  sends its parameters and gets its gradients back), differs from the home layout, and its
+  estimated step time plus the estimated switch (``switch_s``: the parameters out and the
+  gradients back,
   ``2 x total_params x param_bytes`` over the slowest link of the devices, intra-node on one
   node, inter-node across several) is below the home layout's estimate on the bucket. Otherwise
   the bucket runs under the home layout (``spread_rows``): no switch, since the cost model says
@@ -114,7 +116,7 @@ def bucket_layouts(inventory: Inventory, profile: ModelProfile, home: Plan,
             own = plan_for(inventory, prof, n, options=options).plan
         except PlannerError:
             own = None
-        if own is not None and (own.devices != home.devices
+        if own is not None and (not set(own.devices) <= set(home.devices)
                                 or _layout_key(own) == _layout_key(home)):
             own = None
         own_s = _estimate(own, inventory, prof, options)

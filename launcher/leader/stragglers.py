@@ -162,11 +162,13 @@ class StragglerWatch:
         if inventory is not None:
             for rank, dev in enumerate(current.devices):
                 try:
+                    mine = [(plan, profile) for plan, profile in parts
+                            if rank in plan.devices]  # a bucket's plan may leave it idle
                     out[dev] = sum(predicted_busy_s(plan, profile, inventory, rank, spec_of)
-                                   for plan, profile in parts)
+                                   for plan, profile in mine)
                     self._shares[dev] = sum(predicted_busy_s(plan, profile, inventory, rank,
                                                              work_only)
-                                            for plan, profile in parts)
+                                            for plan, profile in mine)
                 except Exception as exc:  # noqa: BLE001 - a device without a prediction
                     log.debug("plan v%d: no prediction for %s (%s)", current.version, dev, exc)
         self._predicted = (current.version, out)
