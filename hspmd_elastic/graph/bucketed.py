@@ -3,7 +3,7 @@
 A global batch grouped by length bucket (``bucket_data.BucketedDocuments``: bucket ``b``'s rows
 are ``[start_b, start_b + rows_b)``, every document of ``b`` fits a window of ``window_b``
 tokens) runs bucket by bucket, shortest first. Each bucket runs under its own ``Bucket.plan``
-(the same devices as the step's home plan; its ``global_batch`` is the bucket's rows) with a
+(the step's home plan's devices or some of them; its ``global_batch`` is the bucket's rows) with a
 model whose ``seq_len`` is the bucket's window: short buckets pay for short sequences only, and
 their plan may use other TP/PP/DP degrees than the home plan, whose layout holds the parameters
 and the optimizer state.
@@ -17,7 +17,8 @@ Promises (``BucketedModel``, one per rank, wrapping the rank's home ``Specialize
   holds the sum), moved back into the home layout by a second fused BSR and summed; then the
   home model's ``update`` runs once. A bucket whose layout is the home plan's moves nothing (its
   model's parameters are the home parameters), and so does one the planner chose to run under
-  the home layout because its switch would cost more than it saves (``planner.buckets``).
+  the home layout because its switch would cost more than it saves
+  (``planner.bucket_layouts``).
 * The BSR schedules are made once per (home, bucket) pair when the model is built and reused
   every step (no planning on the step's path); bucket models with one layout share one set of
   process groups (``comms``).
@@ -26,8 +27,9 @@ Promises (``BucketedModel``, one per rank, wrapping the rank's home ``Specialize
   gradients back, and the step's loss reaches them by one more all-reduce.
 * A row of a bucket with a real token beyond the bucket's window, bucket rows that do not tile
   the global batch in order, windows that do not rise, a bucket plan over devices outside the
-  home plan or a model it does not fit: one-line ``GraphError``/``PlanError`` naming the bucket. A step that
-  fails in communication changes no state (the home update runs after every exchange).
+  home plan or a model it does not fit: one-line ``GraphError``/``PlanError`` naming the
+  bucket. A step that fails in communication changes no state (the home update runs after
+  every exchange).
 * ``stats``: the last step's layout switches, their seconds and bytes (``BucketStats``);
   ``rows_needed()``: the span of global-batch rows this rank reads in any bucket.
 * Process groups: ``create_comms`` makes each distinct non-home layout's groups; every rank of
@@ -37,7 +39,7 @@ Promises (``BucketedModel``, one per rank, wrapping the rank's home ``Specialize
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch

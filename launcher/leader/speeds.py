@@ -24,10 +24,10 @@ model expects, 0.25 a device four times slower. Promises:
   calibration corrects the scale, ``planner.calibrate``). The fastest device rather than the
   median is the reference because a slowdown below 1 does not exist; a device with a small
   share is none, because its busy time is mostly the cost per step, where a calibration error
-  weighs most (which is why the share leaves those costs out): a device that recovers while it holds a few rows must not make the others look
-  slow (it gets its work back, as an equal). Given
-  ``devices``, the answer is empty unless every one of them has a speed, so a partial view
-  (right after a switch) never rescales the others;
+  weighs most (which is why the share leaves those costs out): a device that recovers while
+  it holds a few rows must not make the others look slow (it gets its work back, as an
+  equal). Given ``devices``, the answer is empty unless every one of them has a speed, so a
+  partial view (right after a switch) never rescales the others;
 * ``StragglerPolicy.quantise`` rounds a speed to a multiple of ``quantum`` (at least ``floor``);
   ``StragglerPolicy.changed(assumed, measured)`` names the devices whose measured speed moved
   from the one the plan assumed (1.0 when it says nothing) by more than one quantum and whose
