@@ -157,6 +157,17 @@ def worst_error(results: list, ref_params: dict, pipelined: bool = False) -> flo
     return worst
 
 
+def assert_trained_as(results: list, reference: tuple, pipelined: bool = False) -> None:
+    """Every rank ran every step with four layout moves (two buckets out and back), its losses
+    and the home shards equal the reference's (1e-9)."""
+    ref_params, ref_losses = reference
+    for r in results:
+        assert "error" not in r, r
+        assert r["switches"] == [4] * STEPS
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
+    assert worst_error(results, ref_params, pipelined) <= TOL
+
+
 @pytest.fixture(scope="module")
 def prefix(tmp_path_factory):
     p = str(tmp_path_factory.mktemp("docs") / "corpus")
@@ -208,13 +219,8 @@ def test_bad_buckets_are_one_line(prefix, windows, rows, bad):
 
 
 def test_bucketed_steps_equal_the_single_plan_run(runs, reference):
-    ref_params, ref_losses = reference
-    results = runs["bucketed"]
-    for r in results:
-        assert "error" not in r, r
-        assert r["switches"] == [4] * STEPS  # two buckets out of the home layout and back
-        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
-    assert worst_error(results, ref_params) <= TOL
+    assert_trained_as(runs["bucketed"], reference)
+    ref_params = reference[0]
     assert worst_error(runs["home"], ref_params) <= TOL
 
 
@@ -229,34 +235,18 @@ def test_documents_packed_within_each_bucket_train_as_the_reference(prefix, runs
         shared += len(n) > 1
     assert shared, "no row packs two documents"
     data = batches(sample)
-    ref_params, ref_losses = reference_train(CONFIG, SEED, [t for t, _ in data], AdamWConfig(),
-                                             [g for _, g in data])
-    for r in runs["packed"]:
-        assert "error" not in r, r
-        assert r["switches"] == [4] * STEPS
-        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
-    assert worst_error(runs["packed"], ref_params) <= TOL
+    assert_trained_as(runs["packed"], reference_train(
+        CONFIG, SEED, [t for t, _ in data], AdamWConfig(), [g for _, g in data]))
 
 
 def test_a_bucket_plan_may_leave_a_device_idle(runs, reference):
     """The short bucket on rank 0 alone: rank 1 sends its parameters, computes nothing for the
     bucket, gets its gradients back and the step's loss by one more all-reduce."""
-    ref_params, ref_losses = reference
-    for r in runs["subset"]:
-        assert "error" not in r, r
-        assert r["switches"] == [4] * STEPS
-        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
-    assert worst_error(runs["subset"], ref_params) <= TOL
+    assert_trained_as(runs["subset"], reference)
 
 
 def test_a_pipelined_home_plan_holds_each_stage_on_its_rank_only(runs, reference):
-    ref_params, ref_losses = reference
-    results = runs["pipelined-home"]
-    for r in results:
-        assert "error" not in r, r
-        assert r["switches"] == [4] * STEPS
-        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= TOL
-    assert worst_error(results, ref_params, pipelined=True) <= TOL
+    assert_trained_as(runs["pipelined-home"], reference, pipelined=True)
 
 
 def test_the_check_catches_a_skipped_gradient_transfer(runs, reference):
