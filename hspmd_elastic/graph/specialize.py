@@ -130,7 +130,7 @@ class SpecializedModel:
         return loss
 
     def gradients(self, batch: torch.Tensor, segments: Optional[torch.Tensor] = None,
-                  real_tokens: Optional[int] = None, tokens: Optional[int] = None
+                  real_tokens: Optional[int] = None
                   ) -> tuple[dict[str, torch.Tensor], float]:
         """This rank's gradients of the step, synchronised under the plan (every replica of a
         shard holds the sum), and the global loss; no state changes. ``batch`` is the global batch
@@ -141,9 +141,6 @@ class SpecializedModel:
         padding) restrict attention to each document and the loss to the targets that continue
         one (``model.document_masks``); the loss is then the mean over ``real_tokens``, the
         global batch's count of such targets (every rank passes the same number).
-
-        ``tokens``: the loss's denominator when it is not this batch's own (the tokens of a
-        larger global batch this one is a part of: a length bucket's rows).
 
         ``update(grads, before_update)`` applies them; ``before_update()`` runs after the step's
         last communication, before the update."""
@@ -157,9 +154,8 @@ class SpecializedModel:
         self.optimizer.zero_grad()
         pi = self.placement.pipeline
         mb = self.pipeline.microbatch_size
-        if tokens is None:
-            tokens = self.config.seq_len * self.plan.global_batch if segments is None \
-                else real_tokens
+        tokens = self.config.seq_len * self.plan.global_batch if segments is None \
+            else real_tokens
         head = self.module if self.module.last else None
 
         def rows(m, of=None):
