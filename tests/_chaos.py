@@ -308,6 +308,26 @@ class KillDuringSwitch:
                 return rank
         return None
 
+    def _wait_exec(self, rank: int) -> None:
+        """Until the recorded process carries the job in its environment: the agent records a
+        worker as it spawns it, and between fork and exec the child still has the agent's
+        environment, which ``inject`` rightly refuses to signal (bounded)."""
+        from launcher.inject.api import TargetNotFound  # Refused is one
+        from launcher.inject.targets import check_worker
+
+        def proven() -> bool:
+            rec = self.observer.view.workers().get((self.node, rank))
+            if rec is None:
+                return False
+            try:
+                check_worker(rec.pid, self.ctx.job, self.node, rank)
+            except TargetNotFound:
+                return False
+            return True
+
+        wait_for(proven, 10.0, f"worker {self.node}/{rank} to carry job {self.ctx.job}",
+                 interval=0.005)
+
     def _run(self) -> None:
         deadline, gen = time.monotonic() + self.timeout, -1
         try:
@@ -320,6 +340,7 @@ class KillDuringSwitch:
                 rank = self._started()
                 if rank is None:
                     continue
+                self._wait_exec(rank)
                 spec = parse_fault({"fault": "kill-worker",
                                     "target": {"node": self.node, "local_rank": rank}},
                                    0, {"detect_timeout_s": 30.0, "recover_timeout_s": 90.0},
