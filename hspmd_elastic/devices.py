@@ -33,6 +33,7 @@ hardware.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Optional
 
@@ -104,7 +105,7 @@ def uses_nccl(backend: str) -> bool:
 
 
 _ENQUEUE_BACKENDS: set[str] = set()
-_warned: list[str] = []  # the user's TORCH_NCCL_ASYNC_ERROR_HANDLING, once warned about
+_warned: list[str] = []  # the user's NCCL settings already warned about (once each)
 
 
 def register_enqueue_backend(name: str) -> None:
@@ -126,38 +127,83 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+# torch's own NCCL watchdog times a work out at the group's timeout; ours must always act first
+# (and abort), so a group on a backend that completes at enqueue gets this much more
+TORCH_TIMEOUT_MARGIN_S = 30.0
+
+
+def backend_timeout_s(backend: str, comm_s: float, abort_s: float) -> float:
+    """The ``timeout`` a process group of ``backend`` is made with, for waits bounded by
+    ``comm_s`` and aborts by ``abort_s``. gloo: ``comm_s`` (gloo's own timeout is what fails a
+    collective whose peer died). NCCL: well above ``comm_s`` plus the abort bound, so torch's
+    watchdog never times a work out before the elastic runtime has left it: torch's timeout
+    path fails the work, and with a dump configured sleeps and writes ``exception_dump`` to the
+    store (docs/gpu.md, "NCCL as it really is")."""
+    if not completes_at_enqueue(backend):
+        return comm_s
+    return 2.0 * comm_s + abort_s + TORCH_TIMEOUT_MARGIN_S
+
+
+def nonblocking_timeout_s(init_timeout_s: float) -> int:
+    """``TORCH_NCCL_NONBLOCKING_TIMEOUT`` for a creation bound of ``init_timeout_s``: torch
+    compares whole elapsed seconds with ``>`` (``C10D_CHECK_TIMEOUT``), so a value of N fires
+    after N + 1 s; N = ceil(bound) - 1 fires by the bound (at least 1)."""
+    return max(1, math.ceil(init_timeout_s) - 1)
+
+
+_USER_DEBUG = ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ENABLE_MONITORING")
+
+
 def nccl_environment(init_timeout_s: float, env: Optional[dict] = None) -> dict:
     """The NCCL settings an elastic worker needs, set only where the user has not set them:
 
     * ``TORCH_NCCL_USE_COMM_NONBLOCKING=1``: communicators are created and split in NCCL's
       non-blocking mode, so torch waits for them with a bound instead of inside a blocking
       ``ncclCommInitRank``/``ncclCommSplit`` that a peer dying mid-creation would never end
-      (torch stopped choosing this mode by itself for eager init in 2.7.1);
-    * ``TORCH_NCCL_NONBLOCKING_TIMEOUT``: that bound, in whole seconds: the regroup deadline
-      (``init_timeout_s``). torch reads it once per process, so the first value set stays;
+      (torch stopped choosing this mode by itself for eager init in 2.7.1, pytorch#153960);
+    * ``TORCH_NCCL_NONBLOCKING_TIMEOUT``: that bound, in whole seconds, chosen so that it fires
+      by ``init_timeout_s`` (``nonblocking_timeout_s``). torch reads it once per process, so the
+      first value set stays;
     * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``: torch's own NCCL watchdog neither aborts the
       communicators nor tears the process down on a timeout. Leaving a plan is ours: the
       worker's ``Watchdog`` polls every wait against its deadline and newer plans, and the
       ``AbortMonitor`` thread aborts the plan's communicators when a wait is abandoned or the
-      main thread is stuck (torch's ``_abort_process_group`` asks for this setting: with error
-      handling on, torch's watchdog may abort the same communicators, or kill the survivor,
-      on its own).
+      main thread is stuck (torch's ``_abort_process_group`` asks for this setting);
+    * ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` and ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=0``: on a
+      timeout or an NCCL error (a killed peer's ``ncclRemoteError``) torch's watchdog would
+      otherwise write ``exception_dump`` at the root of the plan's store and sleep 4 x the dump
+      wait (60 s) on the watchdog thread that the group's destructor joins;
+    * ``TORCH_NCCL_ENABLE_MONITORING=0``: the heartbeat monitor of a process's first group
+      polls that key, and a worker that joins after it was written would be terminated
+      ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (480 s) later. The agent's hang rule watches the
+      workers instead.
 
-    A user's ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` other than 0 is kept, with a warning: torch's
-    watchdog may then tear the worker down on a timed-out collective before it can switch.
+    A user's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``TORCH_NCCL_DUMP_ON_TIMEOUT`` or
+    ``TORCH_NCCL_ENABLE_MONITORING`` other than 0 is kept, with one warning naming it.
 
     Returns what it set (``env``: default ``os.environ``)."""
     env = os.environ if env is None else env
     handling = str(env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")).strip()
-    if handling != "0" and not _warned:
-        _warned.append(handling)
+    if handling != "0" and "handling" not in _warned:
+        _warned.append("handling")
         log.warning("TORCH_NCCL_ASYNC_ERROR_HANDLING=%s is set: torch's NCCL watchdog may abort "
                     "the communicators, or end this worker, when a collective times out, before "
                     "the worker can switch plans in memory; unset it (or set 0) for elastic "
                     "mode", handling)
+    for name in _USER_DEBUG:
+        value = str(env.get(name, "0")).strip().lower()
+        if value not in ("0", "false", "no", "n") and name not in _warned:
+            _warned.append(name)
+            log.warning("%s=%s is set: after a timed-out or failed collective torch writes "
+                        "exception_dump to the plan's store, and a worker that joins later can "
+                        "be terminated by its heartbeat monitor; unset it (or set 0) for "
+                        "elastic mode", name, env.get(name))
     wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
               "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
-              "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(max(1, int(init_timeout_s)))}
+              "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(nonblocking_timeout_s(init_timeout_s)),
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+              "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0",
+              "TORCH_NCCL_ENABLE_MONITORING": "0"}
     done = {}
     for name, value in wanted.items():
         if name not in env:

@@ -378,8 +378,7 @@ class _Worker:
         return True
 
     def _aborted(self) -> bool:
-        monitor = self.former.monitor
-        return monitor is not None and monitor.fired is not None
+        return self.former.comms_aborted() is not None
 
     def _finish(self) -> bool:
         """Wait until every rank of the plan finished (a rank that dies before that is replaced

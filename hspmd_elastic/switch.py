@@ -33,10 +33,14 @@ over from the newest plan: nothing this rank holds is modified before the switch
 
 Every wait of the switch sees a newer plan: the store barrier of the regroup, the exchange (the
 watchdog), the BSR's transfers (``should_abort``: ``ReshardAborted``) and the creation of the
-plan's sub-groups (a polled barrier on the version's store first: ``CommAborted``), so a peer
+plan's sub-groups (a polled barrier on the version's store first: ``CommAborted``; on NCCL their
+first operation too, where the communicators become ready: ``GroupFormer.ready``), so a peer
 that leaves the switch, dead or gone to a newer plan, costs the others at most the time until
-that plan is published. Limits: a peer that dies inside gloo's connection of the sub-groups,
-after the barrier, is waited for up to ``comm_s``. A switch that fails after some ranks
+that plan is published. The abort monitor is armed over the exchange and the BSR, never over
+the creation of communicators (an abort then waits for it). On NCCL a transfer or collective
+that completed only because the monitor aborted the communicators fails the switch
+(``ReshardCommError``, ``CommTimeoutError``). Limits: a peer that dies inside gloo's connection
+of the sub-groups, after the barrier, is waited for up to ``comm_s``. A switch that fails after some ranks
 committed it leaves the state in two layouts; the next switch reads from both (see agree.py).
 """
 
@@ -262,41 +266,16 @@ class GraphSwitch:
                          deadline=t + self.timeouts.regroup_s)
         timings.regroup_s = time.monotonic() - t
 
+        # armed over the waits on the device (the exchange, the BSR), never over the creation
+        # of communicators: an abort then waits for the creation (GroupFormer.ready bounds it)
         with self.former.armed(f"switch to plan v{record.version}", self.timeouts.comm_s,
                                self._superseded(record.version)):
-            return self._after_regroup(record, held, group, rank, draining, plan, mine, timings,
-                                       start, on_phase)
-
-    def _after_regroup(self, record, held, group, rank, draining, plan, mine, timings, start,
-                       on_phase) -> SwitchResult:
-        on_phase("exchanging")
-        t = time.monotonic()
-        holdings = self._exchange(mine, len(group))
-        decision = agree.decide(holdings)
-        timings.exchange_s = time.monotonic() - t
-
-        on_phase("resharding")
-        t = time.monotonic()
-        state, resume = self._state(record, group, plan, rank, held, holdings, decision,
-                                    timings)
-        timings.bsr_s = time.monotonic() - t
-
+            state, resume = self._move_state(record, held, group, rank, plan, mine, timings,
+                                              on_phase)
         on_phase("building")
         t = time.monotonic()
         buckets = buckets_from(record.buckets, len(record.devices))
-        try:
-            comm = Comm.create(plan, self.config, rank, timeout_s=self.timeouts.comm_s,
-                               waiter=self.watchdog, store=self.former.store,
-                               aborted=self._superseded(record.version),
-                               device=self.former.device)
-            bucket_comms = create_comms(plan, buckets, self.config, rank, lambda p, c: Comm.create(
-                p, c, rank, timeout_s=self.timeouts.comm_s, waiter=self.watchdog,
-                device=self.former.device))
-        except CommTimeoutError:
-            raise
-        except RuntimeError as exc:  # a peer left the switch: creating sub-groups timed out
-            raise CommTimeoutError(f"plan v{record.version}: creating the process groups "
-                                   f"failed: {str(exc).splitlines()[0][:200]}") from exc
+        comm, bucket_comms = self._create_comms(record, plan, buckets, rank)
         if draining:
             timings.resume_step = resume
             timings.total_s = time.monotonic() - start
@@ -309,7 +288,8 @@ class GraphSwitch:
             bucketed = BucketedModel(model, buckets, bucket_comms,
                                      node_of={i: node_of(d) for i, d in enumerate(record.devices)},
                                      timeout_s=self.timeouts.comm_s,
-                                     should_abort=self._superseded(record.version))
+                                     should_abort=self._superseded(record.version),
+                                     comms_aborted=self.former.comms_aborted)
         timings.rebuild_s = time.monotonic() - t
         if int(model.optimizer.step_count) != resume:
             raise SwitchError(f"plan v{record.version} rank {rank}: rebuilt state is at step "
@@ -319,6 +299,43 @@ class GraphSwitch:
         self._report(record, rank, timings)
         return SwitchResult(Held(record.version, plan, list(record.devices), model,
                                  undo_mode=self.undo, bucketed=bucketed), rank, resume, timings)
+
+    def _move_state(self, record, held, group, rank, plan, mine, timings, on_phase):
+        """The exchange of holdings and the BSR: this rank's new state and the step it is at."""
+        on_phase("exchanging")
+        t = time.monotonic()
+        holdings = self._exchange(mine, len(group))
+        decision = agree.decide(holdings)
+        timings.exchange_s = time.monotonic() - t
+
+        on_phase("resharding")
+        t = time.monotonic()
+        state, resume = self._state(record, group, plan, rank, held, holdings, decision,
+                                    timings)
+        timings.bsr_s = time.monotonic() - t
+        return state, resume
+
+    def _create_comms(self, record, plan, buckets, rank):
+        """The plan's process groups (and each bucket layout's), their communicators ready
+        (``GroupFormer.ready``: bounded, watching for newer plans)."""
+        superseded = self._superseded(record.version)
+        deadline = time.monotonic() + self.timeouts.regroup_s
+        try:
+            comm = Comm.create(plan, self.config, rank, timeout_s=self.timeouts.comm_s,
+                               waiter=self.watchdog, store=self.former.store,
+                               aborted=superseded, device=self.former.device,
+                               group_timeout_s=self.former.group_timeout_s)
+            bucket_comms = create_comms(plan, buckets, self.config, rank, lambda p, c: Comm.create(
+                p, c, rank, timeout_s=self.timeouts.comm_s, waiter=self.watchdog,
+                device=self.former.device, group_timeout_s=self.former.group_timeout_s))
+        except CommTimeoutError:
+            raise
+        except RuntimeError as exc:  # a peer left the switch: creating sub-groups timed out
+            raise CommTimeoutError(f"plan v{record.version}: creating the process groups "
+                                   f"failed: {str(exc).splitlines()[0][:200]}") from exc
+        groups = [g for c in (comm, *bucket_comms.values()) for g in c.groups.values()]
+        self.former.ready(groups, f"plan v{record.version}'s groups", superseded, deadline)
+        return comm, bucket_comms
 
     def _superseded(self, version: int) -> Callable[[], bool]:
         """True once a plan newer than ``version`` is known (a lock-only check)."""
@@ -387,7 +404,8 @@ class GraphSwitch:
         timings.rolled_back = rank in decision.rollback
         received, stats = execute_fused(schedule, rank, local, device=self.former.device,
                                         timeout_s=self.timeouts.comm_s,
-                                        should_abort=self._superseded(record.version))
+                                        should_abort=self._superseded(record.version),
+                                        comms_aborted=self.former.comms_aborted)
         totals = schedule.link_stats()
         timings.bsr_bytes_total = totals.total_bytes
         timings.bsr_bytes_sent = stats.total_sent

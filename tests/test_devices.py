@@ -78,15 +78,32 @@ def test_backend_follows_the_device():
 
 
 def test_nccl_environment_keeps_what_the_user_set():
-    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1"}
+    quiet = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0"}
     assert devices.nccl_environment(42.5, env) == {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
-                                                   "TORCH_NCCL_NONBLOCKING_TIMEOUT": "42"}
-    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
-                   "TORCH_NCCL_NONBLOCKING_TIMEOUT": "42"}
+                                                   "TORCH_NCCL_NONBLOCKING_TIMEOUT": "42",
+                                                   **quiet}
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1",
+                   "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
+                   "TORCH_NCCL_NONBLOCKING_TIMEOUT": "42", **quiet}
     env = {"TORCH_NCCL_USE_COMM_NONBLOCKING": "0"}  # a user who wants blocking creation keeps it
     assert "TORCH_NCCL_USE_COMM_NONBLOCKING" not in devices.nccl_environment(0.2, env)
     assert env["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "1" and env[
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and env["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+
+
+def test_the_nonblocking_bound_fires_by_the_creation_deadline():
+    # torch fires a bound of N whole seconds after N + 1 s (elapsed seconds compared with '>')
+    assert [devices.nonblocking_timeout_s(s) for s in (0.2, 1.0, 2.0, 3.0, 3.5, 60.0)] == \
+        [1, 1, 1, 2, 3, 59]
+
+
+def test_torch_never_times_a_work_out_before_the_runtime_has_left_it():
+    assert devices.backend_timeout_s("gloo", 60.0, 70.0) == 60.0  # gloo's timeout is the bound
+    from hspmd_elastic.elastic.group import ARMED_GRACE_S
+
+    nccl = devices.backend_timeout_s("cpu:gloo,cuda:nccl", 60.0, 70.0)
+    assert nccl > 60.0 + ARMED_GRACE_S + 70.0  # the armed monitor's limit, then its abort
 
 
 def test_which_backends_complete_at_enqueue():

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from _world import run_world
-from hspmd_elastic.elastic.group import GroupReaper
+from hspmd_elastic.elastic.reaper import GroupReaper
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -122,9 +122,9 @@ class _Group:
 def test_close_drops_groups_whose_collectives_ended(monkeypatch):
     import weakref
 
-    from hspmd_elastic.elastic import group
+    from hspmd_elastic.elastic import reaper as reaper_mod
 
-    monkeypatch.setattr(group, "_SETTLE_S", 0.0)
+    monkeypatch.setattr(reaper_mod, "_SETTLE_S", 0.0)
     reaper = GroupReaper()
     done = threading.Event()
     reaper.abandoned(done)
@@ -143,9 +143,9 @@ def test_after_close_a_held_group_is_never_destroyed(monkeypatch):
     ``close`` has returned, groups still held stay held even when their collective ends."""
     import weakref
 
-    from hspmd_elastic.elastic import group
+    from hspmd_elastic.elastic import reaper as reaper_mod
 
-    monkeypatch.setattr(group, "_SETTLE_S", 0.0)
+    monkeypatch.setattr(reaper_mod, "_SETTLE_S", 0.0)
     reaper = GroupReaper()
     done = threading.Event()
     reaper.abandoned(done)

@@ -7,43 +7,41 @@ abandoned collective, in milliseconds), meet the plan's other ranks at a barrier
 this process polls (so a newer plan or a deadline interrupts it: no rank ever blocks inside
 ``init_process_group`` waiting for a peer that will not come), then ``init_process_group``.
 
-One gloo fact shapes leaving: the last reference to a process group with a collective still in
-flight (posted, then abandoned because a newer plan came or a peer never joined it) blocks in the
-group's destructor until gloo times that collective out, the whole communication timeout, on
-whichever thread drops it. ``GroupReaper`` keeps such groups (the default group at ``leave`` and
-the previous plan's sub-groups, through ``retire``) on a daemon thread until every abandoned
-collective has ended, then drops them there; groups still held when the process exits are never
-destroyed, so neither training nor exit waits for them. A process that ends calls
-``GroupReaper.close`` first: it waits (bounded) for held groups whose collectives have ended to be
-dropped, and from then on no held group is dropped at all. A group destructor still running on
-the reaper's thread while the interpreter exits aborts the process ("terminate called without an
-active exception": C++ tears down under that thread), which turned a finished worker into a
-failed one.
+Leaving a plan on gloo destroys its groups; one that still runs an abandoned collective is kept
+by the ``GroupReaper`` (``elastic/reaper.py``) until gloo has timed that collective out, and
+dropped off the main thread.
 
 On CUDA (``hspmd_elastic.devices``: the backend is ``cpu:gloo,cuda:nccl``; in general any backend
 that ``devices.completes_at_enqueue``) a collective whose peer died never ends by itself: its
-kernel spins on the GPU until the communicators are aborted. Leaving is therefore an abort:
+kernel spins on the GPU until the communicators are aborted. Leaving is therefore an abort
+(docs/gpu.md, "NCCL as it really is", has torch's source line for each fact used here):
 
-* ``abort_communicators`` aborts every communicator of the process (newest first, in one NCCL
-  group call, so two hung communicators cannot block each other's abort) and touches nothing
-  else, so it is safe from the ``AbortMonitor``'s thread (``elastic/monitor.py``) while the main
-  thread is stuck in a host sync or an enqueue; ``GroupFormer.abandoned`` (the watchdog's
-  ``on_abandon``) and ``GroupFormer.leave`` run it there, with a bound (``CommAbortFailed``);
+* ``abort_communicators`` aborts the communicators of every group of the process, each on its
+  own thread at once (an NCCL group call cannot cover them: torch runs each abort on a thread of
+  its own), and touches nothing else, so it is safe from the ``AbortMonitor``'s thread
+  (``elastic/monitor.py``) while the main thread is stuck in a host sync or an enqueue;
+  ``GroupFormer.abandoned`` (the watchdog's ``on_abandon``) and ``GroupFormer.leave`` run it
+  there, with a bound (``CommAbortFailed``) above the creation bound, since an abort waits while
+  a communicator is being created;
 * ``forget_process_groups`` then clears torch's registry of groups on the main thread, as
-  ``_abort_process_group`` does after its aborts; ``end_process_groups`` (torch's
-  ``_abort_process_group`` on the main thread, or destroying on gloo) forgets them too when an
+  ``_abort_process_group`` does after its aborts; ``end_process_groups`` forgets them too when an
   abort or a destroy raised, so a failed abort never leaves the default group registered and the
-  next plan's ``init_process_group`` always starts afresh.
+  next plan's ``init_process_group`` always starts afresh; the groups are dropped on a daemon
+  thread (``~ProcessGroupNCCL`` joins torch's watchdog thread);
+* torch's own watchdog never acts first: groups get a timeout above ours plus the abort's bound
+  (``devices.backend_timeout_s``), and ``devices.nccl_environment`` turns off its dump and its
+  heartbeat monitor unless the user set them (a dump's ``exception_dump`` key on the plan's
+  store would get a worker that joins later terminated).
 
 Creating a plan's communicators is bounded too: ``devices.nccl_environment`` puts NCCL in its
-non-blocking mode (``TORCH_NCCL_USE_COMM_NONBLOCKING=1``) with the regroup deadline as
-``TORCH_NCCL_NONBLOCKING_TIMEOUT``, so a peer that dies between the store barrier and its
-``ncclCommInitRank`` (or a split for ``new_group``) costs the survivors that deadline, then
-``RegroupTimeout``, instead of a wait in C++ that never ends. On NCCL the default group is
-created with ``device_id`` (eager communicator creation; sub-groups split from it), then warmed
-by one ``all_reduce`` polled against the regroup deadline and newer plans, so every rank's
-communicator exists before the BSR's ``batch_isend_irecv`` (which needs every rank when it is a
-group's first operation).
+non-blocking mode (``TORCH_NCCL_USE_COMM_NONBLOCKING=1``) with a ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
+that fires by the regroup deadline. NCCL makes a communicator ready only at its first operation
+(``getNcclComm`` waits for it, holding the mutex an abort needs), so ``GroupFormer.ready`` posts
+that first operation (one small ``all_reduce`` per group: the default group at ``form``, a plan's
+sub-groups after ``Comm.create``) from a helper thread and polls it against the deadline and newer
+plans, never under the armed monitor; every rank's communicator then exists before the BSR's
+``batch_isend_irecv`` (which needs every rank when it is a group's first operation). A group still
+being created when the plan is left is aborted once its creation ends, off the main thread.
 """
 
 from __future__ import annotations
@@ -52,26 +50,31 @@ import contextlib
 import datetime
 import logging
 import os
+import sys
 import threading
 import time
-import weakref
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-from hspmd_elastic.devices import (backend_for, completes_at_enqueue, nccl_environment, use_device,
-                                   uses_nccl)
+from hspmd_elastic.devices import (backend_for, backend_timeout_s, completes_at_enqueue,
+                                   nccl_environment, nonblocking_timeout_s, use_device, uses_nccl)
 from hspmd_elastic.elastic.monitor import AbortMonitor, CommAbortFailed
+from hspmd_elastic.elastic.reaper import GroupReaper
 from hspmd_elastic.elastic.api import ConfigurationError, ElasticError
 
 log = logging.getLogger(__name__)
 
 _POLL_FIRST_S = 0.001
 _POLL_MAX_S = 0.05
-_SETTLE_S = 0.5  # after the last abandoned collective ends, before dropping its groups
 # The abort monitor's limit over a block's own deadlines (GroupFormer.armed)
 ARMED_GRACE_S = 2.0
+# An abort's bound: at least this, and above the creation bound plus ABORT_MARGIN_S (an abort
+# waits while a communicator is being created: NCCLComm::abort takes the mutex that
+# getNcclComm holds while it waits for readiness)
+ABORT_TIMEOUT_S = 30.0
+ABORT_MARGIN_S = 10.0
 
 
 class RegroupAborted(ElasticError):
@@ -86,32 +89,43 @@ class StoreUnreachable(ElasticError):
     """The plan's store cannot be reached (its host died): a newer plan will name another."""
 
 
-def abort_communicators() -> None:
-    """Abort the communicators of every process group of this process, newest first, without
-    waiting for what runs in them and without touching torch's registry of groups (the main
-    thread may be using it): safe from the ``AbortMonitor``'s thread. On NCCL the aborts run
-    inside one NCCL group call, so two hung communicators cannot block each other's abort
-    (what torch's ``_abort_process_group`` does). Raises what an abort raised."""
+def abort_communicators(groups: Optional[list] = None, skip: Iterable = ()) -> None:
+    """Abort the communicators of ``groups`` (default: every process group of this process,
+    newest first) but those in ``skip``, without waiting for what runs in them and without
+    touching torch's registry of groups (the main thread may be using it): safe from the
+    ``AbortMonitor``'s thread. Several groups are aborted at once, each on its own thread:
+    torch's ``ProcessGroupNCCL::abort`` runs the communicator's abort on a ``std::async``
+    thread and NCCL's group calls are per thread, so the ``ncclGroupStart``/``End`` that
+    ``_abort_process_group`` wraps around its aborts covers nothing, and two hung
+    communicators can still block each other's abort (pytorch#119797); aborts that run
+    concurrently release each other. Raises what an abort raised, once all have returned."""
     from torch.distributed import distributed_c10d as c10d
 
-    names = dict(c10d._world.pg_names)  # a copy: the main thread may add groups meanwhile
-    groups = sorted(names, key=lambda pg: names[pg], reverse=True)
-    nccl = None
-    if groups and c10d.is_nccl_available():
+    if groups is None:
+        names = dict(c10d._world.pg_names)  # a copy: the main thread may add groups meanwhile
+        groups = sorted(names, key=lambda pg: names[pg], reverse=True)
+    skipped = {id(g) for g in skip}
+    groups = [g for g in groups if id(g) not in skipped]
+    errors: list[BaseException] = []
+
+    def abort(pg) -> None:
         try:
-            nccl = dist.group.WORLD._get_backend(torch.device("cuda"))
-        except (RuntimeError, AttributeError):
-            nccl = None
-        if not isinstance(nccl, getattr(dist, "ProcessGroupNCCL", ())):
-            nccl = None
-    if nccl is not None:
-        nccl._group_start()
-    try:
-        for pg in groups:
             pg.abort()
-    finally:
-        if nccl is not None:
-            nccl._group_end()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    if len(groups) == 1:
+        abort(groups[0])
+    else:
+        caller = threading.current_thread().name
+        threads = [threading.Thread(target=abort, args=(pg,), name=f"{caller}/abort-{i}",
+                                    daemon=True) for i, pg in enumerate(groups)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()  # the caller bounds the whole (AbortMonitor.abort_now)
+    if errors:
+        raise errors[0]
 
 
 def forget_process_groups() -> None:
@@ -133,17 +147,14 @@ def forget_process_groups() -> None:
 
 
 def abort_process_groups() -> None:
-    """Abort every process group of this process without waiting for what runs in them, and
-    forget them (``dist.is_initialized()`` is False afterwards, also when an abort raised:
-    that is re-raised after the registry is cleared)."""
+    """Abort every process group of this process without waiting for what runs in them, all
+    at once (``abort_communicators``), and forget them (``dist.is_initialized()`` is False
+    afterwards, also when an abort raised: that is re-raised after the registry is
+    cleared)."""
     from torch.distributed import distributed_c10d as c10d
 
-    abort = getattr(c10d, "_abort_process_group", None)
     try:
-        if abort is not None:  # torch >= 2.5
-            abort()
-        else:  # torch 2.4
-            abort_communicators()
+        abort_communicators()
     finally:
         if dist.is_initialized() or c10d._world.pg_map:
             forget_process_groups()
@@ -194,15 +205,6 @@ def process_resources() -> dict[str, int]:
     return out
 
 
-_REAPERS: "weakref.WeakSet[GroupReaper]" = weakref.WeakSet()
-
-
-def live_reapers() -> list["GroupReaper"]:
-    """Every ``GroupReaper`` of this process still alive (a resource count that must not see
-    a retired set about to be dropped waits for them: ``GroupReaper.wait_idle``)."""
-    return list(_REAPERS)
-
-
 def version_prefix(version: int) -> str:
     return f"hspmd/v{version}/"
 
@@ -214,109 +216,6 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class GroupReaper:
-    """Keeps process groups alive until the collectives abandoned on them have ended.
-
-    ``abandoned(done)`` records a collective left in flight (``done`` is set when it completes
-    or fails; gloo fails it at its group's timeout). ``retire(*objs)`` takes references to
-    process groups (or objects that own them, such as a ``Comm``) that the caller is about to
-    drop: while any recorded collective is still in flight, a daemon thread holds them until all
-    of those have ended and drops them there, where destruction is quick; otherwise it holds
-    nothing and the caller's drop destroys them at once. Point-to-point works are not recorded:
-    gloo runs them on the waiting thread, not on the group's workers, so they never hold up a
-    group's destructor.
-    """
-
-    def __init__(self, warn_after_s: float = 600.0):
-        _REAPERS.add(self)
-        self.warn_after_s = warn_after_s
-        self._lock = threading.Lock()
-        self._inflight: list[threading.Event] = []
-        self._holders: list[threading.Thread] = []
-        self._dropping = threading.Lock()  # held while a retired set is dropped
-        self._closed = False  # set by close(): held groups are never dropped from then on
-        self.retired = 0  # how many retire() calls had to hold their groups
-
-    def abandoned(self, done: threading.Event) -> None:
-        with self._lock:
-            self._inflight.append(done)
-
-    def pending(self) -> int:
-        """Abandoned collectives still in flight."""
-        with self._lock:
-            self._inflight = [e for e in self._inflight if not e.is_set()]
-            return len(self._inflight)
-
-    def holding(self) -> int:
-        """Retired sets of groups still held (their collectives have not all ended)."""
-        with self._lock:
-            self._holders = [t for t in self._holders if t.is_alive()]
-            return len(self._holders)
-
-    def retire(self, *objs, what: str = "process groups") -> bool:
-        """Hold ``objs`` until every collective abandoned so far has ended; False if none is in
-        flight (nothing is held)."""
-        objs = tuple(o for o in objs if o is not None)
-        if not objs or not self.pending():
-            return False
-        with self._lock:
-            inflight = list(self._inflight)
-            holder = threading.Thread(target=self._hold, args=(list(objs), inflight, what),
-                                      name=f"retired {what}", daemon=True)
-            self._holders.append(holder)
-            self.retired += 1
-        holder.start()
-        log.info("%s: %d abandoned collective(s) still in flight; dropping them once those "
-                 "end", what, len(inflight))
-        return True
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no retired group is held (True), at most ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            holders = list(self._holders)
-        for t in holders:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return self.holding() == 0
-
-    def close(self, timeout: float) -> bool:
-        """Before the process exits: wait at most ``timeout`` seconds for the held groups to be
-        dropped, then stop dropping any (True if none was left held). A group still held then
-        stays held by its parked daemon thread, so no destructor runs while the process exits."""
-        deadline = time.monotonic() + timeout
-        idle = self.wait_idle(timeout)
-        if self._dropping.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            self._closed = True
-            self._dropping.release()
-        else:  # a destructor ran past the deadline: nothing more can be done before exit
-            self._closed = True
-            log.warning("retired process groups are still being destroyed at exit")
-        if not idle:
-            log.warning("%d set(s) of process groups still wait for an abandoned collective at "
-                        "exit; they are left undestroyed", self.holding())
-        return idle
-
-    def _hold(self, objs: list, inflight: list[threading.Event], what: str) -> None:
-        for done in inflight:
-            # gloo ends every collective at its group's timeout, so this returns; a warning
-            # (never a release) if it takes far longer. At exit this daemon thread is frozen
-            # with ``objs`` still referenced: their destructors never run.
-            while not done.wait(self.warn_after_s):
-                log.warning("%s: an abandoned collective is still in flight after %.0fs; "
-                            "keeping its groups", what, self.warn_after_s)
-        # ``done`` is set from the completion callback, on the group's worker thread, which
-        # then takes the GIL once more to free that callback. The destructor joins that thread
-        # while this thread holds the GIL, so give it time to get out first (torch offers no
-        # event for it); nothing waits on this thread.
-        time.sleep(_SETTLE_S)
-        with self._dropping:
-            if not self._closed:
-                objs.clear()  # every collective has ended: the destructors do not wait
-                return
-        while True:  # closed: park on this daemon thread, keeping ``objs``, until the exit
-            time.sleep(3600.0)
-
-
 class GroupFormer:
     """Owns this process's connection to the plan's store and its default process group, on
     ``device`` with the backend ``devices.backend_for`` gives it (``backend`` overrides it: a
@@ -324,24 +223,41 @@ class GroupFormer:
 
     On a backend that completes at enqueue (``devices.completes_at_enqueue``: NCCL) it owns an
     ``AbortMonitor`` (``monitor``) whose thread aborts the plan's communicators; on gloo
-    ``monitor`` is None."""
+    ``monitor`` is None. There its groups are made with ``devices.backend_timeout_s`` (torch's
+    own watchdog never times a work out before ours), every group it leaves is dropped on a
+    daemon thread (``GroupReaper.off_thread``), and a communicator still being created when the
+    plan is left is aborted once its creation ends, off the main thread."""
 
     def __init__(self, timeout_s: float, connect_timeout_s: float = 30.0,
                  reaper: Optional[GroupReaper] = None,
                  device: torch.device | str = "cpu", backend: Optional[str] = None,
-                 init_timeout_s: Optional[float] = None, abort_timeout_s: float = 30.0):
+                 init_timeout_s: Optional[float] = None,
+                 abort_timeout_s: Optional[float] = None):
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         # bound of a communicator's creation or split (TORCH_NCCL_NONBLOCKING_TIMEOUT)
         self.init_timeout_s = connect_timeout_s if init_timeout_s is None else init_timeout_s
+        if abort_timeout_s is None:
+            abort_timeout_s = max(ABORT_TIMEOUT_S, nonblocking_timeout_s(self.init_timeout_s)
+                                  + 1.0 + ABORT_MARGIN_S)
+        self.abort_timeout_s = abort_timeout_s
         self.reaper = reaper or GroupReaper()
         self.device = torch.device(device)
         self.backend = backend or backend_for(self.device)
         self.enqueue = completes_at_enqueue(self.backend)
+        # the timeout torch's own watchdog gets: above ours plus the abort's bound on NCCL
+        self.group_timeout_s = backend_timeout_s(self.backend, timeout_s, abort_timeout_s)
+        self.reaper.off_thread = self.enqueue
         self.monitor: Optional[AbortMonitor] = (
-            AbortMonitor(abort_communicators, abort_timeout_s) if self.enqueue else None)
+            AbortMonitor(self._abort_live, abort_timeout_s) if self.enqueue else None)
         self._stores: dict[str, dist.Store] = {}
         self.store: Optional[dist.Store] = None  # the current version's PrefixStore
+        self._lock = threading.Lock()
+        # (thread making the first operation, its groups): a communicator being created
+        self._creating: list[tuple[threading.Thread, list]] = []
+        self._skipped: list = []  # groups an abort left alone because they were being created
+        self._hook_before: Optional[Callable] = None  # sys.excepthook before torch wrapped it
+        self._hook_torch: Optional[Callable] = None  # the wrapper torch installed
 
     def _client(self, endpoint: str) -> dist.Store:
         if endpoint not in self._stores:
@@ -355,13 +271,56 @@ class GroupFormer:
                                        f"{exc}") from exc
         return self._stores[endpoint]
 
+    def comms_aborted(self) -> Optional[str]:
+        """Why this plan's communicators were, or are being, aborted (None: intact, or gloo).
+        A wait that completed since then proves nothing (``AbortMonitor.broken``)."""
+        return self.monitor.broken if self.monitor is not None else None
+
+    def _abort_live(self) -> None:
+        """The monitor's abort: every communicator but those still being created (their abort
+        would wait on the mutex their creation holds); ``leave`` aborts those once their
+        creation ends."""
+        with self._lock:
+            self._creating = [(t, gs) for t, gs in self._creating if t.is_alive()]
+            skip = [g for _t, gs in self._creating for g in gs]
+            self._skipped = skip
+        abort_communicators(skip=skip)
+
+    def _abort_after_creation(self) -> None:
+        """Abort the groups the last abort skipped, on a daemon thread, once the threads
+        creating them return (each within the creation bound); the groups are dropped
+        there."""
+        with self._lock:
+            groups, self._skipped = self._skipped, []
+            ids = {id(g) for g in groups}
+            threads = [t for t, gs in self._creating if any(id(g) in ids for g in gs)]
+            self._creating = [(t, gs) for t, gs in self._creating
+                              if not any(id(g) in ids for g in gs)]
+        if not groups:
+            return
+        bound = self.abort_timeout_s
+
+        def later() -> None:
+            for t in threads:
+                t.join(bound)
+            try:
+                abort_communicators(groups)
+            except Exception as exc:  # noqa: BLE001 - the groups are gone either way
+                log.warning("aborting communicators after their creation ended raised "
+                            "(%s: %s)", type(exc).__name__, exc)
+            groups.clear()
+
+        threading.Thread(target=later, name="abort-after-creation", daemon=True).start()
+        log.info("%d communicator(s) still being created: aborted once their creation ends",
+                 len(groups))
+
     def leave(self) -> float:
         """Leave the current process group and its sub-groups; returns the seconds spent.
 
         gloo: ``end_process_groups`` destroys them. A backend that completes at enqueue: the
         communicators are aborted on the monitor's thread (unless it already did), then the
-        groups are forgotten, also when the abort raised; an abort that does not return is
-        ``CommAbortFailed``."""
+        groups are forgotten, also when the abort raised, and dropped on a daemon thread; an
+        abort that does not return is ``CommAbortFailed``."""
         start = time.monotonic()
         aborted = False
         if self.monitor is not None and dist.is_initialized():
@@ -369,6 +328,7 @@ class GroupFormer:
             if error is not None:
                 log.warning("aborting the old communicators raised (%s: %s); forgetting them",
                             type(error).__name__, error)
+            self._abort_after_creation()
             aborted = True
         world = end_process_groups(aborted=aborted)
         if self.monitor is not None:
@@ -396,7 +356,8 @@ class GroupFormer:
     def armed(self, what: str, limit_s: float, superseded: Callable[[], bool]):
         """The abort monitor's watch over a block whose waits each have ``limit_s`` (a step,
         a switch): it aborts by itself only for a thread stuck outside them, ``ARMED_GRACE_S``
-        later. A no-op on gloo."""
+        later. A no-op on gloo. Never arm it across the creation of communicators (``ready``
+        bounds that): an abort then waits for the creation."""
         if self.monitor is None:
             return contextlib.nullcontext()
         return self.monitor.armed(what, limit_s + ARMED_GRACE_S, superseded)
@@ -428,11 +389,8 @@ class GroupFormer:
         if nccl:
             use_device(self.device)
         try:
-            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s),
-                                    **({"device_id": self.device} if nccl else {}))
-            if self.enqueue:
-                self._warm(version, aborted, deadline)
+            self._init(store, rank, world, nccl)
+            self.ready([dist.group.WORLD], f"plan v{version}", aborted, deadline)
         except (RuntimeError, ValueError) as exc:
             # a peer died while the communicators were created (non-blocking creation timed
             # out), or the warm-up was abandoned: nothing of this plan's group may stay behind
@@ -442,6 +400,17 @@ class GroupFormer:
             raise RegroupTimeout(f"plan v{version}: creating the process group failed: "
                                  f"{str(exc).splitlines()[0][:200]}") from exc
         self.store = store
+
+    def _init(self, store: dist.Store, rank: int, world: int, nccl: bool) -> None:
+        """``init_process_group``, which wraps ``sys.excepthook`` to prefix "[rankN]" each
+        time: the hook it wrapped last time is put back first, so prefixes never pile up."""
+        if self._hook_torch is not None and sys.excepthook is self._hook_torch:
+            sys.excepthook = self._hook_before
+        before = sys.excepthook
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=self.group_timeout_s),
+                                **({"device_id": self.device} if nccl else {}))
+        self._hook_before, self._hook_torch = before, sys.excepthook
 
     def _check_backend(self, store: dist.Store, rank: int, version: int) -> None:
         if rank == 0:
@@ -456,19 +425,52 @@ class GroupFormer:
                 f"{self.backend!r} (device {self.device}): every worker of a job must run on "
                 "the same kind of device (--hspmd-device)")
 
-    def _warm(self, version: int, aborted: Callable[[], bool], deadline: float) -> None:
-        """One small ``all_reduce`` on the device, polled against ``aborted`` and ``deadline``
-        (NCCL's ``wait`` only orders streams): every rank's communicator is up afterwards."""
+    def ready(self, groups: list, what: str, aborted: Callable[[], bool],
+              deadline: float) -> None:
+        """On a backend that completes at enqueue, make every communicator of ``groups`` exist
+        and work: one small ``all_reduce`` each, in the order given (every member must give
+        its groups in one global order), polled against ``deadline`` (``RegroupTimeout``) and
+        ``aborted`` (``RegroupAborted``). NCCL creates a communicator lazily, or eagerly but
+        non-blocking: its first operation is where torch waits for it to be ready
+        (``getNcclComm``, up to ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, holding the mutex an abort
+        needs), so that operation is posted from a helper thread and this thread keeps
+        looking at the deadline and for newer plans. A no-op on gloo."""
+        if not self.enqueue:
+            return
+        for group in groups:
+            self._ready_one(group, what, aborted, deadline)
+
+    def _ready_one(self, group, what: str, aborted: Callable[[], bool],
+                   deadline: float) -> None:
         probe = torch.zeros(1, device=self.device)
-        work = dist.all_reduce(probe, async_op=True)
+        posted: list = []
+
+        def post() -> None:
+            try:
+                use_device(self.device)  # the current CUDA device is per thread
+                posted.append(dist.all_reduce(probe, group=group, async_op=True))
+            except BaseException as exc:  # noqa: BLE001 - reported on the calling thread
+                posted.append(exc)
+
+        thread = threading.Thread(target=post, name=f"creating communicators ({what})",
+                                  daemon=True)
+        with self._lock:
+            self._creating.append((thread, [group]))
+        thread.start()
         delay = _POLL_FIRST_S
-        while not work.is_completed():
+        while True:
+            work = posted[0] if posted else None
+            if isinstance(work, BaseException):
+                raise RegroupTimeout(f"{what}: creating the communicators failed: "
+                                     f"{str(work).splitlines()[0][:200]}") from work
+            if work is not None and work.is_completed():
+                break
             if aborted():
-                raise RegroupAborted(f"plan v{version}: NCCL warm-up: a newer plan was "
-                                     "published")
+                raise RegroupAborted(f"{what}: a newer plan was published while the "
+                                     "communicators were being created")
             if time.monotonic() >= deadline:
-                raise RegroupTimeout(f"plan v{version}: the NCCL warm-up all_reduce did not "
-                                     "complete by the deadline")
+                raise RegroupTimeout(f"{what}: the communicators were not ready by the "
+                                     "deadline")
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
         work.wait()

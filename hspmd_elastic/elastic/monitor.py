@@ -66,6 +66,9 @@ class AbortMonitor:
         self._done = 0  # aborts finished (abort_now waits for this to move)
         self._error: Optional[BaseException] = None
         self.fired: Optional[str] = None  # why the communicators were aborted; None: intact
+        # set before an abort begins: a work that completes from then on may have completed
+        # only because its communicator was aborted (NCCL reports such a work as a success)
+        self.aborting: Optional[str] = None
         self.abort_thread: Optional[str] = None  # the thread the last abort ran on
 
     # ---------------------------------------------------------------- main-thread side
@@ -111,11 +114,19 @@ class AbortMonitor:
                                   f"{self.abort_timeout_s:g}s ({reason})")
         return error
 
+    @property
+    def broken(self) -> Optional[str]:
+        """Why this plan's communicators were, or are being, aborted; None while intact. Once
+        set, no completed wait of this plan can be trusted: on NCCL an aborted work is
+        completed and successful (``WorkNCCL::isCompleted`` sets no exception for an aborted
+        communicator), with whatever partial data had arrived."""
+        return self.fired or self.aborting
+
     def reset(self) -> None:
         """The aborted groups were forgotten (``GroupFormer.leave``): the next plan's are
         intact."""
         with self._cond:
-            self.fired, self._error = None, None
+            self.fired, self.aborting, self._error = None, None, None
 
     def close(self, timeout: float = 1.0) -> None:
         with self._cond:
@@ -164,6 +175,7 @@ class AbortMonitor:
     def _run_abort(self, reason: str) -> None:
         error = None
         if self.fired is None:
+            self.aborting = reason
             log.warning("aborting this plan's communicators: %s", reason)
             try:
                 self._abort()

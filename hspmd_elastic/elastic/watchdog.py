@@ -16,7 +16,9 @@ What "completes" means depends on the backend, and the wait is written for the s
   communicators on its own thread: the kernel that spins on the dead peer ends, and the rank is
   out of its collective within this limit. If the main thread is blocked elsewhere (a host sync,
   an enqueue), the monitor, armed around every step, aborts by itself; ``check()`` and every
-  later wait then raise (``fired``).
+  later wait then raise (``fired``). A wait that completes once an abort has begun raises too,
+  whatever ``is_completed()`` says: NCCL completes an aborted work as a success, on partial
+  data (``_trust``).
 * **gloo**: a collective's future completes when the work ends (the watchdog sleeps on it,
   looking at the plan watch in between), and a dead peer fails it within the group's timeout. An abandoned collective keeps its group's worker busy until then, so ``on_abandon``
   only records it for the ``GroupReaper``. Point-to-point works have no future and progress only
@@ -72,10 +74,10 @@ class Watchdog:
         if newer is not None:
             raise SwitchRequested(newer.version, what)
         monitor = self.monitor
-        if monitor is not None and monitor.fired is not None:
+        if monitor is not None and monitor.broken is not None:
             self._failed()
             raise CommTimeoutError(f"{what}: this plan's communicators were aborted "
-                                   f"({monitor.fired})")
+                                   f"({monitor.broken})")
 
     def superseded(self) -> bool:
         """True once a plan newer than the one the worker runs is known (lock-only)."""
@@ -104,6 +106,7 @@ class Watchdog:
                 delay = min(delay * 2, _POLL_S)
             else:  # gloo: sleep on the future, the plan watch looked at in between
                 done.wait(min(_POLL_S, remaining))
+        self._trust(what)  # NCCL: an aborted work completes as a success
         try:
             if error:
                 raise error[0]
@@ -114,6 +117,22 @@ class Watchdog:
             raise CommTimeoutError(f"{what} failed: {str(exc).splitlines()[0][:200]}") from exc
         if self.monitor is not None:
             self.monitor.progress()
+
+    def _trust(self, what: str) -> None:
+        """A completed wait counts only if its communicators were not aborted: on NCCL an
+        aborted work is completed with no error and ``wait()`` returns normally, on partial
+        data. Raises ``SwitchRequested`` (a newer plan caused the abort) or
+        ``CommTimeoutError`` once the monitor has begun an abort."""
+        monitor = self.monitor
+        reason = monitor.broken if monitor is not None else None
+        if reason is None:
+            return
+        self._failed()
+        newer = self.plans.newer_than(self.current_version())
+        if newer is not None:
+            raise SwitchRequested(newer.version, what)
+        raise CommTimeoutError(f"{what} completed only because this plan's communicators were "
+                               f"aborted ({reason}); its result is discarded")
 
     def _abandon(self, done: threading.Event, waited: bool) -> None:
         """Left in flight: a collective keeps its group's worker busy until gloo times it out

@@ -123,10 +123,12 @@ class BucketedModel:
     def __init__(self, home: SpecializedModel, buckets: Sequence[Bucket],
                  comms: Mapping[tuple, Comm], *, node_of: Optional[Mapping[int, str]] = None,
                  timeout_s: float = 60.0,
-                 should_abort: Optional[Callable[[], bool]] = None):
+                 should_abort: Optional[Callable[[], bool]] = None,
+                 comms_aborted: Optional[Callable[[], Optional[str]]] = None):
         check_buckets(home.plan, buckets, home.config)
         self.home, self.buckets, self.rank = home, tuple(buckets), home.rank
         self.timeout_s, self.should_abort = timeout_s, should_abort
+        self.comms_aborted = comms_aborted  # execute_fused's: an aborted move is no move
         devices = home.plan.devices
         self._nodes = dict(node_of) if node_of is not None else {d: "node" for d in devices}
         self.models: list[Optional[SpecializedModel]] = []  # None: not in the bucket's plan
@@ -242,7 +244,8 @@ class BucketedModel:
                  for n, v in tensors.items()}
         with waiting():  # a device timer counts this as communication (elastic.device_timer)
             out, ex = execute_fused(schedule, self.rank, local, device=self.home.device,
-                                    timeout_s=self.timeout_s, should_abort=self.should_abort)
+                                    timeout_s=self.timeout_s, should_abort=self.should_abort,
+                                    comms_aborted=self.comms_aborted)
         spent = time.perf_counter() - t
         self.home.comm.waited_s += spent  # communication: not this rank's compute
         stats.switches += 1

@@ -37,6 +37,7 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from hspmd_elastic.devices import completes_at_enqueue
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.plan import Plan, PlanError
 
@@ -154,23 +155,31 @@ class Comm:
     # seconds spent in waits on communication since the groups were made (the runtime's busy
     # time of a step is the step's time minus what this grew by)
     waited_s: float = 0.0
+    # point-to-point as on NCCL (a backend that ``devices.completes_at_enqueue``, or CUDA):
+    # sends held and batched with the next receive (see ``send``)
+    ordered_p2p: bool = False
 
     @classmethod
     def create(cls, plan: Plan, config: ModelConfig, rank: int, *, timeout_s: float = 60.0,
                waiter: Optional[Waiter] = None, store=None,
                aborted: Optional[Callable[[], bool]] = None,
                barrier_key: str = "comm-create",
-               device: torch.device | str = "cpu") -> "Comm":
+               device: torch.device | str = "cpu",
+               group_timeout_s: Optional[float] = None) -> "Comm":
         """Create the plan's groups; every rank of the default group must call this.
 
         With ``store`` (a store every rank shares, fresh keys for ``barrier_key``), the ranks
         first meet at a polled barrier there, abandoned with ``CommAborted`` as soon as
         ``aborted()`` is true, or with ``CommTimeoutError`` after ``timeout_s``. The groups
-        use the default group's backend; ``device`` is where the plan's tensors live."""
+        use the default group's backend, with ``group_timeout_s`` as torch's own timeout
+        (default ``timeout_s``; on NCCL ``GroupFormer.group_timeout_s``, above ours); ``device``
+        is where the plan's tensors live. On NCCL the groups' communicators are ready only after
+        their first operation: ``GroupFormer.ready`` makes it, bounded."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if max(plan.devices) >= world:
             raise PlanError(f"plan uses device {max(plan.devices)} but the world has {world} ranks")
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(seconds=timeout_s if group_timeout_s is None
+                                     else group_timeout_s)
         if store is not None and world > 1:
             store_barrier(store, barrier_key, rank, world, time.monotonic() + timeout_s,
                           aborted or (lambda: False))
@@ -180,7 +189,9 @@ class Comm:
             group = dist.new_group(list(members), timeout=timeout, backend=backend)
             if rank in members:
                 groups[members] = group
-        return cls(groups, rank, waiter or deadline_waiter(timeout_s), torch.device(device))
+        device = torch.device(device)
+        return cls(groups, rank, waiter or deadline_waiter(timeout_s), device,
+                   ordered_p2p=device.type == "cuda" or completes_at_enqueue(backend))
 
     def group(self, devices: Sequence[int]):
         return self.groups[tuple(sorted(devices))]
@@ -234,7 +245,8 @@ class Comm:
         return [by_device[d] for d in devices]
 
     # ---- point to point ------------------------------------------------------------------
-    # On CUDA, NCCL runs a pair's sends and receives in posting order on one stream, and a send
+    # On NCCL (CUDA, or ``ordered_p2p``: any backend with its semantics), a pair's sends and
+    # receives match by posting order, tags ignored, on one stream, and a send
     # larger than NCCL's buffers waits for its receive: a stage that sends an activation, then
     # receives a gradient, while its neighbour sends that gradient, then receives the activation,
     # would deadlock. So there a send is held and posted with the next receive in one
@@ -245,7 +257,7 @@ class Comm:
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         """Start sending; the send completes by ``flush_sends``."""
         tensor = tensor.contiguous()
-        if self.device.type == "cuda":
+        if self.ordered_p2p or self.device.type == "cuda":
             self._held_sends.append((tensor, dst, tag))
             return
         work = self.post(lambda: dist.isend(tensor, dst, tag=tag), f"send to rank {dst} tag {tag}")
@@ -253,7 +265,7 @@ class Comm:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         what = f"recv from rank {src} tag {tag}"
-        if self._held_sends or self.device.type == "cuda":
+        if self._held_sends or self.ordered_p2p or self.device.type == "cuda":
             # CUDA: every point-to-point goes through batch_isend_irecv, so a receive always
             # matches its peer's batched send (a lone ``irecv`` matches one only from torch 2.8)
             self._post_held(dist.P2POp(dist.irecv, tensor, src, tag=tag), what)

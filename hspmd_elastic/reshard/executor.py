@@ -20,7 +20,8 @@ the process group must be rebuilt as after a timeout. Receives land only in fres
 an abandoned exchange never writes into the caller's tensors.
 
 On CUDA (``device`` a GPU, the group's CUDA part NCCL), packing, the staged receive buffers and
-unpacking stay on the device; completion is polled (NCCL's ``wait`` only orders streams), then
+unpacking stay on the device; completion is polled (NCCL's ``wait`` only orders streams; so on
+any backend that ``devices.completes_at_enqueue``), then
 each work is waited on by the calling thread so that its stream orders the unpacking after the
 transfers. Call ``torch.cuda.set_device`` first and run one collective on the group before the
 first exchange, as ``batch_isend_irecv`` requires when it is a group's first operation
@@ -37,6 +38,7 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from hspmd_elastic.devices import completes_at_enqueue
 from hspmd_elastic.reshard.api import (
     ExchangeStats,
     FusedSchedule,
@@ -173,12 +175,16 @@ def execute_fused(
     group: dist.ProcessGroup | None = None,
     should_abort: Optional[Callable[[], bool]] = None,
     poll_s: float = ABORT_POLL_S,
+    comms_aborted: Optional[Callable[[], Optional[str]]] = None,
 ) -> tuple[dict[str, torch.Tensor], ExchangeStats]:
     """Execute ``schedule`` as ``rank``; return this rank's new shards by name and its stats.
 
     ``local_tensors`` maps a tensor name to this rank's old shard (needed where it sends or copies).
     ``should_abort`` (checked before posting and every ``poll_s`` while waiting) abandons the
-    exchange with ``ReshardAborted``.
+    exchange with ``ReshardAborted``. ``comms_aborted`` (``GroupFormer.comms_aborted``) says
+    why the group's communicators were aborted, if they were: on NCCL an aborted transfer
+    completes as a success on partial data, so an exchange whose waits completed while it says
+    so raises ``ReshardCommError`` instead of returning shards.
     """
     if should_abort is not None and should_abort():
         raise ReshardAborted(f"rank {rank}: exchange not started: a newer plan was published")
@@ -236,7 +242,8 @@ def execute_fused(
 
     copied = time.monotonic()
     stats.local_s = copied - packed
-    polled = device.type == "cuda"
+    polled = device.type == "cuda" or (dist.is_initialized() and
+                                       completes_at_enqueue(dist.get_backend(group)))
     pending = _describe(works, pending, rank)
     if works and should_abort is not None:
         _wait_abortable(works, deadline, polled, pending, should_abort, poll_s, rank)
@@ -248,6 +255,11 @@ def execute_fused(
                 work.wait()
             except RuntimeError as exc:
                 raise ReshardCommError(f"{what} failed: {exc}") from exc
+    reason = comms_aborted() if comms_aborted is not None and works else None
+    if reason is not None:
+        raise ReshardCommError(f"rank {rank}: {len(works)} transfer(s) completed only because "
+                               f"the communicators were aborted ({reason}); the exchange is "
+                               "discarded")
     communicated = time.monotonic()
     stats.comm_s = communicated - packed
 

@@ -14,7 +14,7 @@ files, dropped half a second later). Here each reading is therefore taken twice:
 
 Both carry the thread names and the open files' link targets, so a count that grows can be
 traced to what holds it. ``process_resources`` is replaced in this process only (``main`` looks it
-up at each switch); the runtime's reaper is ``group.live_reapers()``.
+up at each switch); the runtime's reaper is ``reaper.live_reapers()``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: _elastic
 
 import _elastic  # noqa: E402
-from hspmd_elastic.elastic import group  # noqa: E402
+from hspmd_elastic.elastic import group, reaper  # noqa: E402
 
 # Far above the reaper's own delay (its collective ends as the peer leaves the old groups during
 # the same switch, then _SETTLE_S = 0.5 s) and below the groups' gloo timeout (comm_s, 30 s in
@@ -42,7 +42,7 @@ _reapers: list = []
 def _find_reapers() -> list:
     """The runtime's ``GroupReaper`` (its ``GroupFormer`` makes it)."""
     if not _reapers:
-        _reapers.extend(group.live_reapers())
+        _reapers.extend(reaper.live_reapers())
     return _reapers
 
 
