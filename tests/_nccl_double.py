@@ -1,29 +1,64 @@
-"""A double with NCCL's semantics, for CPUs: the part of a GPU this machine lacks.
+"""A double with ProcessGroupNCCL's semantics, for CPUs: the part of a GPU this machine lacks.
 
 It is a c10d backend (``dist.Backend.register_backend``, torch's own plug-in interface, the one
 ProcessGroupNCCL sits behind) that real worker processes form groups with, through the
-production ``GroupFormer``, and that the production ``Watchdog``, ``AbortMonitor`` and ``Comm``
-drive unchanged. ``register()`` also declares it to ``hspmd_elastic.devices`` as a backend that
-completes at enqueue, as NCCL is. What it copies from NCCL (and gloo does not do):
+production ``GroupFormer``, and that the production ``Watchdog``, ``AbortMonitor``, ``Comm`` and
+BSR drive unchanged. ``register()`` also declares it to ``hspmd_elastic.devices`` as a backend
+that completes at enqueue, as NCCL is.
 
-* **completion**: an operation runs on the group's "stream", a thread that takes the enqueued
-  operations in order and ends one only when every peer has acted (its contribution is on the
-  group's store). ``Work.get_future()`` is done at enqueue; ``Work.wait()`` only orders streams
-  and returns at once; ``Work.is_completed()`` turns true when the operation ended (or failed).
-* **a dead peer**: nothing times out. The stream waits for the peer forever, like a kernel that
-  spins on the GPU, until the group is aborted.
-* **host syncs**: ``synchronize()`` is ``torch.cuda.synchronize``: it blocks until every stream
-  of the process is idle, with no deadline, or until the groups are aborted.
-* **abort**: ``ProcessGroup.abort()`` ends the stream, fails what it had pending (``wait()``
-  then raises) and releases every host sync; the thread that called it is recorded
-  (``abort_threads``).
-* **creation**: making a communicator (the default group, or a split for ``new_group``) waits
-  for every member to make its own. In NCCL's blocking mode that wait has no bound; with
-  ``TORCH_NCCL_USE_COMM_NONBLOCKING=1`` it is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
-  seconds and then raises, as torch's ``DistBackendError`` does.
+Each behaviour below is modelled on torch 2.13's source (``ProcessGroupNCCL.cpp``,
+``NCCLUtils.cpp``/``.hpp``, ``distributed_c10d.py``); docs/gpu.md, "NCCL as it really is", gives
+the source line of each, how the elastic runtime handles it and the test that holds it.
 
-Only what the elastic control path uses is implemented: all_reduce (sum, max), all_gather and
-barrier. Point-to-point raises.
+* **completion** (``WorkNCCL``): an operation runs on the group's "stream", a thread that takes
+  the enqueued operations in order and ends one only when every peer has acted.
+  ``get_future()`` is done at enqueue; ``wait()`` only orders streams and returns at once, unless
+  ``is_completed()`` saw an NCCL error on this work: then it aborts the communicator and raises;
+  ``is_completed()`` turns true when the operation ended, hit an NCCL error, or its communicator
+  was aborted.
+* **an aborted work is a success**: after ``abort()`` every pending work is completed with no
+  error, and its ``wait()`` returns normally (``isCompleted`` skips ``checkAndSetException`` once
+  the communicator is aborted). Its outputs hold whatever had arrived: partial data.
+* **a dead peer** (``NCCL_DOUBLE_TRANSPORT=p2p``, the default: NVLink or shared memory): the
+  stream waits for the peer until the group is aborted, like a kernel that spins on the GPU;
+  nothing reports it. With ``NCCL_DOUBLE_TRANSPORT=net`` (sockets) the peer's closed connection
+  is an ``ncclRemoteError`` on the work.
+* **host syncs**: ``synchronize()`` is ``torch.cuda.synchronize``: until every stream of the
+  process is idle or aborted, with no deadline.
+* **creation is lazy** (``NCCLComm``): making the group returns at once; the communicator is
+  ready only when every member made its own, and that is waited for at the first operation,
+  while the communicator's mutex is held: with ``TORCH_NCCL_USE_COMM_NONBLOCKING=1`` for
+  ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` whole seconds (an integer; the check compares whole
+  elapsed seconds with ``>``, so a bound of N fires after N+1 s), without it forever.
+  ``abort()`` takes the same mutex, so it blocks while a first operation waits for readiness.
+* **abort** (``ProcessGroup.abort()``) runs the communicator's abort on another thread (torch:
+  ``std::async``) and waits for it; NCCL's group calls are per thread, so nothing the caller
+  wraps around it covers it. An abort returns only when no other communicator of the process
+  still has a hung operation running (``ncclCommAbort`` can block behind another communicator's
+  kernel: pytorch#119797); aborts that run concurrently release each other. The thread that
+  asked for each abort is recorded (``abort_threads``).
+* **torch's watchdog** (one thread per group) keeps its own copy of each work: one older than the
+  group's ``timeout`` (from its enqueue) is reported there only (the caller's work goes on
+  spinning); an NCCL error also reaches the caller's work. Either way the watchdog then writes
+  the key ``exception_dump`` at the root of the group's store (under every ``PrefixStore``),
+  whatever ``TORCH_NCCL_DUMP_ON_TIMEOUT`` says, and sleeps 4 x
+  ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (default 15 s) holding the lock that every enqueue on
+  the group takes.
+* **the heartbeat monitor**: the first group of a process, when ``TORCH_NCCL_DUMP_ON_TIMEOUT`` is
+  not 0, polls ``exception_dump`` on its root store every ``TORCH_NCCL_COORD_CHECK_MILSEC`` (and
+  its own process's dump signal); once it sees one it sleeps
+  ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (default 480; nothing interrupts it) and then, unless the
+  group was aborted or destroyed meanwhile, ends the process with ``abort()`` (SIGABRT), or with
+  ``TORCH_NCCL_ENABLE_MONITORING=0`` only says it would have.
+* **the destructor** (dropping a group's last reference, on the dropping thread) aborts the group
+  unless it was, then joins its watchdog and heartbeat threads through any sleep of theirs
+  (``destructor_waits`` records the thread and the seconds).
+* **point to point**: sends and receives match by order within each pair of ranks; tags are
+  ignored. A send is eager (it completes once posted); a receive of another size than the
+  matched send fails.
+
+Only what the elastic paths use is implemented: all_reduce (sum, max), all_gather, barrier,
+send and recv.
 """
 
 from __future__ import annotations
@@ -41,10 +76,31 @@ import torch.distributed as dist
 NAME = "enqueuedouble"
 _HARD_CAP_S = 3600.0  # a blocking wait of the double still ends some day, should a test leak it
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.02
+_WATCHDOG_POLL_S = 0.1  # torch: kWatchdogThreadSleepMillis
+DUMP_KEY = "exception_dump"
+# "p2p" (NVLink, shared memory: a dead peer leaves the kernel spinning, nothing reports it) or
+# "net" (sockets: the dead peer's closed connection is an ncclRemoteError)
+_NET = os.environ.get("NCCL_DOUBLE_TRANSPORT", "p2p") == "net"
+_should_dump = [False]  # ProcessGroupNCCL::shouldDump_ (process-wide)
 
-_live: "set[DoubleGroup]" = set()
+_live: "set[_Core]" = set()
 _live_lock = threading.Lock()
-abort_threads: list[str] = []  # the threads every abort ran on, in order
+_created = [0]  # groups made by this process (torch's process-wide uid counter)
+abort_threads: list[str] = []  # the threads every abort was asked from, in order
+destructor_waits: list[tuple[str, float]] = []  # (thread, seconds) of every destructor's join
+watchdog_fired: list[str] = []  # why torch's watchdog failed a work, in order
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "y")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
 
 
 class DoubleWork(dist.distributed_c10d.Work):
@@ -52,6 +108,10 @@ class DoubleWork(dist.distributed_c10d.Work):
         super().__init__()
         self._done = threading.Event()
         self._error: Optional[str] = None
+        self.enqueued = time.monotonic()  # torch times a work from its construction
+        self.started: Optional[float] = None  # when the stream began it
+        self.watched = False  # torch's watchdog reported it (and dropped its copy)
+        self.on_error = None  # WorkNCCL::wait aborts the communicator before it raises
         self._future = torch.futures.Future()
         self._future.set_result(outputs)  # NCCL: the future is done once the work is enqueued
 
@@ -62,13 +122,16 @@ class DoubleWork(dist.distributed_c10d.Work):
         return self._done.is_set()
 
     def wait(self, timeout=None) -> bool:  # NCCL: orders streams, never blocks the host
-        if self._error is not None:
+        if self._error is not None:  # an exception isCompleted() saw: abort, then raise
+            if self.on_error is not None:
+                self.on_error()
             raise RuntimeError(self._error)
         return True
 
     def _finish(self, error: Optional[str] = None) -> None:
-        self._error = error
-        self._done.set()
+        if not self._done.is_set():
+            self._error = error
+            self._done.set()
 
 
 def _pack(tensor: torch.Tensor) -> bytes:
@@ -80,91 +143,151 @@ def _unpack(data: bytes, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(array).reshape(like.shape)
 
 
-class DoubleGroup(dist.ProcessGroup):
-    """One communicator of the double: its own store namespace and stream thread."""
+def _root(store):
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Comm:
+    """``NCCLComm``: readiness waited for at first use under the mutex that abort takes."""
 
     def __init__(self, store, rank: int, size: int):
-        super().__init__(rank, size)
-        self._store, self._rank, self._size = store, rank, size
-        self._queue: deque = deque()
-        self._cond = threading.Condition()
-        self._aborted = False
-        self._seq = 0
-        self._stream = threading.Thread(target=self._run, name=f"{NAME}-stream", daemon=True)
-        self._stream.start()
-        with _live_lock:
-            _live.add(self)
+        self.store, self.rank, self.size = store, rank, size
+        self.mutex = threading.Lock()
+        self.ready, self.aborted = False, False
+        self.nonblocking = _env_flag("TORCH_NCCL_USE_COMM_NONBLOCKING", False)
+        self.bound_s = _env_int("TORCH_NCCL_NONBLOCKING_TIMEOUT", 30 * 60)
+        self.pids: dict[int, int] = {}
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        return NAME
-
-    # ------------------------------------------------------------------ operations
-    def allreduce(self, tensors, opts=None):
-        op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
-        return self._enqueue("allreduce", (tensors, op), tensors)
-
-    def allgather(self, output_lists, inputs, opts=None):
-        return self._enqueue("allgather", (output_lists, inputs), output_lists)
-
-    def barrier(self, opts=None):
-        return self._enqueue("barrier", None, [])
-
-    def send(self, *args, **kwargs):
-        raise RuntimeError(f"{NAME}: point-to-point is not implemented")
-
-    recv = send
+    def get(self) -> None:
+        with self.mutex:
+            if self.aborted:
+                raise RuntimeError(f"NCCL communicator was aborted on rank {self.rank}.")
+            if self.ready:
+                return
+            keys = [f"init/{r}" for r in range(self.size)]
+            start, delay = time.monotonic(), _POLL_FIRST_S
+            while not self.store.check(keys):
+                elapsed = int(time.monotonic() - start)  # whole seconds, compared with '>'
+                if self.nonblocking and elapsed > self.bound_s:
+                    # C10D_CHECK_TIMEOUT's message (torch 2.13 NCCLUtils.hpp:94)
+                    raise RuntimeError("NCCL timeout in: NCCLUtils.cpp (waitReady: the "
+                                       "communicator initialization)")
+                if elapsed > _HARD_CAP_S:
+                    raise RuntimeError("double: blocking communicator initialization hard cap")
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+            self.pids = {r: int(self.store.get(f"init/{r}")) for r in range(self.size)}
+            self.ready = True
 
     def abort(self) -> None:
-        with self._cond:
-            if not self._aborted:
-                abort_threads.append(threading.current_thread().name)
-            self._aborted = True
-            self._cond.notify_all()
+        with self.mutex:  # blocks while get() waits for readiness
+            self.aborted = True
+
+
+class _Core:
+    """What a group's threads run on: never the group itself, so that dropping the group's last
+    reference runs its destructor (which closes this and joins the watchdog)."""
+
+    def __init__(self, store, rank: int, size: int, timeout_s: float):
+        self.store, self.rank, self.size = store, rank, size
+        self.comm = _Comm(store, rank, size)
+        self.timeout_s = timeout_s
+        self.queue: deque = deque()
+        self.cond = threading.Condition()
+        self.aborted = False
+        self.closing = False
+        self.seq = 0
+        self.pair_seq: dict[tuple[str, int], int] = {}
+        self.stream = threading.Thread(target=self._run, name=f"{NAME}-stream", daemon=True)
+        self.stream.start()
+        self.watchdog = threading.Thread(target=self._watch, name=f"{NAME}-watchdog",
+                                         daemon=True)
+        self.watchdog.start()
+        self.enqueue_lock = threading.Lock()
+        with _live_lock:
+            first = _created[0] == 0
+            _created[0] += 1
+            _live.add(self)
+        self.monitor: Optional[threading.Thread] = None
+        if first and _env_flag("TORCH_NCCL_DUMP_ON_TIMEOUT", True):  # checkDumpSignal
+            self.monitor = threading.Thread(target=self._heartbeat_monitor,
+                                            name=f"{NAME}-heartbeat", daemon=True)
+            self.monitor.start()
+
+    def next_pair(self, kind: str, peer: int) -> int:
+        with self.cond:
+            n = self.pair_seq.get((kind, peer), 0)
+            self.pair_seq[(kind, peer)] = n + 1
+        return n
+
+    def abort(self) -> None:
+        self.comm.abort()  # waits while a first operation holds the mutex for readiness
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
         _notify_syncs()
+        with _sync_cond:  # ncclCommAbort can block behind another communicator's hung kernel
+            _sync_cond.wait_for(lambda: not any(c.spinning for c in list(_live) if c is not self),
+                                _HARD_CAP_S)
 
-    def shutdown(self) -> None:
-        self.abort()
-
-    def _enqueue(self, kind: str, args, outputs) -> DoubleWork:
-        with self._cond:
-            if self._aborted:
-                raise RuntimeError(f"{NAME}: the communicator was aborted")
+    def enqueue(self, kind: str, args, outputs) -> DoubleWork:
+        self.comm.get()  # getNcclComm: raises once aborted; waits for readiness at first use
+        with self.enqueue_lock, self.cond:
+            if self.aborted:
+                raise RuntimeError(f"NCCL communicator was aborted on rank {self.rank}.")
             work = DoubleWork(outputs)
-            self._seq += 1
-            self._queue.append((self._seq, kind, args, work))
-            self._cond.notify_all()
+            work.on_error = self.abort
+            self.seq += 1
+            self.queue.append((self.seq, kind, args, work))
+            self.cond.notify_all()
         return work
 
     # ------------------------------------------------------------------ the stream
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while not self._queue and not self._aborted:
-                    self._cond.wait()
-                if self._aborted:
+            with self.cond:
+                while not self.queue and not self.aborted and not self.closing:
+                    self.cond.wait()
+                if self.aborted or self.closing:
                     break
-                seq, kind, args, work = self._queue[0]
+                seq, kind, args, work = self.queue[0]
+                work.started = time.monotonic()
             error = None
             try:
-                self._execute(seq, kind, args)
+                self._execute(seq, kind, args, work)
             except _Aborted:
-                break
+                if self.aborted or self.closing:
+                    break  # the communicator is gone
+                # else torch's watchdog failed this work: the stream goes on
             except Exception as exc:  # noqa: BLE001 - the work reports it
                 error = f"{NAME}: {kind} failed: {exc}"
-            with self._cond:
-                self._queue.popleft()
+            with self.cond:
+                self.queue.popleft()
                 work._finish(error)
-                self._cond.notify_all()
+                self.cond.notify_all()
             _notify_syncs()
-        with self._cond:  # aborted: what was pending fails
-            while self._queue:
-                self._queue.popleft()[3]._finish(f"{NAME}: the communicator was aborted")
+        with self.cond:  # aborted: what was pending completes, with no error
+            while self.queue:
+                self.queue.popleft()[3]._finish(None)
         _notify_syncs()
 
-    def _execute(self, seq: int, kind: str, args) -> None:
+    def _execute(self, seq: int, kind: str, args, work: DoubleWork) -> None:
+        gone = lambda: self.aborted or self.closing or work.is_completed()  # noqa: E731
         if kind == "allreduce":
             (tensors, op) = args
-            values = self._exchange(seq, _pack(tensors[0]))
+            values = self._exchange(seq, _pack(tensors[0]), gone)
             parts = [_unpack(v, tensors[0]) for v in values]
             total = parts[0]
             for p in parts[1:]:
@@ -172,22 +295,163 @@ class DoubleGroup(dist.ProcessGroup):
             tensors[0].copy_(total)
         elif kind == "allgather":
             output_lists, inputs = args
-            values = self._exchange(seq, _pack(inputs[0]))
+            values = self._exchange(seq, _pack(inputs[0]), gone)
             for out, v in zip(output_lists[0], values):
                 out.copy_(_unpack(v, inputs[0]))
+        elif kind == "send":
+            tensor, n, dst = args
+            self.store.set(f"p2p/{self.rank}-{dst}/{n}", _pack(tensor))
+        elif kind == "recv":
+            tensor, n, src = args
+            key = f"p2p/{src}-{self.rank}/{n}"
+            _poll(lambda: self.store.check([key]), gone)
+            data = self.store.get(key)
+            size = tensor.numel() * tensor.element_size()
+            if len(data) != size:
+                raise RuntimeError(f"message {n} from rank {src} has {len(data)} bytes, the "
+                                   f"receive {size}")
+            tensor.copy_(_unpack(data, tensor))
         else:
-            self._exchange(seq, b"")
+            self._exchange(seq, b"", gone)
 
-    def _exchange(self, seq: int, mine: bytes) -> list[bytes]:
+    def _exchange(self, seq: int, mine: bytes, gone) -> list[bytes]:
         """Put this rank's part, then wait for every peer's (forever, like NCCL)."""
-        self._store.set(f"op/{seq}/{self._rank}", mine)
-        keys = [f"op/{seq}/{r}" for r in range(self._size)]
-        _poll(lambda: self._store.check(keys), lambda: self._aborted, None)
-        return [self._store.get(k) for k in keys]
+        self.store.set(f"op/{seq}/{self.rank}", mine)
+        keys = [f"op/{seq}/{r}" for r in range(self.size)]
+        _poll(lambda: self.store.check(keys), gone)
+        return [self.store.get(k) for k in keys]
 
     @property
     def idle(self) -> bool:
-        return self._aborted or not self._queue
+        return self.aborted or self.closing or not self.queue
+
+    @property
+    def spinning(self) -> bool:
+        """A hung operation runs on this communicator's stream (not aborted)."""
+        queue = self.queue
+        return not self.aborted and not self.closing and bool(queue) and \
+            queue[0][3].started is not None and not queue[0][3].is_completed()
+
+    # ------------------------------------------------------------------ torch's watchdog
+    def _watch(self) -> None:
+        """Torch's watchdog keeps its own copy of each work: a timeout it finds is not seen by
+        the caller's work (which goes on spinning); an NCCL error is, through that work's own
+        ``isCompleted`` (``checkAndSetException``). Either way it then writes the dump key and
+        sleeps 4 x the dump wait, holding the lock every enqueue on this group takes."""
+        while True:
+            with self.cond:
+                self.cond.wait(_WATCHDOG_POLL_S)
+                if self.closing:
+                    return
+                if self.aborted:
+                    continue
+                head = self.queue[0][3] if self.queue else None
+            if head is None or head.is_completed() or head.watched:
+                continue
+            why = None
+            if time.monotonic() - head.enqueued >= self.timeout_s:
+                why = (f"Watchdog caught collective operation timeout: ran for more than "
+                       f"{self.timeout_s * 1000:.0f} milliseconds before timing out")
+            elif _NET and head.started is not None and self.comm.pids and \
+                    not all(_alive(p) for p in self.comm.pids.values()):
+                why = "NCCL error: remote process exited or there was a network error " \
+                      "(ncclRemoteError)"
+                head._finish(why)  # the caller's work sees an async error: wait() raises
+                _notify_syncs()
+            if why is None:
+                continue
+            head.watched = True
+            watchdog_fired.append(why)
+            _should_dump[0] = True  # broadcastDumpSignal: this process's own monitor reacts
+            try:
+                _root(self.store).set(DUMP_KEY, str(self.rank))
+            except RuntimeError:
+                pass
+            with self.enqueue_lock:  # torch sleeps holding workMetaListMutex_
+                time.sleep(4 * _env_int("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", 15000) / 1000.0)
+
+    def _heartbeat_monitor(self) -> None:
+        """The first group's monitor: only with a dump configured does it look for the key."""
+        every_s = _env_int("TORCH_NCCL_COORD_CHECK_MILSEC", 1000) / 1000.0
+        root = _root(self.store)
+        stopped = lambda: self.aborted or self.closing  # noqa: E731
+        while True:
+            with self.cond:
+                if self.cond.wait_for(stopped, every_s):
+                    return
+            try:
+                seen = _should_dump[0] or root.check([DUMP_KEY])
+            except RuntimeError:
+                seen = False
+            if seen:
+                break
+        time.sleep(_env_int("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", 480))  # uninterruptible
+        if stopped():  # terminateHeartbeatMonitorThread_: aborted or destroyed meanwhile
+            return
+        if _env_flag("TORCH_NCCL_ENABLE_MONITORING", True):
+            print(f"{NAME}: heartbeat monitor: {DUMP_KEY} seen; terminating the process",
+                  flush=True)
+            os.abort()  # terminateProcess
+        print(f"{NAME}: heartbeat monitor disabled, but would have terminated the process",
+              flush=True)
+
+    def close(self) -> None:
+        """The destructor: abort unless aborted, then stop the threads and join the watchdog
+        and the heartbeat monitor, through any sleep of theirs."""
+        if not self.aborted:
+            self.abort()
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        start = time.monotonic()
+        for thread in (self.watchdog, self.monitor):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(_HARD_CAP_S)
+        destructor_waits.append((threading.current_thread().name, time.monotonic() - start))
+        with _live_lock:
+            _live.discard(self)
+        _notify_syncs()
+
+
+class DoubleGroup(dist.ProcessGroup):
+    """One communicator of the double (its state and threads are a ``_Core``)."""
+
+    def __init__(self, store, rank: int, size: int, timeout_s: float):
+        super().__init__(rank, size)
+        self._core = _Core(store, rank, size, timeout_s)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return NAME
+
+    def allreduce(self, tensors, opts=None):
+        op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
+        return self._core.enqueue("allreduce", (tensors, op), tensors)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        return self._core.enqueue("allgather", (output_lists, inputs), output_lists)
+
+    def barrier(self, opts=None):
+        return self._core.enqueue("barrier", None, [])
+
+    def send(self, tensors, dst: int, tag: int):  # NCCL ignores the tag
+        core = self._core
+        return core.enqueue("send", (tensors[0], core.next_pair("send", dst), dst), tensors)
+
+    def recv(self, tensors, src: int, tag: int):  # NCCL ignores the tag
+        core = self._core
+        return core.enqueue("recv", (tensors[0], core.next_pair("recv", src), src), tensors)
+
+    def abort(self) -> None:
+        abort_threads.append(threading.current_thread().name)
+        runner = threading.Thread(target=self._core.abort, name=f"{NAME}-abort", daemon=True)
+        runner.start()  # torch: abortComms on a std::async thread, waited for
+        runner.join(_HARD_CAP_S)
+
+    def shutdown(self) -> None:
+        self.abort()
+
+    def __del__(self):
+        self._core.close()  # ~ProcessGroupNCCL, on whichever thread drops the last reference
 
 
 class _Aborted(Exception):
@@ -206,32 +470,24 @@ def synchronize() -> None:
     """The host sync (``torch.cuda.synchronize``): until every stream of this process is idle
     or aborted. No deadline, as on a GPU."""
     with _sync_cond:
-        _sync_cond.wait_for(lambda: all(g.idle for g in list(_live)), _HARD_CAP_S)
+        _sync_cond.wait_for(lambda: all(c.idle for c in list(_live)), _HARD_CAP_S)
 
 
-def _poll(ready, aborted, bound_s: Optional[float]) -> None:
+def _poll(ready, gone) -> None:
     start, delay = time.monotonic(), _POLL_FIRST_S
-    limit = _HARD_CAP_S if bound_s is None else bound_s
     while not ready():
-        if aborted():
+        if gone():
             raise _Aborted()
-        if time.monotonic() - start >= limit:
-            raise RuntimeError(f"NCCL error: timeout after {limit:g}s in communicator "
-                               "initialization (TORCH_NCCL_NONBLOCKING_TIMEOUT)")
+        if time.monotonic() - start >= _HARD_CAP_S:
+            raise RuntimeError("double: hard cap")
         time.sleep(delay)
         delay = min(delay * 2, _POLL_MAX_S)
 
 
 def _create(store, rank: int, size: int, timeout) -> DoubleGroup:
-    """Make this rank's communicator: every member must make its own (see the docstring)."""
-    nonblocking = os.environ.get("TORCH_NCCL_USE_COMM_NONBLOCKING", "0").strip().lower() in (
-        "1", "true", "yes", "y")
-    bound = float(os.environ.get("TORCH_NCCL_NONBLOCKING_TIMEOUT", "1800")) if nonblocking \
-        else None
-    store.set(f"init/{rank}", "1")
-    keys = [f"init/{r}" for r in range(size)]
-    _poll(lambda: store.check(keys), lambda: False, bound)
-    return DoubleGroup(store, rank, size)
+    """Make this rank's communicator: lazily, as the docstring says."""
+    store.set(f"init/{rank}", str(os.getpid()))
+    return DoubleGroup(store, rank, size, timeout.total_seconds())
 
 
 def register() -> None:

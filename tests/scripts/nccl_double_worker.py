@@ -1,21 +1,27 @@
 """A worker of tests/test_nccl_semantics.py: rank ``0`` (the survivor) or ``1`` (the victim) of a
 plan whose group is formed on the NCCL double (``tests/_nccl_double.py``) by the production
-``GroupFormer``; the survivor then waits through the production ``Watchdog``, ``AbortMonitor``
-and ``Comm``.
+``GroupFormer``; the survivor then waits through the production ``Watchdog``, ``AbortMonitor``,
+``Comm`` and BSR. A ``joiner`` is a process that joins the survivor's next plan.
 
     nccl_double_worker.py ROLE SCENARIO STORE_ENDPOINT ETCD_ENDPOINT JOB LIMIT_S
 
-Lines on stdout: ``FORMED`` once the plan's group exists (the test then SIGKILLs the victim and
-answers ``GO`` on the survivor's stdin), and the survivor's last line ``RESULT {json}``.
+Lines on stdout: ``FORMING`` before the plan's group is formed, ``FORMED`` once it exists (the
+test then SIGKILLs the victim and answers ``GO`` on the survivor's stdin), and the survivor's
+(and a joiner's) last line ``RESULT {json}``.
 
 Scenarios: ``collective`` (the step's all_reduce, then its host sync, with a dead peer),
 ``hostsync`` (a host sync blocked behind a collective whose wait said done at enqueue),
-``create`` (the victim dies between the plan's barrier and its communicator), ``split`` (the
-victim dies between the groups' barrier and its split).
+``aborted`` (the armed monitor aborts while the watchdog still waits: the collective completes
+as NCCL's aborted works do), ``bsr`` (the same for a fused BSR receive), ``hung2`` (two groups
+hung on the dead peer when the plan is abandoned), ``dump`` (a host sync behind a dead peer,
+then the next plan formed with a ``joiner``), ``create`` (the victim dies between the plan's
+barrier and its communicator), ``creating`` (the same, and a newer plan is published meanwhile),
+``split`` (the victim dies between the groups' barrier and their first operation).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -35,6 +41,9 @@ from hspmd_elastic.elastic.group import GroupFormer, parse_endpoint, version_pre
 from hspmd_elastic.elastic.watchdog import PlanWatcher, Watchdog  # noqa: E402
 from hspmd_elastic.graph.comm import Comm, CommTimeoutError, store_barrier  # noqa: E402
 
+ELASTIC_ERRORS = (CommTimeoutError, RuntimeError)
+WATCHDOG_S = 60.0  # "aborted", "bsr": the watchdog's own deadline, far beyond the armed limit
+
 
 def say(line: str) -> None:
     print(line, flush=True)
@@ -43,23 +52,30 @@ def say(line: str) -> None:
 def main() -> int:
     role, scenario, endpoint, etcd, job, limit = sys.argv[1:7]
     limit_s = float(limit)
-    rank = 0 if role == "survivor" else 1
     double.register()
-    former = GroupFormer(limit_s, connect_timeout_s=limit_s, backend=double.NAME)
-    if scenario == "create" and rank == 1:  # arrives at the plan's barrier, then dies
+    if role == "joiner":
+        return joiner(endpoint, limit_s)
+    rank = 0 if role == "survivor" else 1
+    # "hung2": an abort bound the two aborts can meet only if they run at once
+    former = GroupFormer(limit_s, connect_timeout_s=limit_s, backend=double.NAME,
+                         **({"abort_timeout_s": limit_s} if scenario == "hung2" else {}))
+    client = EtcdClient([etcd], timeout=5.0)
+    plans = PlanWatcher(client, job).start(10.0)
+    newer = lambda: plans.newer_than(1) is not None  # noqa: E731
+    if scenario in ("create", "creating") and rank == 1:  # arrives at the barrier, then dies
         host, port = parse_endpoint(endpoint)
         store = dist.PrefixStore(version_prefix(1), dist.TCPStore(host, port, None, False))
         store.set("arrive/1", double.NAME)
         os.kill(os.getpid(), signal.SIGKILL)
     result: dict = {"main": threading.current_thread().name}
+    say("FORMING")
     start = time.monotonic()
     try:
-        former.form(1, endpoint, rank, 2, aborted=lambda: False,
-                    deadline=time.monotonic() + limit_s)
+        former.form(1, endpoint, rank, 2, aborted=newer, deadline=time.monotonic() + limit_s)
     except Exception as exc:  # noqa: BLE001 - reported
         result.update(error=type(exc).__name__, message=str(exc),
                       elapsed=time.monotonic() - start, initialized=dist.is_initialized())
-        return finish(former, endpoint, result)
+        return finish(former, endpoint, result, plans, client)
     from hspmd_elastic.plan import simple_plan
     from hspmd_elastic.graph.config import ModelConfig
 
@@ -72,59 +88,118 @@ def main() -> int:
         os.kill(os.getpid(), signal.SIGKILL)
     if scenario == "split":
         start = time.monotonic()
-        try:
-            Comm.create(plan, config, 0, timeout_s=limit_s, store=former.store)
+        try:  # as GraphSwitch._create_comms: the groups, then their first operation
+            comm = Comm.create(plan, config, 0, timeout_s=limit_s, store=former.store,
+                               group_timeout_s=former.group_timeout_s)
+            former.ready(list(comm.groups.values()), "plan v1's groups", newer,
+                         time.monotonic() + limit_s)
             result["error"] = None
         except Exception as exc:  # noqa: BLE001 - reported
             result.update(error=type(exc).__name__, message=str(exc))
         result["elapsed"] = time.monotonic() - start
-        return finish(former, endpoint, result)
+        return finish(former, endpoint, result, plans, client)
+    second = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=former.group_timeout_s)) \
+        if scenario == "hung2" else None
+    if second is not None:
+        former.ready([second], "the second group", newer, time.monotonic() + limit_s)
     say("FORMED")
     if sys.stdin.readline().strip() != "GO":  # the victim is SIGKILLed meanwhile
         return 3
-    client = EtcdClient([etcd], timeout=5.0)
-    plans = PlanWatcher(client, job).start(10.0)
-    watchdog = Watchdog(plans, lambda: 1, limit_s, on_abandon=former.abandoned,
+    watchdog_s = WATCHDOG_S if scenario in ("aborted", "bsr") else limit_s
+    watchdog = Watchdog(plans, lambda: 1, watchdog_s, on_abandon=former.abandoned,
                         monitor=former.monitor)
     start = time.monotonic()
     try:
         with former.armed("step 0", limit_s, watchdog.superseded):  # as the runtime arms a step
-            if scenario == "collective":  # the step: a collective through the watchdog ...
+            if scenario == "bsr":
+                result["received"] = bsr(former, newer)
+            elif scenario in ("collective", "aborted"):  # the step: through the watchdog ...
                 loss = Comm({(0, 1): dist.group.WORLD}, 0, watchdog).all_reduce(
                     torch.ones(3, dtype=torch.float64), [0, 1])
+                result["loss"] = loss.tolist()
+            elif scenario == "hung2":  # two groups hung on the dead peer, then abandoned
+                for group in (dist.group.WORLD, second):
+                    dist.all_reduce(torch.ones(1), group=group, async_op=True)
+                former.abandoned(threading.Event())
             else:  # ... or one whose wait returned at enqueue
-                loss = torch.ones(3, dtype=torch.float64)
-                dist.all_reduce(loss, async_op=True)
-            say("SYNC")
-            double.synchronize()  # ... then its host sync (reading the loss)
-            watchdog.check("after the host sync")
+                dist.all_reduce(torch.ones(3, dtype=torch.float64), async_op=True)
+            if scenario in ("collective", "hostsync", "dump"):
+                say("SYNC")
+                double.synchronize()  # ... then its host sync (reading the loss)
+                watchdog.check("after the host sync")
         result["error"] = None
-        result["loss"] = loss.tolist()
-    except CommTimeoutError as exc:
+    except Exception as exc:  # noqa: BLE001 - reported
         result.update(error=type(exc).__name__, message=str(exc))
     result["elapsed"] = time.monotonic() - start
-    result["fired"] = former.monitor.fired
+    result["fired"] = former.monitor.broken  # the reason, once the abort has begun
+    second = None
+    return finish(former, endpoint, result, plans, client,
+                  with_joiner=scenario == "dump")
+
+
+def bsr(former: GroupFormer, newer) -> list:
+    """A fused BSR in which the dead victim sends this rank a tensor: the armed monitor aborts
+    the communicators, the receive completes, and the executor must not return it."""
+    from hspmd_elastic.annotations import TensorAnnotation as T
+    from hspmd_elastic.reshard import TensorSpec, fused_bsr_schedule
+    from hspmd_elastic.reshard.executor import execute_fused
+
+    spec = TensorSpec("w", (2, 3), "float64", T.single_group([1], {}), T.single_group([0], {}))
+    schedule = fused_bsr_schedule([spec], {1}, {})
+    out, _stats = execute_fused(schedule, 0, {}, "cpu", timeout_s=WATCHDOG_S,
+                                should_abort=newer, comms_aborted=former.comms_aborted)
+    return out["w"].tolist()
+
+
+def finish(former: GroupFormer, endpoint: str, result: dict, plans, client,
+           with_joiner: bool = False) -> int:
+    """The same process forms the next plan's group (alone, or with a joiner) and computes."""
     plans.stop()
     client.close()
-    return finish(former, endpoint, result)
-
-
-def finish(former: GroupFormer, endpoint: str, result: dict) -> int:
-    """The same process forms the next plan's group, alone, and computes on it."""
     result["abort_threads"] = list(double.abort_threads)
+    world = 2 if with_joiner else 1
+    start = time.monotonic()
     try:
-        former.form(2, endpoint, 0, 1, aborted=lambda: False, deadline=time.monotonic() + 30)
-        t = torch.full((2,), 3.0)
-        work = dist.all_reduce(t, async_op=True)
-        while not work.is_completed():
-            time.sleep(0.001)
-        result["next_plan"] = t.tolist()
+        former.form(2, endpoint, 0, world, aborted=lambda: False,
+                    deadline=time.monotonic() + 60)
+        result["next_plan"] = compute()
     except Exception as exc:  # noqa: BLE001 - reported
         result["next_plan"] = f"{type(exc).__name__}: {exc}"
+    result["next_plan_s"] = time.monotonic() - start
     former.leave()
+    result["destructor_waits"] = list(double.destructor_waits)
+    result["watchdog_fired"] = list(double.watchdog_fired)
     former.close()
     say("RESULT " + json.dumps(result))
     return 0
+
+
+def compute() -> list:
+    t = torch.full((2,), 3.0)
+    work = dist.all_reduce(t, async_op=True)
+    deadline = time.monotonic() + 30
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return t.tolist()
+
+
+def joiner(endpoint: str, limit_s: float) -> int:
+    """Rank 1 of the survivor's next plan: a process whose first group is made after the
+    failure. It computes once, then stays for the heartbeat window torch's monitor would end it
+    in (``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` plus its polls)."""
+    former = GroupFormer(limit_s, connect_timeout_s=limit_s, backend=double.NAME)
+    result: dict = {}
+    try:
+        former.form(2, endpoint, 1, 2, aborted=lambda: False, deadline=time.monotonic() + 60)
+        result["next_plan"] = compute()
+    except Exception as exc:  # noqa: BLE001 - reported
+        result["next_plan"] = f"{type(exc).__name__}: {exc}"
+    say("JOINED")
+    window = float(os.environ.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "480")) + 2.0
+    time.sleep(window)  # the observation window: torch's monitor would act within it
+    result["survived_s"] = window
+    say("RESULT " + json.dumps(result))
+    os._exit(0)  # the group stays: its destructor is not what is observed here
 
 
 if __name__ == "__main__":
