@@ -9,7 +9,10 @@ the same shape, batch, micro-batches and optimizer hyperparameters, and the same
 * **transformers**: ``LlamaForCausalLM`` with ``attn_implementation="sdpa"`` and
   ``torch.optim.AdamW(fused=True)`` (on the CPU: torch's default AdamW), the micro-batches
   accumulated into one optimizer step, the loss computed exactly as ours (float32 cross-entropy
-  summed over the micro-batch's tokens, divided by the global batch's tokens).
+  summed over the micro-batch's tokens, divided by the global batch's tokens). Its Hub kernels
+  are off (``hub_kernels_off``): ``USE_HUB_KERNELS=0`` before transformers is imported and
+  ``use_kernels=False`` (as a keyword where the constructor takes it, else on the model), so it
+  runs transformers' own layers, never fetches a kernel from the Hub, and the report says so.
 
 Both run under ``torch.autocast(<device>, torch.bfloat16)`` with float32 parameters (the master
 weights), gradients and AdamW moments. The transformers model is built once, directly on the
@@ -46,8 +49,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import inspect
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -72,6 +77,7 @@ RATIO_TARGET = 0.95
 MFU_TARGET = 0.40
 MFU_TARGET_GPUS = ("H100", "H200", "H800")  # planner types and their variants (H100-PCIE, ...)
 LOSS_AGREEMENT = 0.02
+HUB_KERNELS_ENV = "USE_HUB_KERNELS"  # transformers' switch for the kernels package's layers
 
 
 class BenchFailed(Exception):
@@ -108,13 +114,33 @@ def build_transformers(config: ModelConfig, device: torch.device):
     _version, LlamaConfig, LlamaForCausalLM = _transformers()
     hf_config = LlamaConfig(**config_to_hf(config, dtype="float32"), attn_implementation="sdpa")
     hf_config.use_cache = False
+    # transformers 5 can swap layers (RMSNorm, ...) for kernels from the Hub: not in the baseline
+    accepted = inspect.signature(LlamaForCausalLM.__init__).parameters
+    off = {"use_kernels": False} if "use_kernels" in accepted else {}
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(hf_config)
+        model = LlamaForCausalLM(hf_config, **off)
+    hub_kernels_off(model)
     if model.config._attn_implementation != "sdpa":
         raise BenchFailed(f"transformers chose attention {model.config._attn_implementation!r}, "
                           "not 'sdpa'")
     return model.to(torch.float32).train()
+
+
+def hub_kernels_off(model) -> str:
+    """Turn transformers' Hub kernels off on ``model`` where they are on (``use_kernels``; a
+    transformers without them has nothing to turn off) and say which layers ``model`` runs:
+    ``off (...)``, or ``ON for N layer(s): ...`` when a layer's forward is still replaced."""
+    if not hasattr(model, "use_kernels"):
+        return f"none (transformers {_transformers()[0]} has no Hub kernels)"
+    if model.use_kernels:
+        model.use_kernels = False
+    swapped = sorted(name for name, m in model.named_modules() if "forward" in vars(m))
+    if model.use_kernels or swapped:
+        return (f"ON for {len(swapped)} layer(s): {', '.join(swapped[:3]) or '?'}"
+                + (", ..." if len(swapped) > 3 else ""))
+    return (f"off (use_kernels=False, {HUB_KERNELS_ENV}="
+            f"{os.environ.get(HUB_KERNELS_ENV, 'unset')}; transformers' own layers)")
 
 
 def parameter_count(params) -> int:
@@ -245,6 +271,7 @@ def _run(args) -> int:
     from hspmd_elastic.planner.devices import known_type, spec_table
     from hspmd_elastic.runtime import synthetic_sampler
 
+    os.environ[HUB_KERNELS_ENV] = "0"  # before transformers is imported (5.x reads it then)
     hf_version = _transformers()[0]  # fail first, in one line, when it is missing
     name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -277,6 +304,8 @@ def _run(args) -> int:
     flops = model_flops(config)
 
     hf_model = build_transformers(config, device)
+    kernels = hub_kernels_off(hf_model)
+    progress(f"transformers baseline: hub kernels: {kernels}")
     hf_params = allocated()  # transformers' parameters, resident while ours runs
     held = build_ours(config, device, global_batch, microbatches, hf_model, args.undo)
     counts = {"ours": parameter_count(held.model.params.values()),
@@ -347,12 +376,14 @@ def _run(args) -> int:
         f"ours {first[0]:.5f}, transformers {first[1]:.5f}. Attention in the first step: ours "
         f"{runs['ours']['attention']}; transformers {runs['transformers']['attention']}.",
         f"targets: {targets['text']}",
+        f"transformers baseline: hub kernels: {kernels}.",
         "",
     ])
     result = {"device": gpu, "size": args.size, "config": json.loads(config.to_json()),
               "global_batch": global_batch, "microbatches": microbatches, "peak_tflops": peak,
               "flops": flops, "flops_per_token": flops["per_token"], "parameters": counts,
-              "torch": torch.__version__, "transformers": hf_version, "runs": runs,
+              "torch": torch.__version__, "transformers": hf_version, "hub_kernels": kernels,
+              "runs": runs,
               "ratio": ratio, "targets": targets}
     if args.out:
         with open(args.out, "w") as f:

@@ -94,7 +94,9 @@ def _run(fn, world, args, tmp: Path, timeout_s, group_timeout_s) -> list:
 
 
 def _spawn(rank, world, port, tmp: Path, group_timeout_s) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    # the checkout first, then what this process was given (wheels installed into a folder)
+    path = [ROOT, HERE, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
     with open(tmp / f"log{rank}.txt", "w") as log:
         return subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(rank), str(world), str(port),

@@ -103,10 +103,20 @@ def test_a_plan_group_is_formed_aborted_and_formed_again_in_process(device):
             host = [torch.empty(2, dtype=torch.int64)]
             dist.all_gather(host, torch.tensor([version, 0]))  # the switch's exchange: gloo
             assert host[0].tolist() == [version, 0] and x.sum().item() == 4
+            assert not nccl or former.monitor.fired is None  # this plan's: intact
             former.abandoned(threading.Event())  # a collective left in flight
-            # NCCL: the communicators are aborted at once; gloo: the reaper waits for it
-            assert dist.is_initialized() is (not nccl)
+            if nccl:  # the monitor's thread aborted the plan's communicators, and waited
+                assert former.monitor.fired and "abandoned" in former.monitor.fired
+                assert former.monitor.abort_thread == "comm-abort-monitor"
+            else:  # gloo: nothing to abort; the reaper keeps the groups until it ends
+                assert former.monitor is None
+            # the groups stay registered until the plan is left (the next form, or leave)
+            assert dist.is_initialized()
+        former.reaper._inflight.clear()  # nothing ran: let retired groups go
+        former.leave()
+        assert not dist.is_initialized()
         if nccl:
+            assert former.monitor.fired is None  # reset: the next plan's groups are intact
             torch.cuda.synchronize()
             assert torch.cuda.memory_allocated() <= before + (1 << 20)
     finally:

@@ -1,5 +1,6 @@
 """scripts/gpu_check: every GPU step skipped without a GPU (one line with --strict), a module that
-does not import (one FAIL line naming its wheel), an unexpected exception (one line), the step
+does not import (one FAIL line naming its wheel), transformers missing (only the mfu step skipped),
+the unit step's imports among the preflight's, an unexpected exception (one line), the step
 budgets, the NVML step on a scripted driver, the communication step over gloo on CPUs, the elastic
 in-memory switch step rehearsed on a CPU worker, and the MFU step (``scripts/bench_step --mfu``:
 our step against transformers' LlamaForCausalLM) rehearsed on the CPU, with its FLOP formula,
@@ -8,6 +9,7 @@ device."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -46,14 +48,16 @@ def test_without_gpus_every_gpu_step_is_skipped_and_strict_fails_with_one_line()
                           text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 6, proc.stdout  # one line per step, then the verdict
-    assert lines[0].startswith("gpu_check: SKIP nvml: no usable NVIDIA GPU: no NVIDIA driver")
-    for line, step in zip(lines[1:], ("mfu", "comm", "unit", "kill")):  # mfu right after nvml
+    assert len(lines) == 8, proc.stdout  # two about the machine, one per step, the verdict
+    assert lines[0] == f"gpu_check: torch {torch.__version__}, CUDA n/a, nccl: n/a (no CUDA)"
+    assert lines[1].startswith("gpu_check: hub kernels: "), lines[1]
+    assert lines[2].startswith("gpu_check: SKIP nvml: no usable NVIDIA GPU: no NVIDIA driver")
+    for line, step in zip(lines[3:], ("mfu", "comm", "unit", "kill")):  # mfu right after nvml
         assert line.startswith(f"gpu_check: SKIP {step}: skipped: no CUDA (torch "), line
     assert lines[-1] == "gpu_check: PASS (0 passed, 5 skipped: nvml, mfu, comm, unit, kill)"
     strict = subprocess.run([SCRIPT, "--strict"], capture_output=True, text=True, timeout=60,
                             env=env)
-    assert strict.returncode == 1 and strict.stdout == ""
+    assert strict.returncode == 1 and strict.stdout.splitlines() == lines[:2]
     assert strict.stderr.strip().splitlines() == [
         "gpu_check: FAIL: nvml cannot run here: no usable NVIDIA GPU: no NVIDIA driver "
         "(NVMLError_LibraryNotFound: NVML Shared Library Not Found)"]
@@ -92,6 +96,72 @@ def test_a_module_that_does_not_import_fails_the_check_in_one_line(tmp_path):
     assert proc.stderr.splitlines() == [
         f"gpu_check: FAIL: cannot import grpc (wheel grpcio missing from {wheels}; see "
         "docs/gpu.md)"], proc.stderr
+
+
+def _shim(folder, module: str, missing: str) -> str:
+    """A package ``module`` ahead of the real one whose import fails as a missing ``missing``."""
+    (folder / module).mkdir(parents=True)
+    (folder / module / "__init__.py").write_text(
+        f"raise ModuleNotFoundError(\"No module named '{missing}'\", name='{missing}')\n")
+    return str(folder)
+
+
+@pytest.mark.timeout(90)
+def test_without_transformers_only_the_mfu_step_is_skipped(tmp_path):
+    """transformers not installed: one SKIP line for mfu and the other steps run (the unit step
+    here, rehearsed on the CPU); --strict fails in one line; transformers installed but lacking a
+    dependency still fails the preflight."""
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               PYTHONPATH=_shim(tmp_path / "gone", "transformers", "transformers"))
+    proc = subprocess.run([SCRIPT, "--only", "mfu,unit", "--device", "cpu", "--budget", "80"],
+                          capture_output=True, text=True, timeout=85, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[1] == "gpu_check: hub kernels: n/a (transformers is not installed)"
+    assert lines[2] == ("gpu_check: SKIP mfu: transformers is not installed (the GPU machine's "
+                        "Python must provide it; see docs/gpu.md)"), proc.stdout
+    assert re.fullmatch(r"gpu_check: PASS unit: \d+ passed, \d+ skipped in .*", lines[3]), lines
+    assert lines[4:] == ["gpu_check: PASS (1 passed, 1 skipped: mfu)"], proc.stdout
+    strict = subprocess.run([SCRIPT, "--only", "mfu", "--device", "cpu", "--strict"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    assert strict.stderr.splitlines() == [
+        "gpu_check: FAIL: mfu cannot run here: transformers is not installed (the GPU machine's "
+        "Python must provide it; see docs/gpu.md)"], strict.stderr
+    env["PYTHONPATH"] = _shim(tmp_path / "broken", "transformers", "huggingface_hub")
+    broken = subprocess.run([SCRIPT, "--only", "mfu,unit", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert broken.returncode == 1 and broken.stdout == "", broken.stdout + broken.stderr
+    assert broken.stderr.splitlines() == [
+        "gpu_check: FAIL: cannot import transformers: it needs huggingface_hub, which is "
+        "missing (not among the wheels: the GPU machine's Python must provide transformers; "
+        "see docs/gpu.md)"], broken.stderr
+
+
+def test_the_preflight_imports_what_the_unit_step_imports():
+    """Every module the unit step's files import at their top (its tests, tests/conftest.py and
+    the helpers it loads) that is neither the standard library nor this checkout's is in
+    ``STEP_IMPORTS["unit"]`` (hypothesis with sortedcontainers, its one dependency), and every
+    preflight module names its wheel or the machine's Python in ``ORIGIN``."""
+    files = ["tests/conftest.py", "tests/scripts/launch_harness.py", "tests/test_gpu.py",
+             "tests/test_device_timer.py"]
+    local = {"hspmd_elastic", "launcher", "tests"} | {
+        name[:-3] for folder in ("tests", "tests/scripts")
+        for name in os.listdir(os.path.join(ROOT, folder)) if name.endswith(".py")}
+    imported = set()
+    for path in files:
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            for node in ast.parse(f.read()).body:
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - local - {"__future__"}
+    unit = {m.split(".")[0] for m in gpu_check.STEP_IMPORTS["unit"]}
+    assert third_party and third_party <= unit, sorted(third_party - unit)
+    assert "sortedcontainers" in unit  # hypothesis imports it
+    every = {m for modules in gpu_check.STEP_IMPORTS.values() for m in modules}
+    assert every <= set(gpu_check.ORIGIN), sorted(every - set(gpu_check.ORIGIN))
 
 
 def test_an_unexpected_exception_in_a_step_is_one_line():
@@ -156,7 +226,7 @@ def test_switch_step_rehearsed_on_a_cpu_worker(tmp_path):
                            "--keep", str(tmp_path)], capture_output=True, text=True,
                           timeout=140, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = proc.stdout.splitlines()[0]
+    line = proc.stdout.splitlines()[2]  # after the two lines about the machine
     assert line.startswith("gpu_check: PASS switches: 1 worker on cpu, pid "), line
     assert "v1->v2" in line and "v2->v3" in line and "6 steps done" in line, line
 
@@ -176,10 +246,14 @@ def test_mfu_step_rehearsed_on_the_cpu(tmp_path, bench):
     line = [x for x in proc.stdout.splitlines() if x.startswith("gpu_check: PASS mfu: ours ")]
     assert line and "; transformers " in line[0] and "ours/transformers " in line[0], proc.stdout
     assert "apply on a GPU (not judged on the CPU)" in line[0]
+    assert line[0].endswith("; transformers hub kernels: off (use_kernels=False, "
+                            "USE_HUB_KERNELS=0; transformers' own layers)"), line[0]
     text = report.read_text()
     assert "| ours: specialized step (SDPA, foreach AdamW, undo copy on the device) |" in text
     assert "| transformers LlamaForCausalLM (SDPA, AdamW) |" in text
+    assert "transformers baseline: hub kernels: off (" in text
     result = json.loads((tmp_path / "mfu.md.json").read_text())
+    assert result["hub_kernels"].startswith("off (")
     assert result["parameters"] == {"ours": 115008, "transformers": 115008}
     ours, theirs = result["runs"]["ours"], result["runs"]["transformers"]
     assert result["ratio"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])

@@ -3,23 +3,28 @@
 First every module the steps that will run import is imported (``preflight``); one that fails
 ends the check with one ``gpu_check: FAIL: cannot import MODULE (...)`` line naming the wheel of
 ``.gpu-wheels`` it comes from (docs/gpu.md), or saying that the machine's Python must provide it
-(torch, numpy, scipy, transformers); the elastic steps also need an etcd binary. Then the steps,
-in this order, each printed as ``gpu_check:`` lines, each ``PASS``, ``SKIP`` (with the reason)
-or a failure:
+(torch, numpy, scipy, safetensors); the elastic steps also need an etcd binary. transformers alone
+is optional (``OPTIONAL``): where it is not installed the ``mfu`` step prints ``SKIP mfu:
+transformers is not installed ...`` and the other steps run. Two lines then say what this
+machine runs: torch with its NCCL version (``nccl: n/a (no CUDA)`` without CUDA) and the state of
+transformers' Hub kernels (off for the ``mfu`` baseline). Then the steps, in this order, each
+printed as ``gpu_check:`` lines, each ``PASS``, ``SKIP`` (with the reason) or a failure:
 
 1. ``nvml``: the driver loads, ``NvmlHealthSource`` lists the GPUs (index, name, memory, UUID,
    PCI bus id, the planner profile of each name), polls every check (ECC, pending repairs,
    recovery action, thermal) into one verdict per GPU, and starts and stops its Xid event
    thread within bounds; a failed GPU fails the check.
 2. ``mfu``: ``scripts/bench_step --mfu``: tokens/s, TFLOP/s and MFU of our bf16 step and of
-   transformers' ``LlamaForCausalLM`` (0.75 B parameters on ``cuda:0``; ``--device cpu``: a
-   tiny rehearsal whose MFU means nothing), their ratio and whether the targets are met
-   (reported, not enforced); ``--mfu-report FILE`` keeps the table and ``FILE.json``.
+   transformers' ``LlamaForCausalLM`` (0.75 B parameters on ``cuda:0``, Hub kernels off;
+   ``--device cpu``: a tiny rehearsal whose MFU means nothing), their ratio and whether the
+   targets are met (reported, not enforced); ``--mfu-report FILE`` keeps the table and
+   ``FILE.json``.
 3. ``comm``: one worker process per GPU forms an NCCL group and runs ``all_reduce``; with two
    GPUs or more, two of them also run a ``batch_isend_irecv`` ring and a fused BSR reshard from
    row shards to column shards on CUDA buffers, every element checked.
 4. ``unit``: the ``gpu``-marked tests (``tests/test_gpu.py``, ``tests/test_device_timer.py``),
-   pytest with only the ``pytest-timeout`` plugin loaded.
+   pytest with only the ``pytest-timeout`` plugin loaded; with ``--device cpu``, every test of
+   those two files (their ``cuda`` cases skip): a rehearsal of the step and of its imports.
 5. ``switches``: an elastic job (etcd, agent, one worker on ``cuda:0``) that switches in memory
    twice (a scripted slowdown, then its recovery): same pid, every step, GPU memory after each
    switch no larger than after the first (``gpu_check_job.py``).
@@ -31,9 +36,9 @@ its cap plus what earlier steps left unused beyond the caps of the selected step
 never more than what is left of ``--budget``.
 
 Without CUDA (or a driver) the GPU steps print ``SKIP ...: skipped: no CUDA`` and the check exits
-0; ``--strict`` makes a skip fail. ``--device cpu`` runs ``mfu``, ``switches`` and ``kill`` on the
-CPU (how they are rehearsed and tested), ``--only STEP,...`` runs some steps, ``--comm-only
---backend gloo`` the comm step on CPUs. Promises: the check ends within ``--budget`` seconds
+0; ``--strict`` makes a skip fail. ``--device cpu`` runs ``mfu``, ``unit``, ``switches`` and
+``kill`` on the CPU (how they are rehearsed and tested), ``--only STEP,...`` runs some steps,
+``--comm-only --backend gloo`` the comm step on CPUs. Promises: the check ends within ``--budget`` seconds
 (processes are killed at the deadline); any failure, an unexpected exception included, is one
 ``gpu_check: FAIL: ...`` line on stderr and exit 1, never a traceback.
 """
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -72,16 +78,22 @@ ORIGIN: dict[str, Optional[str]] = {
     "google.protobuf": "protobuf", "grpc": "grpcio", "etcd3": "python3-etcd3",
     "psutil": "psutil", "click": "click", "packaging": "packaging", "pluggy": "pluggy",
     "iniconfig": "iniconfig", "pygments": "pygments", "pytest": "pytest",
-    "pytest_timeout": "pytest-timeout",
+    "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis",
+    "sortedcontainers": "sortedcontainers",
 }
 _BASE = ("torch", "numpy", "scipy", "pynvml")
 _ELASTIC = _BASE + ("typing_extensions", "google.protobuf", "grpc", "etcd3", "psutil", "click")
 STEP_IMPORTS: dict[str, tuple[str, ...]] = {
     "nvml": _BASE, "comm": _BASE, "switches": _ELASTIC, "kill": _ELASTIC,
     "mfu": _ELASTIC + ("safetensors", "transformers"),
+    # tests/conftest.py imports the etcd client and click/psutil; test_device_timer.py hypothesis
     "unit": _ELASTIC + ("packaging", "pluggy", "iniconfig", "pygments", "pytest",
-                        "pytest_timeout"),
+                        "pytest_timeout", "hypothesis", "sortedcontainers"),
 }
+# step -> modules whose absence (not installed at all) skips that step instead of failing the
+# check: the MFU baseline is the one step that needs transformers. A module that is installed
+# but does not import still fails the preflight.
+OPTIONAL: dict[str, tuple[str, ...]] = {"mfu": ("transformers",)}
 
 
 class Skipped(Exception):
@@ -118,6 +130,50 @@ def preflight(modules: list[str], etcd: bool) -> None:
                             f"on PATH): {exc}")
     if problems:
         raise CheckFailed("; ".join(problems))
+
+
+def missing_optional(step: str) -> Optional[str]:
+    """Why ``step`` is skipped: an ``OPTIONAL`` module of it that is not installed (its import
+    raises ``ModuleNotFoundError`` for the module itself); None when each one imports, or is
+    installed but broken (the preflight then names what it lacks)."""
+    for module in OPTIONAL.get(step, ()):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and exc.name.split(".")[0] == module.split(".")[0]:
+                return (f"{module} is not installed (the GPU machine's Python must provide it; "
+                        "see docs/gpu.md)")
+        except Exception:  # noqa: BLE001 - broken: the preflight reports it in one line
+            pass
+    return None
+
+
+def machine_lines(cuda_why: Callable[[], Optional[str]], transformers: bool) -> list[str]:
+    """What this machine runs, printed before the steps: torch with its CUDA and NCCL versions,
+    and the state of transformers' Hub kernels (``transformers``: whether it is installed)."""
+    import importlib.metadata
+
+    import torch
+
+    if cuda_why() is not None:
+        nccl = "n/a (no CUDA)"
+    else:
+        try:
+            version = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception as exc:  # noqa: BLE001 - a line to read, not a failure
+            nccl = f"n/a ({type(exc).__name__}: {exc})".splitlines()[0][:200]
+    lines = [f"torch {torch.__version__}, CUDA {torch.version.cuda or 'n/a'}, nccl: {nccl}"]
+    if not transformers:
+        lines.append("hub kernels: n/a (transformers is not installed)")
+        return lines
+    try:
+        kernels = f"kernels {importlib.metadata.version('kernels')} installed"
+    except importlib.metadata.PackageNotFoundError:
+        kernels = "the kernels package is not installed"
+    lines.append("hub kernels: off for the mfu baseline (USE_HUB_KERNELS=0, use_kernels=False; "
+                 f"{kernels})")
+    return lines
 
 
 def _import_problem(module: str, exc: BaseException) -> str:
@@ -258,16 +314,18 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 # ------------------------------------------------------------------------------------ unit step
-def check_unit(budget_s: float) -> str:
-    """The ``gpu``-marked tests, in a subprocess bounded by ``budget_s``. pytest loads no plugin
-    of the machine's own (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``) except ``pytest-timeout``, so the
-    tests' timeouts hold and a plugin of another pytest version cannot break the run."""
+def check_unit(budget_s: float, gpu_only: bool = True) -> str:
+    """The ``gpu``-marked tests (``gpu_only=False``: every test of the same files), in a
+    subprocess bounded by ``budget_s``. pytest loads no plugin of the machine's own
+    (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``) except ``pytest-timeout``, so the tests' timeouts hold
+    and a plugin of another pytest version cannot break the run."""
     tests = os.path.join(ROOT, "tests", "test_gpu.py")
     if not os.path.exists(tests):
         raise Skipped(f"{tests} is not here")
     timer = os.path.join(ROOT, "tests", "test_device_timer.py")  # busy time from CUDA events
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "-p", "pytest_timeout", tests, *([timer] if os.path.exists(timer) else [])]
+    cmd = [sys.executable, "-m", "pytest", "-q", *(["-m", "gpu"] if gpu_only else []),
+           "-p", "no:cacheprovider", "-p", "pytest_timeout", tests,
+           *([timer] if os.path.exists(timer) else [])]
     env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s,
@@ -328,10 +386,10 @@ def will_run(step: str, args: argparse.Namespace, cuda_why: Callable[[], Optiona
         return True
     if step == "comm" and args.backend == "gloo":
         return True
-    if step in ("switches", "kill", "mfu") and args.device == "cpu":
-        return True
     if step == "unit" and not os.path.exists(os.path.join(ROOT, "tests", "test_gpu.py")):
         return False
+    if step in ("switches", "kill", "mfu", "unit") and args.device == "cpu":
+        return True
     return cuda_why() is None
 
 
@@ -344,8 +402,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--only", default=",".join(STEPS),
                         help="comma-separated steps to run (default: all): " + ", ".join(STEPS))
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="where the elastic steps' workers compute: auto (CUDA, else the "
-                             "steps are skipped), cuda, or cpu to rehearse them on CPUs")
+                        help="where the mfu, unit and elastic steps compute: auto (CUDA, else "
+                             "the steps are skipped), cuda, or cpu to rehearse them on CPUs")
     parser.add_argument("--mfu-report", default=None, metavar="FILE",
                         help="the mfu step's Markdown table (and FILE.json with its numbers)")
     parser.add_argument("--keep", default=None, help=argparse.SUPPRESS)
@@ -388,8 +446,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             preflight(["torch"], etcd=False)
             running = [name for name in selected if will_run(name, args, cuda_why)]
+            # a step whose optional module is not installed is skipped, not the whole check
+            skips = {name: why for name in running if (why := missing_optional(name))}
+            running = [name for name in running if name not in skips]
             preflight(list(dict.fromkeys(m for name in running for m in STEP_IMPORTS[name])),
                       etcd=bool({"switches", "kill"} & set(running)))
+            installed = importlib.util.find_spec("transformers") is not None  # not imported
+            for line in machine_lines(cuda_why, transformers=installed and "mfu" not in skips):
+                say(line)
         except CheckFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - one line, not a traceback
@@ -398,13 +462,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             "nvml": lambda: f"{check_nvml(budget('nvml'))} GPU(s) healthy",
             "mfu": lambda: _mfu(args.device, cuda_why, budget("mfu"), args.mfu_report),
             "comm": lambda: _comm(args.backend, cuda_why, gpus, budget("comm")),
-            "unit": lambda: _needs_cuda(cuda_why()) or check_unit(budget("unit")),
+            "unit": lambda: _unit(args.device, cuda_why, budget("unit")),
             "switches": lambda: switches_in_process(_job_device(args.device, cuda_why),
                                                     budget("switches"), keep=args.keep),
             "kill": lambda: worker_kill_switch(_job_device(args.device, cuda_why, gpus, 2),
                                                budget("kill"), keep=args.keep,
                                                comm_timeout_s=KILL_COMM_TIMEOUT_S),
         }
+        for name, why in skips.items():
+            steps[name] = lambda why=why: _skip(why)
         for name in selected:
             _run_step(name, steps[name], args.strict, outcome)
     except CheckFailed as exc:
@@ -428,6 +494,18 @@ def _gpu_count() -> int:
 def _needs_cuda(why: Optional[str]) -> None:
     if why is not None:
         raise Skipped(f"skipped: no CUDA ({why})")
+
+
+def _skip(why: str) -> None:
+    raise Skipped(why)
+
+
+def _unit(setting: str, cuda_why: Callable[[], Optional[str]], budget_s: float) -> str:
+    """The ``gpu``-marked tests on CUDA; with ``--device cpu`` every test of their files."""
+    if setting == "cpu":
+        return check_unit(budget_s, gpu_only=False)
+    _needs_cuda(cuda_why())
+    return check_unit(budget_s)
 
 
 def _comm(backend: str, cuda_why: Callable[[], Optional[str]], gpus: Callable[[], int],
@@ -490,7 +568,8 @@ def _mfu(setting: str, cuda_why: Callable[[], Optional[str]], budget_s: float,
                 result = json.load(f)
             ours, theirs = result["runs"]["ours"], result["runs"]["transformers"]
             text = (f"ours {_numbers(ours)}; transformers {_numbers(theirs)}; ours/transformers "
-                    f"{result['ratio']:.3f}x; targets: {result['targets']['text']}")
+                    f"{result['ratio']:.3f}x; targets: {result['targets']['text']}; "
+                    f"transformers hub kernels: {result.get('hub_kernels', 'not reported')}")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckFailed(f"scripts/bench_step --mfu wrote no readable result "
                               f"({type(exc).__name__}: {exc})") from None
