@@ -196,31 +196,23 @@ def test_a_newer_plan_during_communicator_creation_is_seen_at_once(world, etcd_s
     assert res["elapsed"] + res["next_plan_s"] < deadline_s / 2, res  # no wait for the bound
 
 
-def test_a_collective_completed_by_the_abort_is_never_a_success(world):
+@pytest.mark.parametrize("scenario,error,message,output", [
+    ("aborted", "CommTimeoutError", "this plan's communicators were aborted", "loss"),
+    ("bsr", "ReshardCommError", "completed only because the communicators were aborted",
+     "received")])
+def test_a_wait_completed_by_the_abort_is_never_a_success(world, scenario, error, message,
+                                                         output):
     """NCCL completes an aborted work with no error (``isCompleted`` skips the error check once
-    the communicator is aborted): the armed monitor aborts while the watchdog still waits, and
-    the wait must raise, not return partial data."""
-    survivor, victim = world("survivor", "aborted", "ncclsem-ab"), \
-        world("victim", "aborted", "ncclsem-ab")
+    the communicator is aborted): the armed monitor aborts while the watchdog (a collective) or
+    the fused BSR (a receive from the dead peer) still waits, and the wait must raise (whether
+    it saw the abort begin or the work complete first), never return partial data."""
+    survivor, victim = world("survivor", scenario, f"ncclsem-{scenario}"), \
+        world("victim", scenario, f"ncclsem-{scenario}")
     _kill_victim_then_go(survivor, victim)
     res = survivor.result()
-    assert res["error"] == "CommTimeoutError", res
-    # raised by the wait, whether it saw the abort begin or the work complete first
-    assert "this plan's communicators were aborted" in res["message"], res
-    assert "loss" not in res, res
-    _left_by_abort(res)
-
-
-def test_a_bsr_completed_by_the_abort_is_never_a_success(world):
-    """The same for a fused BSR: its receive from the dead peer completes once the monitor
-    aborted, and the executor raises instead of returning the (unfilled) shard."""
-    survivor, victim = world("survivor", "bsr", "ncclsem-bsr"), world("victim", "bsr",
-                                                                      "ncclsem-bsr")
-    _kill_victim_then_go(survivor, victim)
-    res = survivor.result()
-    assert res["error"] == "ReshardCommError", res
-    assert "completed only because the communicators were aborted" in res["message"], res
-    assert "received" not in res, res
+    assert res["error"] == error, res
+    assert message in res["message"], res
+    assert output not in res, res
     _left_by_abort(res)
 
 
