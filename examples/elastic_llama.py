@@ -27,7 +27,10 @@ a flat token file or a directory of ``*.bin`` shards (docs/data.md): every worke
 arguments, so every worker reads the same path (a shared or identical copy on each node), and
 sample ``i`` is the same window of it under every plan. ``--data-dtype uint16|uint32`` gives the
 token dtype when no sidecar (``PATH.json``, ``PATH/dataset.json``) does; ``--seed`` also keys the
-order of the windows. A bad file is one line naming the bad value, exit code 2.
+order of the windows. A bad file is one line naming the bad value, exit code 2; so is a run
+outside ``hspmd-launch --hspmd-elastic`` (no worker environment). ``main`` is wrapped in
+torch's ``@record``: an uncaught error is written to the agent's error file, which its failure
+summary and the script-error rule (two workers, the same error) read.
 """
 
 from __future__ import annotations
@@ -38,13 +41,16 @@ import os
 import sys
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from hspmd_elastic.data import DTYPES, DataError, token_sampler
+from hspmd_elastic.elastic.api import ConfigurationError, WorkerIdentity
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
 
 
+@record
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="ModelConfig JSON file (the one given to --hspmd-model); "
@@ -79,6 +85,12 @@ def main() -> int:
     parser.add_argument("--out", help="directory for each worker's final parameter shards")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        WorkerIdentity.from_env()
+    except ConfigurationError as exc:
+        print(f"{parser.prog}: error: it must run under hspmd-launch --hspmd-elastic, which "
+              f"starts each worker with its environment ({exc})", file=sys.stderr)
+        return 2
 
     if args.config:
         with open(args.config, encoding="utf-8") as f:

@@ -27,7 +27,8 @@ wins over ``--model`` when the job starts again (a resumed fine-tune continues f
 which ``transformers`` loads. At the end every rank of the final plan writes its parameter
 slices to ``DIR.parts/`` and rank 0 assembles and writes them, so ``DIR`` must be on a file
 system every node sees (as ``--checkpoint-dir``); a ``DIR`` that is not empty is refused before
-training. Bad arguments and bad files are one line naming the bad value, exit code 2.
+training. Bad arguments and bad files are one line naming the bad value, exit code 2. ``main``
+is wrapped in torch's ``@record``: an uncaught error is written to the agent's error file.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import shutil
 import sys
 import time
 from typing import Callable, Optional
+
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from hspmd_elastic.data import DTYPES, DataError, token_sampler
 from hspmd_elastic.elastic.api import ConfigurationError
@@ -77,6 +80,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@record
 def main(argv: Optional[list[str]] = None,
          on_step: Optional[Callable[[StepInfo], None]] = None) -> int:
     """Run the fine-tune; ``on_step`` (for tests) is called after every step, after logging."""

@@ -10,7 +10,9 @@ Pipelines may differ in depth, TP degree and layer split. A plan that exists is 
 constructor rejects bad plans with a one-line ``PlanError`` naming the bad value.
 ``Plan.check_model(config)`` adds the checks that depend on the model (layer count, TP degrees
 that must divide heads, FFN width and vocabulary, and divide or be a multiple of the key/value
-heads: ``graph.config.tp_problem``).
+heads: ``graph.config.tp_problem``; the sequence length, when the plan says which one it was
+made for: ``seq_len``, set by the elastic leader from its model, ``at_seq_len``, and carried in
+``to_dict`` only when set; it takes no part in a plan's equality).
 
 From a plan follow each parameter's layout (``param_layouts``): per pipeline, the TP group that
 holds it, the dimension it is split along and into how many parts (fewer than the TP degree for
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
 from hspmd_elastic.annotations import DGUnion, DeviceGroup, DistState, DSUnion, TensorAnnotation
@@ -119,6 +121,8 @@ class Plan:
     pipelines: tuple[Pipeline, ...]
     global_batch: int
     num_layers: int
+    # The sequence length the plan was made for (the leader's model); None: not said.
+    seq_len: Optional[int] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -155,7 +159,12 @@ class Plan:
         pipes = tuple(Pipeline(tuple(Stage(tuple(mapping[d] for d in s.devices), s.layers)
                                      for s in p.stages), p.num_microbatches, p.microbatch_size)
                       for p in self.pipelines)
-        return Plan(pipes, self.global_batch, self.num_layers)
+        return Plan(pipes, self.global_batch, self.num_layers, self.seq_len)
+
+    def at_seq_len(self, seq_len: Optional[int]) -> "Plan":
+        """This plan, made for sequences of ``seq_len`` tokens (``check_model`` holds a model
+        to it)."""
+        return self if seq_len == self.seq_len else replace(self, seq_len=seq_len)
 
     # ---- model-dependent -----------------------------------------------------------------
     def check_model(self, config: ModelConfig) -> None:
@@ -163,6 +172,11 @@ class Plan:
         if config.num_layers != self.num_layers:
             raise PlanError(
                 f"plan has num_layers={self.num_layers}, model has {config.num_layers}")
+        if self.seq_len is not None and config.seq_len != self.seq_len:
+            raise PlanError(
+                f"plan was made for seq_len={self.seq_len}, model has seq_len="
+                f"{config.seq_len}: give the script the sequence length the launcher plans "
+                "for (--hspmd-model, --hspmd-seq-len)")
         for pi, pipe in enumerate(self.pipelines):
             for si, stage in enumerate(pipe.stages):
                 problem = tp_problem(config, stage.tp)
@@ -219,7 +233,7 @@ class Plan:
 
     # ---- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
+        out = {
             "schema": SCHEMA,
             "global_batch": self.global_batch,
             "num_layers": self.num_layers,
@@ -230,6 +244,9 @@ class Plan:
                 for p in self.pipelines
             ],
         }
+        if self.seq_len is not None:
+            out["seq_len"] = self.seq_len
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -240,7 +257,8 @@ class Plan:
             raise PlanError(f"plan must be a JSON object, got {type(data).__name__}")
         if data.get("schema") != SCHEMA:
             raise PlanError(f"plan schema={data.get('schema')!r}; this code reads schema {SCHEMA}")
-        _expect_keys("plan", data, {"schema", "global_batch", "num_layers", "pipelines"})
+        _expect_keys("plan", data, {"schema", "global_batch", "num_layers", "pipelines"}
+                     | ({"seq_len"} if "seq_len" in data else set()))
         pipes = []
         for pi, p in enumerate(data["pipelines"]):
             _expect_keys(f"pipeline {pi}", p, {"num_microbatches", "microbatch_size", "stages"})
@@ -252,7 +270,7 @@ class Plan:
                                     "[start, stop]")
                 stages.append(Stage(tuple(s["devices"]), tuple(s["layers"])))
             pipes.append(Pipeline(tuple(stages), p["num_microbatches"], p["microbatch_size"]))
-        return cls(tuple(pipes), data["global_batch"], data["num_layers"])
+        return cls(tuple(pipes), data["global_batch"], data["num_layers"], data.get("seq_len"))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -313,6 +331,8 @@ def _positive_int(what: str, value: Any) -> None:
 def _validate(plan: Plan) -> None:
     _positive_int("global_batch", plan.global_batch)
     _positive_int("num_layers", plan.num_layers)
+    if plan.seq_len is not None:
+        _positive_int("seq_len", plan.seq_len)
     if not plan.pipelines:
         raise PlanError("plan has no pipelines; need at least one")
     seen: dict[int, tuple[int, int]] = {}

@@ -79,7 +79,10 @@ def parse_lengths_flag(value: Optional[str]) -> tuple[tuple[int, float], ...]:
     try:
         return tuple((b.max_len, b.share) for b in parse_lengths(value))
     except PlannerError as exc:
-        raise ConfigError(f"invalid --hspmd-lengths value {value!r}: {exc}") from None
+        why = str(exc)
+        named = f"lengths {value!r}"  # the planner's message names the value already
+        why = why[len(named):].lstrip(":").strip() if why.startswith(named) else why
+        raise ConfigError(f"invalid --hspmd-lengths value {value!r}: {why}") from None
 
 
 def _choice(flag: str, value: Optional[str], choices, default: str) -> str:

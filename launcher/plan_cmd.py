@@ -23,8 +23,16 @@ bucket's plan (layout line, estimated step time, memory), the best single plan t
 longest bucket (its step time summed over the buckets' rows) and the estimated gain, the single
 plan's step time over the sum of the buckets' (no switch cost counted); then what an elastic
 job's leader publishes for them (``--hspmd-lengths``): the home plan and each bucket's plan
-inside the step (``planner.bucket_layouts``). ``--json`` prints the same (``in_step``).
-``--lengths`` does not combine with ``--current`` or ``--uniform``.
+inside the step (``planner.bucket_layouts``). ``--json`` prints the same (``in_step``). A
+bucket the home layout cannot run (fewer rows than its pipelines, or past a device's memory)
+says so instead of a step time. ``--lengths`` does not combine with ``--current``; with
+``--uniform`` it shows what the leader of agents with ``--hspmd-planner uniform
+--hspmd-lengths`` publishes: the uniform home plan, and each bucket's plan chosen over the
+devices as they are (``planner.bucket_layouts``, as ``leader.planning`` calls it).
+
+``--uniform`` plans over ``planner.uniform_inventory`` (every device taken for the weakest) and
+tells the result on the devices as they are: their types, and the step time and memory the
+cost model estimates there (``--json``: the same, with ``uniform`` holding that step time).
 """
 
 from __future__ import annotations
@@ -39,10 +47,11 @@ import click
 
 from hspmd_elastic.contract.ids import parse_device_id
 from hspmd_elastic.plan import Plan, PlanError
-from hspmd_elastic.planner import (Inventory, LengthBucket, PlanInfeasibleError, PlannerError,
-                                   PlannerOptions, estimate_plan, inventory_from_dict,
-                                   inventory_from_nodes, parse_bytes, parse_lengths, plan_buckets,
-                                   plan_for, preset, profile_from_dict, uniform_inventory)
+from hspmd_elastic.planner import (Candidate, Inventory, LengthBucket, PlanInfeasibleError,
+                                   PlannerError, PlannerOptions, PlanResult, estimate_plan,
+                                   inventory_from_dict, inventory_from_nodes, parse_bytes,
+                                   parse_lengths, plan_buckets, plan_for, preset,
+                                   profile_from_dict, uniform_inventory)
 from launcher.numbers import number
 
 
@@ -177,18 +186,17 @@ def declare_memory(inventory: Inventory, size: Optional[str]) -> Inventory:
                            for d in inventory.devices))
 
 
-def _lengths(text: Optional[str], current: Optional[str],
-             uniform: bool) -> Optional[tuple[LengthBucket, ...]]:
+def _lengths(text: Optional[str], current: Optional[str]) -> Optional[tuple[LengthBucket, ...]]:
     """The buckets of ``--lengths`` (None without it); a usage error names a bad item."""
     if text is None:
         return None
     try:
         buckets = parse_lengths(text)
-    except PlannerError as exc:
-        raise click.BadParameter(str(exc), param_hint="--lengths") from None
-    if current is not None or uniform:
-        raise click.UsageError(f"--lengths does not combine with "
-                               f"{'--current' if current is not None else '--uniform'}")
+    except PlannerError as exc:  # the planner's line names the spec as "lengths '...'" first
+        message = str(exc).removeprefix("lengths ")
+        raise click.BadParameter(message, param_hint="--lengths") from None
+    if current is not None:
+        raise click.UsageError("--lengths does not combine with --current")
     return buckets
 
 
@@ -198,7 +206,7 @@ def load_profile(model: str):
     return preset(model)
 
 
-@click.command("plan")
+@click.command("plan", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--devices", required=True, metavar="NODES|FILE.json",
               help="One item per node, e.g. 8xH800,8xH800,16xH20; or an inventory JSON file "
                    f"(at most {MAX_DEVICES} devices).")
@@ -241,7 +249,7 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
                  device_memory: Optional[str], all_devices: bool, alternatives: int,
                  uniform: bool, lengths: Optional[str], as_json: bool) -> None:
     """Show the plan the planner would choose for a (hypothetical) cluster."""
-    buckets = _lengths(lengths, current, uniform)
+    buckets = _lengths(lengths, current)
     try:
         inventory = load_inventory(devices)
     except PlannerError as exc:
@@ -263,73 +271,125 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
                              cross_node_replicas=cross_node_replicas, redundancy=redundancy,
                              use_all_devices=all_devices, alternatives=alternatives)
     if buckets is not None:
-        _show_buckets(inventory, profile, global_batch, buckets, options, as_json)
+        _show_buckets(inventory, profile, global_batch, buckets, options, as_json, uniform)
         return
     try:
-        result = plan_for(uniform_inventory(inventory) if uniform else inventory, profile,
-                          global_batch, current_plan, options)
-        real = estimate_plan(result.plan, inventory, profile, options) if uniform else None
+        if uniform:
+            result = _told_on(plan_for(uniform_inventory(inventory), profile, global_batch,
+                                       current_plan, options), inventory, options, current_plan)
+        else:
+            result = plan_for(inventory, profile, global_batch, current_plan, options)
     except PlanInfeasibleError as exc:
         raise click.ClickException(str(exc)) from None
     except PlannerError as exc:
         raise click.UsageError(str(exc)) from None
     if as_json:
         doc = result.to_dict()
-        if real is not None:
-            doc["uniform"] = {"step_time_s": real.step_time_s, "tokens_per_s": real.tokens_per_s}
+        if uniform:
+            est = result.estimate
+            doc["uniform"] = {"step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s}
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
         return
+    if uniform:
+        click.echo("The best uniform plan (one TP/PP degree everywhere, even layers and rows, "
+                   "as --hspmd-planner uniform plans)\nuniform plan on these devices: step time "
+                   "and memory estimated on them, as they are")
     click.echo(result.explain())
-    if real is not None:
-        click.echo(f"uniform plan on these devices: step {real.step_time_s:.4g} s, "
-                   f"{real.tokens_per_s:,.0f} tokens/s (estimate)")
+
+
+def _told_on(result: PlanResult, inventory: Inventory, options: PlannerOptions,
+             current_plan: Optional[Plan]) -> PlanResult:
+    """``result`` (searched over ``uniform_inventory(inventory)``) with every plan's label and
+    estimate on ``inventory``, the devices as they are; a plan that cannot run there (not
+    expected: the uniform devices are the weakest) is left out."""
+    from hspmd_elastic.planner.explain import describe
+
+    def told(c: Candidate) -> Optional[Candidate]:
+        try:
+            est = estimate_plan(c.plan, inventory, result.profile, options, current_plan)
+        except PlanInfeasibleError:
+            return None
+        label = c.label.replace(describe(c.plan, result.inventory),
+                                describe(c.plan, inventory))
+        return Candidate(c.plan, est, label, c.score)
+
+    chosen = told(result.chosen)
+    if chosen is None:
+        raise click.ClickException("the best uniform plan does not run on these devices: "
+                                   + describe(result.plan, inventory))
+    alternatives = tuple(a for a in map(told, result.alternatives) if a is not None)
+    return PlanResult(chosen, alternatives, result.profile, inventory)
 
 
 def _show_buckets(inventory: Inventory, profile, global_batch: int,
                   buckets: tuple[LengthBucket, ...], options: PlannerOptions,
-                  as_json: bool) -> None:
-    try:
-        result = plan_buckets(inventory, profile, global_batch, buckets, options)
-    except PlanInfeasibleError as exc:
-        raise click.ClickException(str(exc)) from None
-    except PlannerError as exc:
-        raise click.UsageError(str(exc)) from None
-    in_step = _in_step(inventory, profile, global_batch, buckets, options)
+                  as_json: bool, uniform: bool = False) -> None:
+    """``--lengths``: the buckets' plans and the best single plan, then what a job's leader
+    publishes; with ``uniform`` only the latter, for ``--hspmd-planner uniform``."""
+    result = None
+    if not uniform:
+        try:
+            result = plan_buckets(inventory, profile, global_batch, buckets, options)
+        except PlanInfeasibleError as exc:
+            raise click.ClickException(str(exc)) from None
+        except PlannerError as exc:
+            raise click.UsageError(str(exc)) from None
+    in_step = _in_step(inventory, profile, global_batch, buckets, options, uniform)
     if as_json:
-        click.echo(json.dumps(dict(result.to_dict(), in_step=in_step), indent=2,
-                              sort_keys=True))
+        doc = dict(result.to_dict()) if result is not None else {"planner": "uniform"}
+        click.echo(json.dumps(dict(doc, in_step=in_step), indent=2, sort_keys=True))
         return
-    click.echo(result.explain())
-    click.echo(f"In an elastic job with --hspmd-lengths (the model at {in_step['seq_len']} "
-               f"tokens): home plan {in_step['home']}")
+    if result is not None:
+        click.echo(result.explain())
+    planner = " --hspmd-planner uniform" if uniform else ""
+    click.echo(f"In an elastic job with{planner} --hspmd-lengths (the model at "
+               f"{in_step['seq_len']} tokens): home plan {in_step['home']}")
     for b in in_step["buckets"]:
         how = ("its own plan, switched in the step" if b["own"]
                else "the home layout, no switch")
+        home = (f"home layout {b['home_s']:.4g} s" if b["home_s"] is not None
+                else f"the home layout cannot run it ({b['home_why']})")
         click.echo(f"  <= {b['window']} tokens, rows {b['start']}+{b['rows']}: {how}: "
-                   f"{b['layout']} (estimate {b['step_s']:.4g} s; home layout "
-                   f"{b['home_s']:.4g} s; switch {b['switch_s']:.4g} s)")
+                   f"{b['layout']} (estimate {b['step_s']:.4g} s; {home}; switch "
+                   f"{b['switch_s']:.4g} s)")
 
 
 def _in_step(inventory: Inventory, profile, global_batch: int,
-             buckets: tuple[LengthBucket, ...], options: PlannerOptions) -> dict:
+             buckets: tuple[LengthBucket, ...], options: PlannerOptions,
+             uniform: bool = False) -> dict:
     """What a job's leader publishes for these buckets: the home plan (``plan_for`` on the
-    whole batch at the longest length) and each bucket's plan inside the step
-    (``planner.bucket_layouts``)."""
-    from hspmd_elastic.planner.bucket_layouts import bucket_layouts
+    whole batch at the longest length; over ``uniform_inventory`` with ``uniform``) and each
+    bucket's plan inside the step (``planner.bucket_layouts`` over the devices as they are).
+    ``home_s`` is None where the home layout cannot run a bucket, ``home_why`` says why."""
+    from hspmd_elastic.planner.bucket_layouts import bucket_layouts, spread_rows
     from hspmd_elastic.planner.buckets import profile_at
     from hspmd_elastic.planner.explain import layout_line
 
     at = profile_at(profile, buckets[-1].max_len)
     try:
-        home = plan_for(inventory, at, global_batch, options=options).plan
+        home = plan_for(uniform_inventory(inventory) if uniform else inventory, at,
+                        global_batch, options=options).plan
         layouts = bucket_layouts(inventory, at, home, buckets, options)
     except PlanInfeasibleError as exc:
         raise click.ClickException(str(exc)) from None
-    return {"seq_len": at.seq_len, "home": layout_line(home), "buckets": [
-        {"window": b.window, "start": b.start, "rows": b.plan.global_batch, "own": b.own,
-         "layout": layout_line(b.plan), "step_s": b.step_s,
-         "home_s": b.home_s if b.home_s != float("inf") else None, "switch_s": b.switch_s}
-        for b in layouts]}
+    except PlannerError as exc:
+        raise click.UsageError(str(exc)) from None
+
+    def why(rows: int) -> str:
+        if spread_rows(home, rows) is None:
+            return (f"only {rows} row{'s' if rows != 1 else ''} for its "
+                    f"{len(home.pipelines)} pipelines")
+        return "a device's memory is too small for it"
+
+    out = []
+    for b in layouts:
+        runs = b.home_s != float("inf")
+        out.append({"window": b.window, "start": b.start, "rows": b.plan.global_batch,
+                    "own": b.own, "layout": layout_line(b.plan), "step_s": b.step_s,
+                    "home_s": b.home_s if runs else None,
+                    "home_why": "" if runs else why(b.plan.global_batch),
+                    "switch_s": b.switch_s})
+    return {"seq_len": at.seq_len, "home": layout_line(home), "buckets": out}
 
 
 command = plan_command  # the name launcher.cli's subcommand table looks up

@@ -45,7 +45,11 @@ sets for the step's task; a flag the user gave always wins. Promises:
 * **errors**: an inconsistent environment is one ``ConfigError`` line naming the variable and
   its value: a count that is not a number, ``SLURM_NODEID`` past the node count, a node list
   whose size differs from the node count or that is not a Slurm hostlist, a ``SLURMD_NODENAME``
-  that is not an id, several tasks per node. Only the variables a filled flag needs are read;
+  that is not an id or not a host of the node list, a ``SLURMD_NODENAME`` that is not the host
+  ``SLURM_NODEID`` names in it, several tasks per node. Only the variables a filled flag needs
+  are read: the node count only for ``--nnodes``, ``SLURM_NODEID``'s bound and the node list's
+  size check; the tasks per node only when the node's identity or ``--nproc-per-node`` is
+  filled; with every flag given, none is;
 * ``expand_hostlist`` expands Slurm's hostlist syntax (``node[01-03,07],gpu-a[1-2]``, several
   bracket groups in one name, zero padding from the lower bound) in Slurm's order, pure.
 """
@@ -207,14 +211,16 @@ def node_count(env: Mapping[str, str]) -> Optional[tuple[str, int]]:
     return None if found is None else (found[0], _number(*found, minimum=1))
 
 
-def node_list(env: Mapping[str, str], count: Optional[tuple[str, int]]) -> list[str]:
-    """The step's hosts, in Slurm's order; their number must be the node count."""
+def node_list(env: Mapping[str, str], count: Optional[tuple[str, int]],
+              hosts: Optional[list[str]] = None) -> list[str]:
+    """The step's hosts, in Slurm's order (``hosts``: already expanded); their number must be
+    the node count."""
     found = _first(env, NODELIST_VARS)
     if found is None:
         raise ConfigError(f"Slurm's environment has no node list ({', '.join(NODELIST_VARS)}) "
                           "for the rendezvous: give --rdzv-endpoint, or --hspmd-slurm off")
     name, value = found
-    hosts = expand_hostlist(value, name)
+    hosts = expand_hostlist(value, name) if hosts is None else hosts
     if count is not None and len(hosts) != count[1]:
         raise _bad(name, value, f"{len(hosts)} hosts, but {count[0]}={count[1]}")
     return hosts
@@ -239,6 +245,65 @@ def node_id(env: Mapping[str, str], hostname: str) -> str:
             raise _bad("SLURMD_NODENAME", name, f"a node id is {ID_RULE} (give --hspmd-node-id)")
         return name
     return re.sub(r"[^A-Za-z0-9._-]", "-", hostname).strip("-._")[:128] or "node"
+
+
+class _Step:
+    """The step's node count and node list, each read (and checked) when first needed."""
+
+    def __init__(self, env: Mapping[str, str]):
+        self.env = env
+        self._count: Optional[tuple[Optional[tuple[str, int]]]] = None
+        self._hosts: Optional[tuple[Optional[list[str]]]] = None
+
+    def count(self) -> Optional[tuple[str, int]]:
+        """The node count variable and its value (None: none set)."""
+        if self._count is None:
+            self._count = (node_count(self.env),)
+        return self._count[0]
+
+    def hosts(self, sized: bool = True) -> Optional[list[str]]:
+        """The node list (None: no list); ``sized``: its size checked against the node
+        count, which is then read too."""
+        if self._hosts is None:
+            found = _first(self.env, NODELIST_VARS)
+            self._hosts = (None if found is None else expand_hostlist(found[1], found[0]),)
+        hosts = self._hosts[0]
+        if sized and hosts is not None:
+            node_list(self.env, self.count(), hosts)
+        return hosts
+
+    def nodes(self) -> Optional[int]:
+        """How many nodes the step has: the node count, else the node list's size."""
+        count = self.count()
+        if count is not None:
+            return count[1]
+        hosts = self.hosts()
+        return None if hosts is None else len(hosts)
+
+
+def _identity(env: Mapping[str, str], given: Mapping[str, Any], step: _Step,
+              hostname: Optional[str]) -> dict[str, Any]:
+    """``--hspmd-node-id`` and ``--node-rank`` when not given; ``SLURMD_NODENAME`` must be a
+    host of the node list, and the one ``SLURM_NODEID`` names when both are read."""
+    out: dict[str, Any] = {}
+    name = env.get("SLURMD_NODENAME", "").strip()
+    if "hspmd_node_id" not in given:
+        out["hspmd_node_id"] = node_id(env, socket.gethostname() if hostname is None
+                                       else hostname)
+    if "node_rank" not in given:
+        rank = node_rank(env, step.nodes())
+        if rank is not None:
+            out["node_rank"] = rank
+    if "hspmd_node_id" in out and name:
+        hosts = step.hosts(sized=False)
+        if hosts is not None and name not in hosts:
+            raise _bad("SLURMD_NODENAME", name, f"not a host of the step's node list "
+                                                f"({bounded(', '.join(hosts))})")
+        rank = out.get("node_rank")
+        if hosts is not None and rank is not None and hosts[rank] != name:
+            raise _bad("SLURMD_NODENAME", name, f"SLURM_NODEID={rank} names {hosts[rank]} "
+                                                "in the step's node list")
+    return out
 
 
 def gpu_count(env: Mapping[str, str]) -> Optional[tuple[str, int]]:
@@ -270,7 +335,7 @@ def _nproc(env: Mapping[str, str], given: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _rendezvous(env: Mapping[str, str], given: Mapping[str, Any],
-                count: Optional[tuple[str, int]]) -> dict[str, Any]:
+                step: _Step) -> dict[str, Any]:
     backend = given.get("rdzv_backend")
     if given.get("hspmd_etcd_endpoints"):  # an external etcd cluster
         return {} if backend or given.get("rdzv_endpoint") else {"rdzv_backend": "etcd"}
@@ -279,7 +344,11 @@ def _rendezvous(env: Mapping[str, str], given: Mapping[str, Any],
     chosen = str(backend or "c10d").strip().lower()
     if chosen not in ("c10d", "static"):
         return {}  # etcd without an endpoint: the CLI asks for one
-    first = node_list(env, count)[0]
+    hosts = step.hosts()
+    if hosts is None:
+        raise ConfigError(f"Slurm's environment has no node list ({', '.join(NODELIST_VARS)}) "
+                          "for the rendezvous: give --rdzv-endpoint, or --hspmd-slurm off")
+    first = hosts[0]
     if chosen == "static":
         return {} if "master_addr" in given else {"master_addr": first}
     out: dict[str, Any] = {"rdzv_endpoint": f"{first}:{RDZV_PORT}"}
@@ -294,30 +363,21 @@ def slurm_defaults(env: Mapping[str, str], given: Mapping[str, Any],
     ``srun`` step, given ``given``: the params the user set (command line or ``PET_*``) and
     their values, which are never overridden; ``hostname`` (default: this host's) names the
     node when ``SLURMD_NODENAME`` is not set. Pure apart from that default; ``ConfigError``
-    names the first inconsistent variable."""
-    check_one_task_per_node(env)
-    out: dict[str, Any] = {}
-    count = node_count(env)
-    if "hspmd_node_id" not in given:
-        out["hspmd_node_id"] = node_id(env, socket.gethostname() if hostname is None
-                                       else hostname)
-    if "node_rank" not in given:
-        rank = node_rank(env, None if count is None else count[1])
-        if rank is not None:
-            out["node_rank"] = rank
+    names the first inconsistent variable, among those a filled flag needs."""
+    step = _Step(env)
+    out = _identity(env, given, step, hostname)
     if "rdzv_id" not in given:
         out["rdzv_id"] = f"slurm-{_number('SLURM_JOB_ID', env.get('SLURM_JOB_ID', '').strip())}"
     out.update(_nproc(env, given))
+    if out.keys() & {"hspmd_node_id", "node_rank", "nproc_per_node"}:
+        check_one_task_per_node(env)  # two agents would share this node's id, rank, devices
     if given.get("standalone"):
         return out
     if "nnodes" not in given:
-        if count is None:
-            found = _first(env, NODELIST_VARS)
-            if found is not None:
-                out["nnodes"] = str(len(expand_hostlist(found[1], found[0])))
-        else:
-            out["nnodes"] = str(count[1])
-    out.update(_rendezvous(env, given, count))
+        nodes = step.nodes()
+        if nodes is not None:
+            out["nnodes"] = str(nodes)
+    out.update(_rendezvous(env, given, step))
     return out
 
 

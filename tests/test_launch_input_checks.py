@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import subprocess
+import sys
 
 import click
 import pytest
@@ -221,3 +223,44 @@ def test_cpu_slots_are_devices_not_gpus(client, caplog):
     said = [r.getMessage() for r in caplog.records]
     assert "node node-a device 0: healthy" in said and "node node-a device 1: healthy" in said
     assert not [m for m in said if "GPU" in m], said
+
+
+# ------------------------------------------------------------------------------ M28 leftovers
+def test_the_dashboard_labels_slots_by_their_kind_not_as_gpus():
+    from launcher.ops.page import PAGE
+
+    assert '"GPU " + g.index' not in PAGE
+    assert '(g.type || "device") + " " + g.index' in PAGE
+
+
+def test_elastic_llama_outside_the_launcher_is_one_line(tmp_path):
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "elastic_llama.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSPMD_", "LOCAL_RANK"))}
+    out = subprocess.run([sys.executable, str(script), "--steps", "1"], capture_output=True,
+                         text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastic_llama.py: error: it must run under "
+                                                   "hspmd-launch --hspmd-elastic"), lines
+
+
+def test_a_plan_made_for_one_seq_len_refuses_a_model_of_another():
+    import dataclasses
+
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.plan import Plan, PlanError, simple_plan
+
+    config = ModelConfig(vocab_size=256, hidden_size=64, num_heads=4, num_layers=4,
+                         ffn_size=256, seq_len=64)
+    plan = simple_plan(dp=2, num_layers=4, global_batch=8)
+    plan.check_model(dataclasses.replace(config, seq_len=32))  # not said: not checked
+    made = plan.at_seq_len(64)
+    assert made == plan and Plan.from_dict(made.to_dict()).seq_len == 64
+    assert "seq_len" not in plan.to_dict() and made.relabel({0: 1, 1: 0}).seq_len == 64
+    made.check_model(config)
+    with pytest.raises(PlanError, match="plan was made for seq_len=64, model has seq_len=32"):
+        made.check_model(dataclasses.replace(config, seq_len=32))
+    with pytest.raises(PlanError, match="seq_len=0 must be a positive integer"):
+        plan.at_seq_len(0)

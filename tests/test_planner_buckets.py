@@ -200,7 +200,6 @@ def test_cli_json_has_the_bucket_plans_and_the_gain():
     (("--lengths", "512:0,8192:1"), "'512:0'"),
     (("--lengths", "512:x,8192:0.1"), "'x'"),
     (("--lengths", "512:0.5,8192:0.4"), "sum to 0.9"),
-    (("--lengths", MIXED, "--uniform"), "--uniform"),
     (("--lengths", "512:0.5,8192:0.5", "--global-batch", "1"), "global_batch=1"),
 ])
 def test_cli_bad_lengths_are_one_line_usage_errors(args, needle):

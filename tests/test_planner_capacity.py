@@ -96,7 +96,8 @@ def test_capacity_flags_reach_the_elastic_settings(tmp_path):
     (["--nnodes", "1:2", "--hspmd-redundancy", "3"],
      "invalid --hspmd-redundancy value '3': the job has at most 2 nodes"),
     (["--hspmd-lengths", "64:0.9,16:0.1"], "invalid --hspmd-lengths value '64:0.9,16:0.1'"),
-    (["--hspmd-lengths", "8:0.5,16:0.4"], "invalid --hspmd-lengths value '8:0.5,16:0.4'"),
+    (["--hspmd-lengths", "8:0.5,16:0.4"], "invalid --hspmd-lengths value '8:0.5,16:0.4': "
+                                          "the shares sum to 0.9, not 1"),
     (["--hspmd-lengths", f"4:0.5,{CONFIG.seq_len * 2}:0.5"],
      f"the longest bucket ({CONFIG.seq_len * 2} tokens) must be the model's sequence length "
      f"{CONFIG.seq_len}"),

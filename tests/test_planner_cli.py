@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
 
+from hspmd_elastic.plan import Plan
 from launcher.plan_cmd import plan_command
 
 PAPER = "8xH800,8xH800,8xH20,8xH20,8xH20,8xH20"
@@ -92,3 +94,81 @@ def test_bad_inventory_files_are_usage_errors(tmp_path, inventory, needle):
     res = _run("--devices", str(path))
     assert res.exit_code == 2, res.output
     assert needle in res.output and "Traceback" not in res.output
+
+
+# ------------------------------------------------------------------- M28: the CLI's rough edges
+LENGTHS = ("--devices", "4xH800,4xH800", "--model", "llama-7b", "--global-batch", "16",
+           "--lengths", "512:0.95,8192:0.05")
+
+
+def test_lengths_say_why_the_home_layout_cannot_run_a_bucket():
+    """The 8192-token bucket gets 1 row of 16, under a home plan of two pipelines: the text
+    says the home layout cannot run it (no step time), as the JSON does (``home_s`` null)."""
+    res = _run(*LENGTHS)
+    assert res.exit_code == 0, res.output
+    line = [ln for ln in res.output.splitlines() if ln.startswith("  <= 8192 tokens")]
+    assert len(line) == 1 and "its own plan, switched in the step" in line[0], res.output
+    assert "the home layout cannot run it (only 1 row for its 2 pipelines)" in line[0]
+    data = json.loads(_run(*LENGTHS, "--json").output)
+    last = data["in_step"]["buckets"][-1]
+    assert last["home_s"] is None and last["home_why"] == "only 1 row for its 2 pipelines"
+    assert data["in_step"]["buckets"][0]["home_why"] == ""
+
+
+def test_plan_takes_dash_h_as_every_subcommand_does(capsys):
+    from launcher import cli
+
+    for name in ("plan", "status", "dashboard", "inject"):
+        assert cli.main([name, "-h"]) == 0, name
+        out = capsys.readouterr()
+        assert f"Usage: hspmd-launch {name}" in out.out and not out.err, (name, out.err)
+
+
+def test_uniform_tells_its_plan_on_the_devices_as_they_are():
+    """One step time per plan, and the devices named by their type: the plan searched over
+    the weakest-device copy, estimated on the real mix (what the cost model says of it)."""
+    from launcher.plan_cmd import load_inventory, load_profile
+    from hspmd_elastic.planner import estimate_plan
+
+    res = _run("--devices", "2xH800,2xH20", "--uniform")
+    assert res.exit_code == 0, res.output
+    assert "uniform tp" not in res.output and "H800 tp" in res.output, res.output
+    chosen = res.output.split("Next-best alternatives:")[0]
+    assert len(re.findall(r"step [0-9.]+ s", chosen)) == 1, chosen
+    data = json.loads(_run("--devices", "2xH800,2xH20", "--uniform", "--json").output)
+    plan = Plan.from_dict(data["chosen"]["plan"])
+    real = estimate_plan(plan, load_inventory("2xH800,2xH20"), load_profile("llama-7b"))
+    assert data["chosen"]["estimate"]["step_time_s"] == pytest.approx(real.step_time_s)
+    assert data["uniform"]["step_time_s"] == data["chosen"]["estimate"]["step_time_s"]
+    assert f"step {real.step_time_s:.4g} s" in chosen
+
+
+def test_lengths_with_uniform_show_what_the_uniform_leader_publishes():
+    """The agent takes --hspmd-planner uniform with --hspmd-lengths (a uniform home plan, each
+    bucket's plan from bucket_layouts over the real devices); plan --lengths --uniform shows
+    the same home plan as the leader's ``UniformPlanner``."""
+    from hspmd_elastic.planner import plan_for
+    from hspmd_elastic.planner.buckets import profile_at
+    from hspmd_elastic.planner.explain import layout_line
+    from launcher.leader.planning import UniformPlanner
+    from launcher.plan_cmd import load_inventory, load_profile
+
+    args = ("--devices", "4xH800,4xH20", "--model", "llama-7b", "--global-batch", "16",
+            "--lengths", "512:0.95,8192:0.05", "--uniform")
+    res = _run(*args)
+    assert res.exit_code == 0, res.output
+    assert "In an elastic job with --hspmd-planner uniform --hspmd-lengths" in res.output
+    data = json.loads(_run(*args, "--json").output)
+    home = UniformPlanner(plan_for)(load_inventory("4xH800,4xH20"),
+                                    profile_at(load_profile("llama-7b"), 8192), 16).plan
+    assert data["planner"] == "uniform" and data["in_step"]["home"] == layout_line(home)
+    assert [b["rows"] for b in data["in_step"]["buckets"]] == [15, 1]
+
+
+def test_a_bad_share_sum_names_the_spec_once():
+    res = _run("--devices", "8xH800", "--lengths", "512:0.5,8192:0.4")
+    assert res.exit_code == 2
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1 and errors[0].count("512:0.5,8192:0.4") == 1, errors
+    assert errors[0].lower().count("lengths") == 1, errors  # not "--lengths: lengths '...'"
+    assert "the shares sum to 0.9, not 1" in errors[0]

@@ -370,3 +370,60 @@ def test_the_command_prints_one_line_and_exits_2(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hspmd-launch: error: invalid Slurm environment")
     assert "SLURM_NODEID='3'" in err[0]
+
+
+# --------------------------------------------------- each variable read only where it is needed
+ALL_FLAGS = ["--hspmd-node-id", "n1", "--node-rank", "1", "--nnodes", "3",
+             "--nproc-per-node", "2", "--rdzv-id", "run-1", "--rdzv-backend", "etcd",
+             "--rdzv-endpoint", "e:2379"]
+
+
+@pytest.mark.parametrize("extra", [
+    {"SLURM_STEP_NUM_NODES": None, "SLURM_NNODES": "abc"},
+    {"SLURM_STEP_NUM_NODES": "abc"},
+    {"SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_TASKS_PER_NODE": "2(x2)"},
+    {"SLURM_STEP_TASKS_PER_NODE": None, "SLURM_TASKS_PER_NODE": "2(x2)"},
+    {"SLURM_NODEID": "7", "SLURMD_NODENAME": "elsewhere", "SLURM_JOB_ID": "x"},
+])
+def test_every_flag_given_reads_no_slurm_variable(monkeypatch, extra):
+    """With every flag Slurm could fill given, no Slurm variable is read, so none can abort."""
+    set_env(monkeypatch, {k: v for k, v in step_env(**extra).items() if v is not None})
+    for name in [k for k, v in extra.items() if v is None]:
+        monkeypatch.delenv(name, raising=False)
+    _, cfg = parse(ALL_FLAGS)
+    assert cfg.node_id == "n1" and cfg.rdzv.node_rank == 1 and cfg.rdzv.max_nodes == 3
+    assert cfg.nproc_per_node == 2 and cfg.rdzv.run_id == "run-1"
+
+
+def test_the_tasks_per_node_still_guard_a_filled_identity(monkeypatch):
+    set_env(monkeypatch, step_env(SLURM_STEP_TASKS_PER_NODE="2(x2)"))
+    assert "SLURM_STEP_TASKS_PER_NODE='2(x2)'" in refusal(ALL_FLAGS[2:])  # node id filled
+
+
+def _without_counts(node: int = 1, **extra: str) -> dict[str, str]:
+    return {k: v for k, v in step_env(node=node, **extra).items()
+            if k not in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
+                         "SLURM_STEP_NODELIST")}
+
+
+def test_node_id_past_the_node_list_is_refused_without_a_node_count():
+    env = _without_counts(SLURM_NODEID="7", SLURM_JOB_NODELIST="node[01-03]",
+                          SLURM_NODELIST="node[01-03]")
+    with pytest.raises(ConfigError, match=r"SLURM_NODEID='7': the step has 3 nodes \(ids 0..2\)"):
+        slurm_defaults(env, {})
+    out = slurm_defaults(_without_counts(node=2), {})
+    assert out["node_rank"] == 2 and out["nnodes"] == "3" and out["hspmd_node_id"] == "node03"
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"SLURMD_NODENAME": "node09"}, "not a host of the step's node list (node01, node02, "
+                                    "node03)"),
+    ({"SLURMD_NODENAME": "node03", "SLURM_NODEID": "1"},
+     "SLURM_NODEID=1 names node02 in the step's node list"),
+])
+def test_a_node_name_the_node_list_does_not_back_is_refused(monkeypatch, extra, why):
+    set_env(monkeypatch, step_env(**extra))
+    line = refusal([])
+    assert f"SLURMD_NODENAME={extra['SLURMD_NODENAME']!r}" in line and why in line, line
+    _, cfg = parse(["--hspmd-node-id", "mine"])  # a given node id: SLURMD_NODENAME unread
+    assert cfg.node_id == "mine"

@@ -146,7 +146,7 @@ class WorkerGroup:
             self.state = WorkerGroupState.FAILED
         elif all(w.exitcode == 0 for w in self.workers):
             self.state = WorkerGroupState.SUCCEEDED
-            self._finish_logs()
+            self.finish_logs()
         else:
             self.state = WorkerGroupState.HEALTHY
         return self.state
@@ -198,9 +198,11 @@ class WorkerGroup:
             if w.proc is not None and w.exitcode is None:
                 w.exitcode, w.exited_at = w.proc.poll(), time.time()
         self.state = WorkerGroupState.STOPPED
-        self._finish_logs()
+        self.finish_logs()
 
-    def _finish_logs(self) -> None:
+    def finish_logs(self) -> None:
+        """Stop copying the workers' output to the console and close their log files (when
+        every worker of the group has exited, or the group is stopped)."""
         self._tail_stop.set()
         for t in self._tails:
             t.join(timeout=2.0)

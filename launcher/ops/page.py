@@ -166,7 +166,7 @@ function renderNodes(d) {
         " T" + g.placement.tp_rank : (g.in_plan ? "in plan" : "not in plan");
       const box2 = el("div", {class: "gpu h-" + g.health, "data-device": g.id,
         "data-health": g.health, title: g.reason || g.health},
-        el("div", {class: "n"}, "GPU " + g.index),
+        el("div", {class: "n"}, (g.type || "device") + " " + g.index),
         el("div", {}, g.health === "unknown" ? "no verdict" : g.health),
         el("div", {class: "r"}, where));
       const w = n.workers.find(x => x.local_rank === g.index);

@@ -15,11 +15,17 @@ exception type and its message with numbers and addresses normalised away), on t
 on one device again after a replan, it is the script's fault, and the job fails once with the
 first of those exits as the root cause (``ScriptError``). Errors a replan can cure (timeouts,
 lost peers, an unreachable store or etcd: ``is_cluster_symptom``) and exits without an error
-line (signals, scripts without ``@record``) never count.
+line never count (signals; a script without ``@record`` that printed no error). The error
+line of an exit is its error file's (``@record``), else the last error its stderr ends with
+(``stderr_error_line``: a traceback's exception line, or a ``prog: error: ...`` line, the
+convention of argparse and the examples): the agent keeps every elastic worker's stderr in
+its log directory (``workers.ElasticWorkers``). Two exits share an error when their exit codes
+and error signatures agree.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -79,7 +85,11 @@ def report_worker_exit(client: EtcdClient, job: str, node: str, exit: WorkerExit
     """Journal a worker exit as a ``failure`` event (pid, exit code, signal, device); with the
     ``worker`` (``launcher.node.workers.Worker``) also its rank, error file and error line."""
     error_file = worker.logs.error_file if worker is not None else ""
-    line = error_line(error_file) if error_file and exit.exitcode not in (None, 0) else ""
+    failed = exit.exitcode not in (None, 0)
+    line = error_line(error_file) if error_file and failed else ""
+    if not line and failed and worker is not None and worker.logs.stderr:
+        line = stderr_error_line(worker.logs.stderr)
+        error_file = error_file if error_file and os.path.exists(error_file) else ""
     reason = exit.describe() + (f": {line[:MAX_ERROR_LINE]}" if line else "")
     return append_event(client, job, "failure", node, schema.FailureDetail(
         devices=[device_id(node, exit.local_rank)], reason=reason,
@@ -100,29 +110,74 @@ def worker_of(exits: Iterable[tuple], ex: WorkerExit) -> Any:
 _CLUSTER_SYMPTOM = re.compile(r"Timeout|Unreachable|Abort|Lost|Connection|Network|Requested|"
                               r"BrokenPipe|CommError|Coordination|Etcd|Unavailable|StoreError")
 _TYPE = re.compile(r"^([A-Za-z_][\w.]*):(?:\s|$)")  # what ``@record`` writes: "Type: message"
+_PROG_ERROR = re.compile(r"^([\w.+-]+): error: (\S.*)$")  # argparse's and the examples' form
+_TRACEBACK = "Traceback (most recent call last):"
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+# Messages of a lost peer or a timeout, whatever the exception type (gloo's RuntimeError)
+_LOST_PEER = re.compile(r"[Cc]onnection (closed|reset|refused)|[Tt]imed out|[Bb]roken pipe|"
+                        r"[Pp]eer")
 _NUMBER = re.compile(r"\d+")
 
 
 def error_signature(line: str) -> Optional[tuple[str, str]]:
-    """Pure: ``(exception type, normalised message)`` of an error line ``Type: message``, or None
-    for no line or an error a replan may cure (``is_cluster_symptom``). The message is
-    normalised so the same error on another rank matches: addresses, numbers (ranks, pids,
-    ports, shard numbers) and runs of blanks are folded."""
+    """Pure: ``(exception type, normalised message)`` of an error line ``Type: message`` (or
+    ``prog: error: message``, type ``error``), or None for no line or an error a replan may
+    cure (``is_cluster_symptom``: by its type, or a message about a lost peer or a timeout).
+    The message is normalised so the same error on another rank matches: addresses, numbers
+    (ranks, pids, ports, shard numbers) and runs of blanks are folded."""
     first = line.strip().splitlines()[0].strip() if line and line.strip() else ""
+    prog = _PROG_ERROR.match(first)
     m = _TYPE.match(first)
-    if not m:
+    if prog:
+        kind, message = "error", prog.group(2)
+    elif m:
+        kind, message = m.group(1).rsplit(".", 1)[-1], first[m.end():]
+    else:
         return None
-    kind = m.group(1).rsplit(".", 1)[-1]
-    if is_cluster_symptom(kind):
+    if is_cluster_symptom(kind) or _LOST_PEER.search(message):
         return None
-    text = _NUMBER.sub("#", _ADDRESS.sub("0x#", first[m.end():]))
+    text = _NUMBER.sub("#", _ADDRESS.sub("0x#", message))
     return kind, " ".join(text.split())[:MAX_ERROR_LINE]
 
 
 def is_cluster_symptom(kind: str) -> bool:
     """Pure: an exception type a replan may cure (a timeout, a lost peer, etcd away)."""
     return bool(_CLUSTER_SYMPTOM.search(kind))
+
+
+STDERR_TAIL_BYTES = 64 * 1024  # of a worker's stderr, read for its last error
+
+
+def stderr_error_line(path: str, tail_bytes: int = STDERR_TAIL_BYTES) -> str:
+    """The error a worker's stderr file ends with, as ``Type: message`` ("" if none): the
+    exception line of its last traceback, or a later ``prog: error: message`` line. Only the
+    last ``tail_bytes`` are read."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - tail_bytes))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return last_error(text.splitlines())
+
+
+def last_error(lines: list[str]) -> str:
+    """Pure: the last error of a stderr's ``lines`` (see ``stderr_error_line``)."""
+    found, in_traceback = "", False
+    for line in lines:
+        if line.startswith(_TRACEBACK):
+            in_traceback = True
+            continue
+        if in_traceback and line and not line[0].isspace():
+            if _TYPE.match(line):
+                found, in_traceback = line.strip(), False
+            continue
+        m = _PROG_ERROR.match(line.strip())
+        if m:
+            found = line.strip()
+    return found
 
 
 @dataclass(frozen=True)
@@ -159,7 +214,7 @@ class ScriptErrors:
 
     def __init__(self) -> None:
         self._seen: set[tuple[str, int]] = set()  # (node, pid): a failure journaled twice
-        self._by_error: dict[tuple[str, str], list[tuple]] = {}
+        self._by_error: dict[tuple, list[tuple]] = {}  # (exit code, *signature) -> exits
         self.found: Optional[ScriptError] = None
 
     def note(self, event: Any, detail: Any) -> Optional[ScriptError]:
@@ -171,7 +226,7 @@ class ScriptErrors:
             sig = error_signature(info.message)
             if sig is None:
                 continue
-            rows = self._by_error.setdefault(sig, [])
+            rows = self._by_error.setdefault((info.exitcode, *sig), [])
             rows.append((info, event.node, event.at, detail.plan_version))
             if len(rows) >= 2 and self.found is None:
                 first, node, at, version = rows[0]

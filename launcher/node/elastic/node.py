@@ -172,8 +172,8 @@ class ElasticNode:
         # Every exit's verdict is sticky before any etcd call: a failed call must not lose one
         # (poll reports each exit only once).
         for ex in exits:
-            log.warning("[%s] node %s: %s (slot %d)", self.job, self.node, ex.describe(),
-                        ex.local_rank)
+            log.log(logging.INFO if ex.ok else logging.WARNING, "[%s] node %s: %s (slot %d)",
+                    self.job, self.node, ex.describe(), ex.local_rank)
             self.records.pop(ex.local_rank, None)
             self._final_report(ex)
             if self._left(ex):

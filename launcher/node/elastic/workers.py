@@ -8,10 +8,15 @@ one is failed for the leader too), unless the worker left because the newest pla
 its device (its last report is ``excluded``, ``contract.LEFT_STATES``): a later plan that uses
 the device again (a healed partition) starts a new worker there. ``poll`` reports each exit once and keeps it
 in ``exits`` with the worker's final reported state, read from its progress file.
+
+A worker's stderr always goes to ``stderr.log`` beside its error file (``with_stderr_file``),
+copied to the agent's console as ``--tee 2`` does when the console shows it: the agent reads
+the error a failed worker printed from it, with or without ``@record`` (``exits``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -31,6 +36,16 @@ log = logging.getLogger(__name__)
 def plan_rank(plan: AnyPlan, node: str, local_rank: int) -> Optional[int]:
     """The rank of slot ``local_rank`` of ``node`` in ``plan`` (None when not in it)."""
     return node_ranks(plan, node).get(local_rank)
+
+
+def with_stderr_file(logs: WorkerLogPaths) -> WorkerLogPaths:
+    """Pure: ``logs`` with stderr kept in ``stderr.log`` beside the error file (shown on the
+    console as before when it was, with the rank's prefix); itself when already kept."""
+    if logs.stderr is not None:
+        return logs
+    return dataclasses.replace(
+        logs, stderr=os.path.join(os.path.dirname(logs.error_file), "stderr.log"),
+        tee_stderr=logs.console)
 
 
 def new_local_ranks(plan: AnyPlan, node: str, running: Iterable[int]) -> list[int]:
@@ -87,7 +102,7 @@ class ElasticWorkers:
                 os.unlink(progress)
             env = elastic_worker_env(self._base_env, self.endpoints, self.job, self.node, lr,
                                      plan.version, progress)
-            logs = self._log_paths(plan.version, lr)
+            logs = with_stderr_file(self._log_paths(plan.version, lr))
             env["TORCHELASTIC_ERROR_FILE"] = logs.error_file  # for torchrun's failure summary
             workers.append(Worker(local_rank=lr, global_rank=ranks[lr],
                                   argv=argv, env=env, logs=logs))
@@ -113,9 +128,13 @@ class ElasticWorkers:
                 if final not in LEFT_STATES:  # a slot a plan left may be used again later
                     self._ended.add(lr)
                 self.exits.append((ex, w, final))
-        self._groups = [g for g in self._groups
-                        if any(w.local_rank in self._running and self._running[w.local_rank] is w
-                               for w in g.workers)]
+        live = [g for g in self._groups
+                if any(w.local_rank in self._running and self._running[w.local_rank] is w
+                       for w in g.workers)]
+        for group in self._groups:
+            if all(g is not group for g in live):  # every worker exited: its console copies end, files close
+                group.finish_logs()
+        self._groups = live
         return out
 
     def stop(self, grace_s: float = 30.0) -> None:
