@@ -26,6 +26,11 @@ Promises:
   forked child goes where its worker came from; the root when that is gone), then removes the
   children and the parent; it is idempotent, a process that already exited is no error, and a
   finalizer runs it when the object is collected or the interpreter exits;
+* no cgroup without its owner on record: ``place`` first writes ``<owners_root()>/hspmd-<job>/
+  <child>.json`` (the owner's pid and start time, the worker's home; a cgroup file system takes
+  no file of ours), ``close`` removes it; ``sweep_stale`` restores what a dead (SIGKILLed)
+  owner left: cap lifted, processes home, cgroup removed; ``release`` (never raises) is how the
+  agent calls it at its job's end, and ``inject`` before its first fault;
 * every error of the file system is a ``CgroupError`` with one line naming the file;
   ``ProcessGone`` when the process to move has exited; no call blocks for more than
   ``RMDIR_TIMEOUT_S``.
@@ -34,6 +39,7 @@ Promises:
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import math
 import os
@@ -52,6 +58,8 @@ PERIOD_US = 100_000  # 100 ms: the CFS period of every worker cgroup
 MIN_QUOTA_US = 1_000  # the kernel refuses a quota below 1 ms
 MOUNTS = "/proc/self/mounts"
 RMDIR_TIMEOUT_S = 2.0  # a cgroup whose last process is leaving can be busy for a moment
+OWNERS_DIR = "/run/hspmd-cgroups"  # a tmpfs, emptied at boot like the cgroups themselves
+OWNER_KIND = "cpu_cgroup_owner"
 
 
 class CgroupError(RuntimeError):
@@ -245,6 +253,54 @@ def available(mounts_text: Optional[str] = None) -> tuple[Optional[Hierarchy], s
     return found, found.describe()
 
 
+# ------------------------------------------------------------------------------- owner records
+def owners_root() -> str:
+    """Where the owner records of every job's cgroups live on this machine."""
+    return OWNERS_DIR
+
+
+def process_start(pid: int) -> Optional[int]:
+    """The start time of ``pid`` (clock ticks since boot: field 22 of ``/proc/<pid>/stat``), so
+    that a reused pid is not taken for its owner; None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            fields = fh.read().rsplit(")", 1)[-1].split()  # fields[0] is field 3, the state
+    except OSError:
+        return None
+    return None if len(fields) < 20 or fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _owner_alive(record: Optional[dict]) -> bool:
+    pid = record.get("owner_pid") if record is not None else None
+    return isinstance(pid, int) and pid > 0 and process_start(pid) == record.get("owner_start")
+
+
+def _read_record(path: str) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        record = None
+    return record if isinstance(record, dict) and record.get("kind") == OWNER_KIND else None
+
+
+def _unlink(path: str, remove=os.unlink) -> None:
+    try:
+        remove(path)
+    except OSError:
+        pass  # gone already, or (a directory) still holding another owner's records
+
+
+def _set_cap(version: int, child: str, fraction: Optional[float]) -> None:
+    if version == 1:
+        _write(os.path.join(child, "cpu.cfs_period_us"), str(PERIOD_US))
+        _write(os.path.join(child, "cpu.cfs_quota_us"),
+               "-1" if fraction is None else str(quota_us(fraction)))
+    else:
+        _write(os.path.join(child, "cpu.max"),
+               f"{'max' if fraction is None else quota_us(fraction)} {PERIOD_US}")
+
+
 # ------------------------------------------------------------------------------------ the quota
 def _subdirs(path: str) -> list[str]:
     try:
@@ -286,12 +342,28 @@ class _State:
 
     hierarchy: Hierarchy
     parent: str
+    owners: str = "/nonexistent"  # the directory of this parent's owner records
     homes: dict[int, str] = field(default_factory=dict)  # pid -> the cgroup it came from
     worker_home: dict[str, str] = field(default_factory=dict)  # child name -> its worker's
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def move(self, pid: int, cgroup: str) -> None:
         _write(os.path.join(cgroup, "cgroup.procs"), str(pid))
+
+    def record(self, name: str, job: str) -> None:
+        """Write the owner record of child ``name`` (this process), atomically."""
+        path = os.path.join(self.owners, name + ".json")
+        body = {"schema": 1, "kind": OWNER_KIND, "job": job, "cgroup": name,
+                "owner_pid": os.getpid(), "owner_start": process_start(os.getpid()),
+                "home": self.worker_home.get(name, self.hierarchy.root)}
+        try:
+            os.makedirs(self.owners, exist_ok=True)
+            with open(path + ".tmp", "w", encoding="utf-8") as fh:
+                json.dump(body, fh)
+            os.replace(path + ".tmp", path)
+        except OSError as exc:
+            raise CgroupError(f"cannot write the owner record {path}: "
+                              f"{exc.strerror or exc}") from None
 
     def close(self) -> None:
         """Every process back where it came from; children, then the parent, removed."""
@@ -302,10 +374,12 @@ class _State:
                 try:
                     self._empty(name, child)
                     _rmdir(child)
+                    _unlink(os.path.join(self.owners, name + ".json"))
                 except CgroupError as exc:
                     problems.append(str(exc))
             try:
                 _rmdir(self.parent)
+                _unlink(self.owners, os.rmdir)
             except CgroupError as exc:
                 problems.append(str(exc))
             if problems:
@@ -341,12 +415,13 @@ class CpuQuota:
     ``close`` (also a context manager; a finalizer closes what was not closed)."""
 
     def __init__(self, job: str, hierarchy: Optional[Hierarchy] = None,
-                 cores: Optional[int] = None):
+                 cores: Optional[int] = None, owners: Optional[str] = None):
         self.job = check_id(job, "job id")
         self.hierarchy = hierarchy if hierarchy is not None else detect()
         self.cores = cores if cores is not None else (os.cpu_count() or 1)
         self.parent = os.path.join(self.hierarchy.root, PREFIX + self.job)
-        self._state = _State(self.hierarchy, self.parent)
+        self._state = _State(self.hierarchy, self.parent,
+                             os.path.join(owners or owners_root(), PREFIX + self.job))
         self._finalizer = weakref.finalize(self, _finalize, self._state)
 
     def __enter__(self) -> "CpuQuota":
@@ -378,11 +453,12 @@ class CpuQuota:
                 enabled = _read(os.path.join(self.parent, "cgroup.subtree_control")).split()
                 if "cpu" not in enabled:
                     _write(os.path.join(self.parent, "cgroup.subtree_control"), "+cpu")
-            self._mkdir(child)
-            self._limit(child, fraction)
             if pid not in self._state.homes:
                 self._state.homes[pid] = self._home(pid)
             self._state.worker_home.setdefault(name, self._state.homes[pid])
+            self._state.record(name, self.job)  # before the cgroup: a SIGKILL leaves its owner
+            self._mkdir(child)
+            self._limit(child, fraction)
             try:
                 self._state.move(pid, child)
             except ProcessGone:
@@ -438,13 +514,7 @@ class CpuQuota:
             raise CgroupError(f"cannot create {path}: {exc.strerror or exc}") from None
 
     def _limit(self, child: str, fraction: Optional[float]) -> None:
-        if self.hierarchy.version == 1:
-            _write(os.path.join(child, "cpu.cfs_period_us"), str(PERIOD_US))
-            _write(os.path.join(child, "cpu.cfs_quota_us"),
-                   "-1" if fraction is None else str(quota_us(fraction)))
-        else:
-            _write(os.path.join(child, "cpu.max"),
-                   f"{'max' if fraction is None else quota_us(fraction)} {PERIOD_US}")
+        _set_cap(self.hierarchy.version, child, fraction)
 
     def _home(self, pid: int) -> str:
         """The cgroup directory ``pid`` is in now (the hierarchy's root when unknown)."""
@@ -468,25 +538,62 @@ def _finalize(state: _State) -> None:
         log.warning("CPU cgroups left behind: %s", exc)
 
 
-def sweep_stale(job: Optional[str] = None, hierarchy: Optional[Hierarchy] = None) -> list[str]:
-    """Remove the ``hspmd-*`` parents (only ``hspmd-<job>`` with ``job``) whose cgroups hold
-    no process (left by a run that died before it cleaned up); returns the parents removed.
-    A cgroup that still holds a process is left alone."""
+def sweep_stale(job: Optional[str] = None, hierarchy: Optional[Hierarchy] = None,
+                owners: Optional[str] = None) -> list[str]:
+    """In the ``hspmd-*`` parents (``hspmd-<job>`` with ``job``): restore and remove the worker
+    cgroups of dead owners, remove the empty ones of no known owner, then empty parents; leave a
+    live owner's, and one holding processes of no known owner. Returns the cgroups removed."""
     hierarchy = hierarchy if hierarchy is not None else detect()
+    owners = owners or owners_root()
     names = [PREFIX + check_id(job, "job id")] if job is not None else \
         [n for n in _subdirs(hierarchy.root) if n.startswith(PREFIX)]
     removed = []
     for name in names:
-        parent = os.path.join(hierarchy.root, name)
-        children = _subdirs(parent)
-        if not os.path.isdir(parent) or any(_procs(os.path.join(parent, c)) for c in children):
+        parent, records = os.path.join(hierarchy.root, name), os.path.join(owners, name)
+        if not os.path.isdir(parent):
             continue
+        for child in _subdirs(parent):
+            path, rec_path = os.path.join(parent, child), os.path.join(records, child + ".json")
+            record = _read_record(rec_path)
+            if _owner_alive(record) or (record is None and _procs(path)):
+                continue
+            try:
+                if record is not None:
+                    _restore(hierarchy, parent, child, record)
+                _rmdir(path)
+                _unlink(rec_path)
+                removed.append(path)
+            except CgroupError as exc:
+                log.warning("stale CPU cgroup %s not restored: %s", path, exc)
         try:
-            for child in children:
-                _rmdir(os.path.join(parent, child))
-            _rmdir(parent)
+            if not _subdirs(parent):
+                _rmdir(parent)
+                _unlink(records, os.rmdir)
+                removed.append(parent)
         except CgroupError as exc:
             log.warning("stale CPU cgroup %s not removed: %s", parent, exc)
-            continue
-        removed.append(parent)
     return removed
+
+
+def _restore(hierarchy: Hierarchy, parent: str, child: str, record: dict) -> None:
+    """A dead owner's worker cgroup: cap lifted first (then a process that cannot move is at
+    least not throttled), every process moved home (the recorded cgroup, else the root)."""
+    path, home = os.path.join(parent, child), record.get("home")
+    _set_cap(hierarchy.version, path, None)
+    if not (isinstance(home, str) and os.path.isdir(home) and not home.startswith(parent)):
+        home = hierarchy.root
+    _State(hierarchy, parent, worker_home={child: home})._empty(child, path)
+    log.warning("CPU cgroup %s: its owner (pid %s) is gone; cap lifted, processes moved to %s",
+                path, record.get("owner_pid"), home)
+
+
+def release(job: Optional[str] = None) -> list[str]:
+    """``sweep_stale`` that never raises (a machine without a usable CPU cgroup has nothing to
+    release): the agent calls it at its job's end, ``inject`` before its first fault."""
+    try:
+        return sweep_stale(job)
+    except CgroupUnavailable:
+        return []
+    except (CgroupError, ValueError, OSError) as exc:
+        log.warning("CPU cgroups%s: %s", f" of job {job}" if job else "", exc)
+        return []

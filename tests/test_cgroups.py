@@ -7,6 +7,7 @@ v2 hierarchy) on recorded texts and directories."""
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import subprocess
@@ -224,6 +225,34 @@ def test_sweep_stale_removes_empty_parents_only(hierarchy, spawn):
     finally:
         live.close()
     assert not os.path.exists(live.parent)
+
+
+def test_a_sigkilled_owners_cgroup_is_restored_by_the_sweep(hierarchy, spawn, tmp_path):
+    """The owner is on record before the cgroup exists; once it is SIGKILLed (no finalizer
+    runs), ``sweep_stale`` lifts the cap, moves the process home and removes everything; a live
+    owner's cgroup is left alone."""
+    proc = spawn(WAITER, stdin=subprocess.PIPE)
+    home = home_of(proc.pid, hierarchy)
+    job, owners = f"test-{uuid.uuid4().hex[:10]}", str(tmp_path / "owners")
+    code = ("import sys; from launcher.cgroups import CpuQuota\n"
+            f"q = CpuQuota({job!r}, owners={owners!r}); q.place('node-a-0', {proc.pid}, 0.25)\n"
+            "print('placed', flush=True); sys.stdin.read()\n")
+    owner = spawn([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                  cwd=str(REPO))
+    assert owner.stdout.readline().strip() == b"placed"
+    parent = os.path.join(hierarchy.root, f"hspmd-{job}")
+    record = json.loads(Path(owners, f"hspmd-{job}", "node-a-0.json").read_text())
+    assert (record["owner_pid"], record["home"]) == (owner.pid, os.path.normpath(
+        os.path.join(hierarchy.root, home.lstrip("/"))))
+    assert sweep_stale(job, hierarchy, owners) == []  # its owner lives: left alone
+    owner.kill()
+    owner.wait(10)
+    assert home_of(proc.pid, hierarchy) == f"/hspmd-{job}/node-a-0"  # SIGKILL: left behind
+    removed = sweep_stale(job, hierarchy, owners)
+    assert removed == [os.path.join(parent, "node-a-0"), parent]
+    assert home_of(proc.pid, hierarchy) == home and not os.path.exists(parent)
+    assert not os.path.exists(os.path.join(owners, f"hspmd-{job}"))
+    assert cgroups.release(job) == []  # nothing left; never raises
 
 
 # ---------------------------------------------------------------------------------- pure parts

@@ -9,6 +9,8 @@ from hspmd_elastic.contract.progress import WorkerProgress, write_progress
 from _events import event, make
 from launcher.inject.api import (
     NOT_DETECTED,
+    NOT_INJECTED,
+    NOT_RECOVERED,
     RECOVERED,
     SURVIVED,
     FaultRow,
@@ -158,6 +160,32 @@ def test_report_rows_table_and_json():
     assert [f["outcome"] for f in body["faults"]] == [RECOVERED, SURVIVED, NOT_DETECTED]
     rows.pop()
     assert all_handled(report)
+
+
+def test_a_job_that_failed_after_its_last_fault_is_no_recovery():
+    """The report carries the job's end; a failed end makes the last fault injected before it
+    not recovered (the earlier ones keep their outcome) and the run not handled."""
+    from launcher.inject.api import JobEnd
+    from launcher.inject.harness import _blame_failed_end
+
+    def rows():
+        return [FaultRow(0, "kill-worker", {"node": "node-a"}, RECOVERED, 1.0, 1.2, "f #3", 2.0),
+                FaultRow(1, "kill-worker", {"node": "node-a"}, RECOVERED, 5.0, 5.1, "f #7", 5.5,
+                         note="job failed"),
+                FaultRow(2, "kill-worker", {"node": "node-a"}, note="job failed before the "
+                         "trigger")]
+    report = Report("demo", "job1", rows(), T0, job_end=JobEnd("failed", "no device left", 9.0))
+    _blame_failed_end(report)
+    assert [r.outcome for r in report.rows] == [RECOVERED, NOT_RECOVERED, NOT_INJECTED]
+    assert report.rows[1].note == "job failed at +9.00s: no device left"
+    assert not all_handled(report)
+    assert "job: failed at +9.00s: no device left" in render_table(report)
+    assert json.loads(render_json(report))["job_end"] == {"state": "failed", "at": 9.0,
+                                                          "reason": "no device left"}
+    for end in (JobEnd("succeeded", "all done", 9.0), JobEnd("running"), None):
+        report = Report("demo", "job1", rows()[:2], T0, job_end=end)
+        _blame_failed_end(report)
+        assert all_handled(report) and [r.outcome for r in report.rows] == [RECOVERED] * 2
 
 
 def test_file_progress_reads_appended_lines_and_rewritten_objects(tmp_path):

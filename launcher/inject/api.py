@@ -8,6 +8,9 @@ A reader learns ``launcher.inject`` from this file. Promises:
 * ``FAULT_NAMES`` is the one list of fault kinds a scenario may use; ``FaultRow`` is what the
   report says about one fault, with every time in seconds since the scenario started
   (``None`` = did not happen);
+* ``Report.job_end`` is how the job stood when the run finished (``JobEnd``: succeeded or
+  failed with the reason etcd recorded, or running); a job that failed makes its last fault
+  not recovered, and the run's exit non-zero;
 * ``ProgressPoint`` is one observation of training progress: ``step`` counts completed steps
   (the state is at step ``step``), ``round`` is the restart round or plan version that ran it.
 """
@@ -37,6 +40,9 @@ NOT_DETECTED = "not detected"  # injected, the job never reacted within the dead
 NOT_RECOVERED = "not recovered"  # detected, but training did not go on within the deadline
 NOT_INJECTED = "not injected"  # the fault could not be applied (reason in ``note``)
 OUTCOMES = (RECOVERED, SURVIVED, NOT_DETECTED, NOT_RECOVERED, NOT_INJECTED)
+
+# How the job stood when the report was made (``JobEnd.state``): ``rdzv/state``'s end, or none.
+JOB_SUCCEEDED, JOB_FAILED, JOB_RUNNING = "succeeded", "failed", "running"
 
 
 # --------------------------------------------------------------------------------------- errors
@@ -96,6 +102,17 @@ class FaultRow:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class JobEnd:
+    """How the job stood when the harness finished, as etcd's ``rdzv/state`` recorded it:
+    ``succeeded`` or ``failed`` with the agents' reason and ``at`` (seconds since the scenario
+    started), or ``running`` (no end recorded yet)."""
+
+    state: str
+    reason: str = ""
+    at: Optional[float] = None
+
+
 @dataclass
 class Report:
     """The whole run: one row per scenario entry, plus what the progress log says overall."""
@@ -107,9 +124,13 @@ class Report:
     samples_lost: Optional[int] = None
     steps_skipped: Optional[int] = None
     final_step: Optional[int] = None
+    job_end: Optional[JobEnd] = None  # None: not read (the run did not finish)
+    stopped: str = ""  # why the run stopped early (a signal), "" when it ran to its end
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCENARIO_SCHEMA, "kind": "fault_report", "scenario": self.scenario,
                 "job": self.job, "started_at": self.started_at,
                 "samples_lost": self.samples_lost, "steps_skipped": self.steps_skipped,
-                "final_step": self.final_step, "faults": [r.to_dict() for r in self.rows]}
+                "final_step": self.final_step, "faults": [r.to_dict() for r in self.rows],
+                "job_end": asdict(self.job_end) if self.job_end is not None else None,
+                "stopped": self.stopped}

@@ -10,8 +10,13 @@ Also runnable as ``python -m launcher.inject.command``. Promises: a bad scenario
 endpoint is one line naming the bad value and exit 2 (click's usage errors); an unreachable
 etcd, or a job with no keys (a wrong ``--job``, as ``status`` says it), is one line and exit 1
 before any fault; after the run the report is printed (a table, or JSON with
-``--json``) and written to ``--report`` as JSON; the exit code is 0 when every fault was
-detected and recovered (or, for faults a job rides through, survived), 1 otherwise.
+``--json``) and written to ``--report`` as JSON, with how the job stood at the end
+(``job_end``: succeeded, failed with the reason etcd recorded, or running); the exit code is 0
+when every fault was detected and recovered (or, for faults a job rides through, survived) and
+the job did not fail, 1 otherwise. SIGINT and SIGTERM stop the run at its next wait: what the
+faults hold is released (processes resumed, links healed, caps lifted and cgroups removed), the
+report is made, and the exit is 1. Before the first fault, the CPU cgroups of runs that died
+(SIGKILL) are restored (``launcher.cgroups.release``).
 ``--progress`` names the job's progress files (JSON lines: ``step``, ``round``, ``rank``,
 ``t``, ``batch``); without it, progress is read from the job's ``workers/`` records.
 ``etcd-restart`` runs ``--etcd-restart-cmd`` when given (``/bin/sh -c``, bounded by
@@ -40,6 +45,7 @@ from hspmd_elastic.contract.env import (ETCD_DOWN_S_ENV, ETCD_ENDPOINT_ENV, ETCD
 from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.schema import job_prefix
+from launcher.cgroups import release as release_cgroups
 from launcher.etcd_security import subcommand_options, subcommand_security
 from launcher.inject.api import InjectError, ScenarioError
 from launcher.inject.detect import JobObserver, default_progress
@@ -143,18 +149,22 @@ def _run(client: EtcdClient, scenario, job: str, report_path: Optional[str], as_
                         etcd_restart_timeout_s=etcd_restart_timeout, etcd_by_pid=True,
                         topology=topology, env={**os.environ, **client.security.to_env()})
     harness = Harness(scenario, ctx, observer, wait_end_s=wait_end)
-    previous = signal.signal(signal.SIGINT, lambda *_: harness.stop())
+    release_cgroups()  # what an inject that was SIGKILLed left throttled, on this host
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda n, _f: harness.stop(f"{signal.Signals(n).name} "
+                                                                "received")) for s in handled}
     try:
         report = harness.run()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         observer.stop()
     text = render_json(report)
     if report_path:
         with open(report_path, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
     click.echo(text if as_json else render_table(report))
-    return 0 if all_handled(report) else 1
+    return 0 if all_handled(report) and not report.stopped else 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -509,3 +509,7 @@ class JobObserver:
         """``succeeded``/``failed`` once ``rdzv/state`` says so, else None."""
         ended = self.view.job_end()
         return ended.state if ended is not None else None
+
+    def job_end(self):
+        """``rdzv/state`` once it records the job's end (state, reason, at), else None."""
+        return self.view.job_end()

@@ -5,14 +5,16 @@ step), take a baseline of the job, inject, then wait (bounded by the entry's
 ``detect_timeout_s``, counted again from an escalation) for the job's reaction and (bounded by
 ``recover_timeout_s``) for training to go on; follow-ups (resume, thaw, escalation) fire on
 time meanwhile; the next fault starts once the previous one is settled and its follow-ups that
-end it have fired. A node that a fault took away and that should come back once the fault
+end it have fired (or the job ended, or the run was stopped: ``close`` then ends the fault). A node that a fault took away and that should come back once the fault
 ended (a thawed agent, a healed partition, in an elastic job) is waited for too
 (``recover_timeout_s``): the fault is ``recovered`` only once a plan took the node back and was
 switched to. A fault the job should ride through (an etcd restart or stall, an etcd member cut
 off) is ``survived`` only when training went on after it and the journal shows no reaction to it
 (no replan, restart, leave, failure, stall or unreachable event before the next fault). With
 ``wait_end_s`` the run then waits (bounded) for the job to end, so that the totals (samples lost,
-last step) cover the whole run.
+last step) cover the whole run. The report carries how the job stood at the end (``JobEnd``,
+from ``rdzv/state``); a job that failed is no recovery: the last fault injected before its end
+is ``not recovered`` whatever was seen before, with the recorded reason in its note.
 
 Promises: every wait has a deadline on ``time.monotonic``, and waits on the observer's job
 view (``JobObserver.wait_change``: woken by the job's next change, at most ``poll_s`` so that
@@ -37,8 +39,11 @@ from launcher.inject.api import (
     NOT_RECOVERED,
     RECOVERED,
     SURVIVED,
+    JOB_FAILED,
+    JOB_RUNNING,
     FaultRow,
     InjectError,
+    JobEnd,
     Report,
     TargetNotFound,
 )
@@ -83,10 +88,13 @@ class Harness:
         self._start_mono = 0.0
         self._start_wall = 0.0
         self._ended: Optional[str] = None
+        self._stopped_by = ""
         self._generation = 0  # the observer's view generation last waited from
 
-    def stop(self) -> None:
-        """Ask a running ``run`` to stop at its next wait (remaining faults: not injected)."""
+    def stop(self, why: str = "stopped") -> None:
+        """Ask a running ``run`` to stop at its next wait (remaining faults: not injected;
+        ``close`` lifts what the faults still hold). Safe from a signal handler."""
+        self._stopped_by = self._stopped_by or why
         self._stop.set()
 
     # ------------------------------------------------------------------------------- run
@@ -108,7 +116,16 @@ class Harness:
         finally:
             self.ctx.close()
         self._rode_through(report.rows, bases)
-        return finalize(report, self.observer.points(), bases)
+        report = finalize(report, self.observer.points(), bases)
+        report.job_end, report.stopped = self._job_end(), self._stopped_by
+        _blame_failed_end(report)
+        return report
+
+    def _job_end(self) -> JobEnd:
+        ended = self.observer.job_end()
+        if ended is None:
+            return JobEnd(JOB_RUNNING)
+        return JobEnd(ended.state, ended.reason, self._rel(ended.at) if ended.at else None)
 
     def _rode_through(self, rows: list[FaultRow], bases: dict) -> None:
         """A fault the job should ride through (``survived``) that the job reacted to anyway,
@@ -258,7 +275,7 @@ class Harness:
                 log.info("[%s] injected %s: %s", self.ctx.job, spec.describe(), inj.detail)
                 return base, inj
             except (TargetNotFound, CoordinationError) as exc:
-                if time.monotonic() >= deadline or self._job_ended():
+                if time.monotonic() >= deadline or self._job_ended() or self._stop.is_set():
                     raise
                 log.debug("[%s] %s: retrying the injection: %s", self.ctx.job,
                           spec.describe(), exc)
@@ -359,7 +376,27 @@ class Harness:
         deadline = time.monotonic() + max(t.after_s for t in pending) + 1.0
         while any(not t.done for t in pending) and time.monotonic() < deadline:
             self._fire_timers(inj, base, det is not None, row)
-            self._stop.wait(self.poll_s)
+            if self._stop.is_set() or self._job_ended():
+                return  # nothing left to wait for: ``close`` ends the fault (unthrottles...)
+            self._await(deadline)
+
+
+def _blame_failed_end(report: Report) -> None:
+    """Pure: a job that ended ``failed`` did not recover from the last fault injected before
+    its end, whatever the rows saw before (a switch that began, a step that resumed)."""
+    end = report.job_end
+    if end is None or end.state != JOB_FAILED:
+        return
+    before = [r for r in report.rows if r.injected_at is not None
+              and (end.at is None or r.injected_at <= end.at)]
+    if not before:
+        return
+    row = before[-1]
+    if row.outcome in (RECOVERED, SURVIVED):
+        row.outcome = NOT_RECOVERED
+    when = "" if end.at is None else f" at +{end.at:.2f}s"
+    row.note = "; ".join([n for n in row.note.split("; ") if n and n != "job failed"] + [
+        f"job failed{when}: {end.reason or 'no reason recorded'}"])
 
 
 def _about(ev, nodes: set) -> bool:

@@ -6,7 +6,8 @@ Promises: ``finalize`` fills steps lost and samples lost from the progress point
 started (``-`` = did not happen), every value with control characters escaped (a value read
 from etcd or a process cannot write to the terminal); ``render_json`` is the versioned JSON form
 (``Report.to_dict``); ``all_handled`` says whether every fault was detected and recovered (or,
-for a fault the job should ride through, survived).
+for a fault the job should ride through, survived) and the job did not fail; the table's
+``job:`` line says how the job stood at the end (succeeded, failed with the reason, running).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import json
 from typing import Optional, Sequence
 
-from launcher.inject.api import RECOVERED, SURVIVED, FaultRow, ProgressPoint, Report
+from launcher.inject.api import JOB_FAILED, RECOVERED, SURVIVED, FaultRow, ProgressPoint, \
+    Report
 from launcher.inject.detect import Baseline, lineage_gaps, steps_lost
 from launcher.ops.safe import clean
 
@@ -37,7 +39,8 @@ def finalize(report: Report, points: Sequence[ProgressPoint],
 
 
 def all_handled(report: Report) -> bool:
-    return all(r.outcome in (RECOVERED, SURVIVED) for r in report.rows)
+    failed = report.job_end is not None and report.job_end.state == JOB_FAILED
+    return not failed and all(r.outcome in (RECOVERED, SURVIVED) for r in report.rows)
 
 
 def _t(value: Optional[float]) -> str:
@@ -65,6 +68,11 @@ def render_table(report: Report) -> str:
     for r in report.rows:
         if r.note:
             out.append(f"  #{r.index} {r.fault}: {clean(r.note, 2000)}")
+    end = report.job_end
+    if end is not None:
+        out.append(f"job: {end.state}" + ("" if end.at is None else f" at {_t(end.at)}") +
+                   (f": {clean(end.reason, 2000)}" if end.reason else "") +
+                   (f" (harness stopped: {clean(report.stopped)})" if report.stopped else ""))
     samples = "unknown (no progress seen)" if report.samples_lost is None and \
         report.steps_skipped is None else (
             "unknown (batch size not reported)" if report.samples_lost is None

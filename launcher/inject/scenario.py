@@ -60,12 +60,15 @@ one after the unthrottle).
 
 Every entry may also give ``detect_timeout_s``, ``recover_timeout_s`` and ``comment``.
 Promises: a scenario is validated as a whole; the first problem raises ``ScenarioError`` naming
-the file, the entry (index and fault) and the bad value with what would be valid.
+the file, the entry (index and fault) and the bad value with what would be valid; every number
+(``at``, durations, timeouts, ``cpus``...) is finite (JSON's ``Infinity`` and ``NaN`` are
+refused), so no wait of the harness is unbounded.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -168,15 +171,18 @@ class Scenario:
 def _number(value: Any, what: str, where: str, minimum: float = 0.0, positive: bool = False,
             maximum: Optional[float] = None) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    finite = ok and math.isfinite(value)  # JSON's Infinity and NaN would wait forever
     if ok:
-        ok = value > minimum if positive else value >= minimum
+        ok = finite and (value > minimum if positive else value >= minimum)
     if ok and maximum is not None:
         ok = value <= maximum
     if not ok:
         rng = f"> {minimum}" if positive else f">= {minimum}"
         if maximum is not None:
             rng += f" and <= {maximum}"
-        raise ScenarioError(where, f"{what} must be a number {rng}, got {value!r}")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        kind = "a finite number" if number and not finite else "a number"
+        raise ScenarioError(where, f"{what} must be {kind} {rng}, got {value!r}")
     return float(value)
 
 
