@@ -184,7 +184,8 @@ class RestartDetail(Detail):
 @dataclass
 class SpeedsDetail(Detail):
     """The leader weighed the devices' measured speeds against the current plan: the numbers,
-    and whether a plan for the measured speeds pays for its switch (``replan``)."""
+    whether a plan for the measured speeds pays for its switch (``replan``), and what that
+    plan does to the job's redundancy (a speed-driven plan keeps it unless none can)."""
 
     plan_version: int  # the plan the speeds were measured under
     measured: dict[str, float]  # device -> speed measured under it (1.0: the fastest)
@@ -195,6 +196,16 @@ class SpeedsDetail(Detail):
     cost_s: float  # predicted cost of the switch
     replan: bool
     reason: str
+    # The copies of the parameters (``planner.copies``): the fewest devices and nodes any
+    # parameter slice lives on under the current plan and under the best plan for the
+    # measured speeds (0: not predicted), and whether that plan keeps them (``kept``) or,
+    # no plan for the speeds keeping them, loses some (``traded``), with why in one line.
+    copies_before: int = 0
+    copies_after: int = 0
+    copy_nodes_before: int = 0
+    copy_nodes_after: int = 0
+    redundancy: str = ""
+    redundancy_reason: str = ""
 
 
 EVENT_DETAILS: dict[str, type[Detail]] = {

@@ -351,6 +351,12 @@ class PlannerOptions:
     step time x (1 + switch_weight x moved bytes / one replica's state bytes). Independently,
     plans within ``tie_tolerance`` of the best score are ordered by moved bytes.
     ``memory_fraction``: the part of a device's memory the planner may fill.
+    ``keep_copies`` / ``keep_copy_nodes``: the redundancy a replan must not lower
+    (``planner.copies``): plans holding every parameter slice on at least ``keep_copies``
+    devices and ``keep_copy_nodes`` nodes are ranked above all others, and among the rest the
+    ones that lose the fewest copies first (a preference: the least redundancy trade that
+    exists). With ``keep_copies`` above 1 every pipeline of a layout gets a row at least, so a
+    slow device keeps its replica with little work instead of none. 0: nothing to keep.
     """
 
     tp_degrees: Optional[tuple[int, ...]] = None
@@ -364,6 +370,8 @@ class PlannerOptions:
     memory_fraction: float = 0.9
     alternatives: int = 3
     refine: int = 4  # candidates re-solved exactly (integer program) after the fast pass
+    keep_copies: int = 0
+    keep_copy_nodes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tp_degrees", "pp_degrees"):
@@ -377,6 +385,10 @@ class PlannerOptions:
         if isinstance(self.redundancy, bool) or not isinstance(self.redundancy, int) \
                 or self.redundancy < 1:
             raise PlannerError(f"redundancy={self.redundancy!r} must be an integer >= 1")
+        for name in ("keep_copies", "keep_copy_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlannerError(f"{name}={value!r} must be an integer >= 0")
         if not 0 < self.memory_fraction <= 1:
             raise PlannerError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         if self.switch_weight < 0 or self.tie_tolerance < 0:
@@ -404,6 +416,7 @@ class Estimate:
     cross_node_replicas: bool  # every parameter slice is held on >= 2 nodes
     switch_bytes: Optional[int] = None  # bytes moved from current_plan (None: no current plan)
     replica_nodes: int = 1  # the fewest nodes any parameter slice is held on
+    replica_devices: int = 1  # the fewest devices any parameter slice is held on
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,9 @@ def estimate_plan(plan: Plan, inventory: Inventory, profile: ModelProfile,
         cross_node_replicas=replicas >= 2,
         switch_bytes=None if current_plan is None else switch_bytes(current_plan, plan, profile),
         replica_nodes=replicas,
+        # each pipeline holds every slice once (its stages tile the layers, a TP group splits
+        # its stage's slices over its devices): the fewest devices holding one is the count
+        replica_devices=len(plan.pipelines),
     )
 
 

@@ -1,7 +1,9 @@
 """Candidates derived from the current plan, so a switch can move little or nothing.
 
 * the current plan itself, when it still runs (same batch, live devices, fits);
-* its intact pipelines with the global batch re-split over them by speed (no weight moves);
+* its intact pipelines with the global batch re-split over them by speed (no weight moves;
+  each keeps a row at least when the search keeps copies, ``Solver.least_rows``: a slow
+  device's replica stays, with little work);
 * the same plus each broken pipeline rebuilt from its survivors: every stage keeps the largest
   allowed TP group of its surviving devices, empty stages go, the layers are re-split. Only the
   rebuilt pipelines move weights.
@@ -59,7 +61,8 @@ def _repair(plan: Plan, solver: Solver, inventory: Inventory, rebuild: bool) -> 
         times = solver.times(shapes, split, 1)
         classes.append((sum(times) - max(times), max(times), 1))
     pipes = []
-    for (stages, shapes, split), (r,) in zip(kept, split_rows(classes, solver.batch)):
+    for (stages, shapes, split), (r,) in zip(kept, split_rows(classes, solver.batch,
+                                                              solver.least_rows)):
         if r:
             b = solver.pick_batch(shapes, split, r)
             pipes.append(Pipeline(stages, r // b, b))

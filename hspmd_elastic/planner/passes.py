@@ -85,6 +85,13 @@ class Solver:
         self.interned: dict = {}  # (group key, inter-node gbps) -> sid
         self.attrs: list = []  # sid -> (group key, inter-node gbps)
 
+    @property
+    def least_rows(self) -> int:
+        """Rows every pipeline gets at least: 1 when the search keeps replicas
+        (``PlannerOptions.keep_copies`` above 1: a slow device keeps its copy with a row of
+        work rather than leaving the plan), else 0 (a pipeline worth no row is dropped)."""
+        return 1 if self.options.keep_copies > 1 else 0
+
     def _batch_sizes(self, rows: int) -> list[int]:
         cap = min(rows, self.options.max_microbatch_size or rows)
         sizes = {1 << k for k in range(cap.bit_length()) if (1 << k) <= cap} | {cap}
@@ -173,7 +180,7 @@ class Solver:
                 params.append((model.fixed, model.per_row, len(pipes)))
         if not members:
             return None
-        rows = split_rows(params, self.batch)
+        rows = split_rows(params, self.batch, self.least_rows)
         assigned = [(model, pipe, r) for (model, pipes), rs in zip(members, rows)
                     for pipe, r in zip(pipes, rs) if r > 0]
         compute = max(model.fixed + model.per_row * r for model, _, r in assigned)

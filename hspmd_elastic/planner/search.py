@@ -20,10 +20,13 @@ best few exactly and ranks them:
    ``cost.estimate_plan``. Candidates close to ``current_plan`` join (``current``).
 4. Ranking: plans that break ``options.redundancy`` (a hard constraint, checked per TP shard by
    ``cost.replica_nodes``) are dropped, and when none is left ``RedundancyError`` names the
-   shortfall; then optionally plans using every usable device first, then (optionally) plans with
-   cross-node replicas, then the score (step time, weighted by switch traffic if asked); plans
-   within ``tie_tolerance`` of the best are ordered by the bytes a switch from ``current_plan``
-   would move, then by pipeline depth, then by score.
+   shortfall; then the plans that keep the copies ``options.keep_copies`` /
+   ``keep_copy_nodes`` ask for (``planner.copies``: a speed-driven replan keeps the current
+   plan's redundancy), then those losing the fewest; then optionally plans using every usable
+   device first, then (optionally) plans with cross-node replicas, then the score (step time,
+   weighted by switch traffic if asked); plans within ``tie_tolerance`` of the best are
+   ordered by the bytes a switch from ``current_plan`` would move, then by pipeline depth,
+   then by score.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from hspmd_elastic.planner import cost
 from hspmd_elastic.planner.api import (Candidate, Device, Inventory, ModelProfile,
                                        PlanInfeasibleError, PlannerError, PlannerOptions,
                                        PlanResult, RedundancyError, fmt_bytes)
+from hspmd_elastic.planner.copies import shortfall
 from hspmd_elastic.planner.current import candidate, from_current
 from hspmd_elastic.planner.passes import Draft, Solver, tp_options
 
@@ -330,13 +334,16 @@ def _scan_depths(solver: Solver, groups: list[_Group]) -> tuple[list[Draft], int
 
 def _preference(draft: Draft, usable: int, num_layers: int, options: PlannerOptions) -> tuple:
     """The ranking's preference classes for a draft (0 is preferred), as in ``_rank``."""
+    short = (int(options.keep_copy_nodes > 1
+                 and not _draft_replicated(draft, num_layers, options.keep_copy_nodes)),
+             max(0, options.keep_copies - len(draft.assigned)))
     idle = 0
     if options.use_all_devices:
         idle = int(sum(g.tp for _, pipe, _ in draft.assigned for g in pipe) < usable)
     redundant = 0
     if options.cross_node_replicas:
         redundant = int(not _draft_replicated(draft, num_layers, 2))
-    return (idle, redundant)
+    return (short, idle, redundant)
 
 
 def _draft_replicated(draft: Draft, num_layers: int, want: int) -> bool:
@@ -399,7 +406,7 @@ def _rank(candidates: list[Candidate], options: PlannerOptions) -> list[Candidat
     def head_key(c: Candidate):
         redundant = options.cross_node_replicas and not c.estimate.cross_node_replicas
         idle = options.use_all_devices and bool(c.estimate.unused_devices)
-        return ((int(idle), int(redundant)), c.score)
+        return ((shortfall(c.estimate, options), int(idle), int(redundant)), c.score)
 
     def near_key(c: Candidate):
         return (c.estimate.switch_bytes or 0, max(len(p.stages) for p in c.plan.pipelines),

@@ -11,7 +11,8 @@
   pipeline's time is ``fixed + per_row x rows`` (zero when it gets no rows). Identical pipelines
   come as one class with a count; a bisection on the step time finds the least feasible level,
   then surplus rows are taken back from the slowest pipelines. Exact, and linear in the number of
-  classes, which keeps a thousand pipelines cheap.
+  classes, which keeps a thousand pipelines cheap. With ``least`` (a replica kept on a slow
+  device), every pipeline gets that many rows at least when the batch allows it.
 
 All three are deterministic: ties go to the lower index.
 """
@@ -95,18 +96,23 @@ def _pipe_time(a, c, ua, uc, layers, m) -> float:
             + max(ua[i] + uc[i] * l for i, l in enumerate(layers)))
 
 
-def split_rows(classes: Sequence[tuple[float, float, int]], total: int) -> list[list[int]]:
-    """Rows per pipeline, per class of ``(fixed, per_row, count)``; min-max of pipeline times."""
+def split_rows(classes: Sequence[tuple[float, float, int]], total: int,
+               least: int = 0) -> list[list[int]]:
+    """Rows per pipeline, per class of ``(fixed, per_row, count)``; min-max of pipeline times,
+    every pipeline at least ``least`` rows (ignored when the batch has too few rows for it)."""
+    if least * sum(cnt for _, _, cnt in classes) > total:
+        least = 0
+
     def rows_at(level: float, fixed: float, per_row: float) -> int:
         if level < fixed + per_row:
-            return 0
-        return int(math.floor((level - fixed) / per_row + 1e-9))
+            return least
+        return max(least, int(math.floor((level - fixed) / per_row + 1e-9)))
 
     def supply(level: float) -> int:
         return sum(cnt * rows_at(level, f, r) for f, r, cnt in classes)
 
     lo = 0.0
-    hi = min(f + r * math.ceil(total / cnt) for f, r, cnt in classes)
+    hi = min(f + r * max(least, math.ceil(total / cnt)) for f, r, cnt in classes)
     for _ in range(200):
         mid = (lo + hi) / 2
         if supply(mid) >= total:
@@ -121,9 +127,15 @@ def split_rows(classes: Sequence[tuple[float, float, int]], total: int) -> list[
     order = sorted(((f + r * out[k][j] if out[k][j] else 0.0, k, j)
                     for k, (f, r, _) in enumerate(classes) for j in range(len(out[k]))),
                    key=lambda x: (-x[0], -x[1], -x[2]))
-    for _, k, j in order:
-        if surplus <= 0:
+    while surplus > 0:
+        taken = 0
+        for _, k, j in order:
+            if surplus <= 0:
+                break
+            if out[k][j] > least:
+                out[k][j] -= 1
+                surplus -= 1
+                taken += 1
+        if not taken:  # not expected: least x pipelines <= total
             break
-        out[k][j] -= 1
-        surplus -= 1
     return out

@@ -21,6 +21,9 @@ current ``Plan`` and ``PlannerOptions`` in; a ``PlanResult`` out). Promises:
   every slice on ``--hspmd-redundancy`` nodes (a hard constraint, whatever the options), and
   remembers why the last search found none (``shortfall``) so the agent can end the job;
   ``UniformPlanner`` wraps a planner so every plan is uniform SPMD (``--hspmd-planner uniform``);
+* a decision that answers speeds alone (``speed_only``: degrade and recover changes, no device
+  came or went) plans under ``keep_copies``: the plans keeping the current plan's copies of
+  every parameter slice (``planner.copies``) rank first, a trade is logged as a warning;
 * importing this module does not import the planner (its search loads scipy): the planner
   package is imported when a plan is first made.
 """
@@ -28,6 +31,7 @@ current ``Plan`` and ``PlannerOptions`` in; a ``PlanResult`` out). Promises:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
@@ -175,9 +179,15 @@ def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
         try:
             inventory = _inventory(universe, usable, ids, decision.devices[0].type)
             opts = options if options is not None else default_planner_options(decision.devices)
-            result = planner_fn(inventory, profile, global_batch,
-                                current_plan=_current_in(current, ids), options=opts)
+            now = _current_in(current, ids)
+            before, home = None, opts  # the bucket plans hold no parameters: no copies kept
+            if now is not None and speed_only(decision, current):
+                before, home = keep_copies(opts, now, inventory)
+            result = planner_fn(inventory, profile, global_batch, current_plan=now,
+                                options=home)
             plan = result.plan
+            if before is not None:
+                _log_copies(decision.version, before, result)
         except PlanInfeasibleError as exc:
             raise PlanningFailed(f"plan v{decision.version}: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - the planner is optional: fall back, say why
@@ -199,6 +209,38 @@ def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
                          buckets)
 
 
+SPEED_KINDS = frozenset({"degrade", "recover"})
+
+
+def speed_only(decision: PlanDecision, current: Optional[schema.PlanRecord]) -> bool:
+    """Whether ``decision`` answers speeds alone: every change a ``degrade`` or ``recover``
+    and the same devices as ``current`` assumed (none came, none went)."""
+    if current is None or not decision.changes:
+        return False
+    from launcher.leader.decide import assumed_inventory
+
+    return (all(c.kind.value in SPEED_KINDS for c in decision.changes)
+            and {d.id for d in decision.devices} == set(assumed_inventory(current)))
+
+
+def keep_copies(options: PlannerOptions, current: Plan, inventory: Inventory):
+    """``(copies, options)``: the copies ``current`` keeps over ``inventory``
+    (``planner.copies``) and ``options`` that rank the plans keeping them first."""
+    from hspmd_elastic.planner.copies import copies_of, keep
+
+    copies = copies_of(current, inventory)
+    return copies, keep(options, copies)
+
+
+def _log_copies(version: int, before, result: PlanResult) -> None:
+    """Say what a speed-driven plan did to the job's redundancy (a trade is a warning)."""
+    from hspmd_elastic.planner.copies import KEPT, Copies, weigh
+
+    verdict = weigh(before, Copies.of(result.estimate))
+    (log.info if verdict.outcome == KEPT else log.warning)(
+        "plan v%d (speeds only): redundancy %s: %s", version, verdict.outcome, verdict.why)
+
+
 def _buckets(version: int, inventory: Inventory, profile: ModelProfile, plan: Plan,
              lengths: Sequence[tuple[int, float]], options: PlannerOptions,
              compact: Mapping[int, int]) -> tuple[dict, ...]:
@@ -218,9 +260,11 @@ def _buckets(version: int, inventory: Inventory, profile: ModelProfile, plan: Pl
     for b in layouts:
         out.append({"window": b.window, "start": b.start,
                     "strategy": _relabel(b.plan, compact).to_dict()})
-        log.info("plan v%d: length bucket %d tokens, rows %d+%d, %s (estimated %.3gs; home "
-                 "layout %.3gs, switch %.3gs)", version, b.window, b.start, b.plan.global_batch,
-                 "its own plan" if b.own else "the home layout", b.step_s, b.home_s, b.switch_s)
+        home = ("the home layout cannot run it" if not math.isfinite(b.home_s)
+                else f"home layout {b.home_s:.3g}s")
+        log.info("plan v%d: length bucket %d tokens, rows %d+%d, %s (estimated %.3gs; %s, "
+                 "switch %.3gs)", version, b.window, b.start, b.plan.global_batch,
+                 "its own plan" if b.own else "the home layout", b.step_s, home, b.switch_s)
     return tuple(out)
 
 

@@ -21,9 +21,14 @@ measured speeds pays for its switch. Promises:
   the switch's predicted cost by the margin (the last switch's measured ``total_s``, at least
   ``MIN_SWITCH_COST_S``; ``DEFAULT_SWITCH_COST_S`` before one was measured). A device that recovers gets its work back by the
   same rule;
+* the best plan for the measured speeds is the best that keeps the current plan's copies of
+  every parameter slice (``planner.copies``: devices and nodes), unless none does; the same
+  rule plans the switch (``planning.speed_only``). A faster plan that would lose copies is
+  named, not taken; when keeping them leaves the current plan the best, the gain is 0 and the
+  decision says so; a trade (no plan keeps them) is journaled as such;
 * each decision on a candidate change (replan or not) is journaled once as a ``speeds`` event
-  with its numbers (``contract.events.SpeedsDetail``), a decision not to replan at most once
-  per plan version and measured speeds;
+  with its numbers and the copies before and after (``contract.events.SpeedsDetail``), a
+  decision not to replan at most once per plan version and measured speeds;
 * the cost model is calibrated from the same measurements: the busy time of every device
   measured at full speed (relative speed >= ``NOMINAL``) under each plan is a
   ``calibrate.busy_measurement``; when a new plan version comes and the measurements of the
@@ -42,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional
 
 from hspmd_elastic.contract import schema
@@ -62,6 +67,33 @@ DEFAULT_SWITCH_COST_S = 2.0  # a switch's predicted cost before one was measured
 MIN_SWITCH_COST_S = 0.5  # a measured switch never counts as cheaper (plan, debounce, warm-up)
 NOMINAL = 0.9  # a device this fast (relative) counts as nominal for the calibration
 CALIBRATION_KEEP = 32  # (plan, device) busy measurements the fit uses, newest
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's view of a speed change: the step time of the current plan and of the
+    best plan for the measured speeds, and the copies of the parameters each keeps
+    (``planner.copies``; None: not predicted)."""
+
+    step_now_s: float
+    step_new_s: float
+    before: Optional[object] = None  # planner.copies.Copies of the current plan
+    after: Optional[object] = None  # ... of the best plan for the measured speeds
+    verdict: Optional[object] = None  # planner.copies.Verdict
+
+    def note(self) -> str:
+        """The redundancy part of the decision's line ("" when not predicted)."""
+        if self.verdict is None:
+            return ""
+        return f"; redundancy {self.verdict.outcome}: {self.verdict.why}"
+
+    def copies_fields(self) -> dict:
+        """``SpeedsDetail``'s redundancy fields."""
+        if self.verdict is None:
+            return {}
+        return {"copies_before": self.before.devices, "copies_after": self.after.devices,
+                "copy_nodes_before": self.before.nodes, "copy_nodes_after": self.after.nodes,
+                "redundancy": self.verdict.outcome, "redundancy_reason": self.verdict.why}
 
 
 class StragglerWatch:
@@ -234,14 +266,15 @@ class StragglerWatch:
         if now - self._checked_at < RECHECK_S or not self.policy.differs(assumed, measured):
             return False
         self._checked_at = now
-        step_now, step_new = self._predict(current, usable, measured)
+        predicted = self._predict(current, usable, measured)
+        step_now, step_new = predicted.step_now_s, predicted.step_new_s
         decision = decide_speeds(self.policy, now, self._last_switch_at, assumed, measured,
                                  step_now, step_new, self.switch_cost_s)
         detail = schema.SpeedsDetail(
             plan_version=current.version, measured=dict(sorted(measured.items())),
             assumed=dict(sorted(assumed.items())), step_now_s=step_now, step_new_s=step_new,
             gain_s=decision.gain_s, cost_s=decision.cost_s, replan=decision.replan,
-            reason=decision.reason)
+            reason=decision.reason + predicted.note(), **predicted.copies_fields())
         self.last = detail
         key = (current.version, decision.replan, tuple(sorted(decision.speeds.items())))
         if self.journal is not None and key not in self._journaled:
@@ -256,9 +289,13 @@ class StragglerWatch:
         return True
 
     def _predict(self, current: schema.PlanRecord, usable: Mapping[str, DeviceView],
-                 measured: Mapping[str, float]) -> tuple[float, float]:
-        """Predicted step times at ``measured``: the current plan's, and the best plan's."""
+                 measured: Mapping[str, float]) -> Prediction:
+        """Predicted step times at ``measured``: the current plan's, and the best plan's that
+        keeps the current plan's copies of the parameters unless none does
+        (``planner.copies``; the same rule ``planning.make_layout`` plans the switch by), with
+        what the best plan does to those copies."""
         from hspmd_elastic.planner import Inventory, PlannerError, estimate_plan
+        from hspmd_elastic.planner.copies import Copies, copies_of, keep, weigh
 
         try:
             inventory = self._inventory(current, usable, measured)
@@ -266,15 +303,24 @@ class StragglerWatch:
             if spec_of is not None:  # the constants this cluster measured
                 inventory = Inventory(tuple(replace(d, spec=spec_of(d))
                                             for d in inventory.devices))
-            options = self.options_fn([usable[d] for d in current.devices if d in usable])
-            now_s = estimate_plan(plan_of(current), inventory, self.profile,
-                                  options).step_time_s
-            new_s = self.planner_fn(inventory, self.profile, self.global_batch,
-                                    options=options).estimate.step_time_s
+            now_plan = plan_of(current)
+            before = copies_of(now_plan, inventory)
+            options = keep(self.options_fn([usable[d] for d in current.devices if d in usable]),
+                           before)
+            now_s = estimate_plan(now_plan, inventory, self.profile, options).step_time_s
+            result = self.planner_fn(inventory, self.profile, self.global_batch,
+                                     current_plan=now_plan, options=options)
         except (PlannerError, PlanError, KeyError, ValueError) as exc:
             log.info("measured speeds: no prediction (%s)", exc)
-            return math.inf, math.inf
-        return now_s, min(new_s, now_s)
+            return Prediction(math.inf, math.inf)
+        new_s, after = result.estimate.step_time_s, Copies.of(result.estimate)
+        if new_s >= now_s:  # the current plan is the best that keeps the copies
+            new_s, after = now_s, before
+        fastest = min((result.chosen, *result.alternatives),
+                      key=lambda c: c.estimate.step_time_s)
+        other = None if fastest is result.chosen else \
+            (Copies.of(fastest.estimate), fastest.estimate.step_time_s, new_s)
+        return Prediction(now_s, new_s, before, after, weigh(before, after, other))
 
     def switched(self, seconds: float) -> None:
         """A switch took ``seconds`` (its ``switch-done`` event's ``total_s``): the next

@@ -175,7 +175,16 @@ def _speeds_summary(d: Any) -> str:
     verdict = "replan" if d.replan else "keep the plan"
     return (f"plan v{d.plan_version} measured {shown or 'as assumed'}{more}; step "
             f"{d.step_now_s:.3f}s -> {d.step_new_s:.3f}s, gain {d.gain_s:.1f}s vs cost "
-            f"{d.cost_s:.1f}s: {verdict}" + (f" ({d.reason})" if d.reason else ""))
+            f"{d.cost_s:.1f}s{copies_summary(d)}: {verdict}"
+            + (f" ({d.reason})" if d.reason else ""))
+
+
+def copies_summary(d: Any) -> str:
+    """``; copies 2 -> 2 device(s), 1 -> 1 node(s) kept`` ("" when not predicted)."""
+    if not getattr(d, "redundancy", ""):
+        return ""
+    return (f"; copies {d.copies_before} -> {d.copies_after} device(s), "
+            f"{d.copy_nodes_before} -> {d.copy_nodes_after} node(s) {d.redundancy}")
 
 
 def _switch_summary(ev: schema.EventRecord, mark: schema.SwitchMark, d: Any) -> str:

@@ -27,7 +27,7 @@ from rich.tree import Tree
 
 from launcher.ops.events import event_dict, format_bytes
 from launcher.ops.safe import clean, text
-from launcher.ops.view import JobView
+from launcher.ops.view import JobView, newest_speeds
 
 HEALTH_STYLE = {"healthy": "green", "degraded": "yellow", "suspect": "dark_orange", "failed": "bold red",
                 "unknown": "grey62", "lost": "magenta"}
@@ -176,11 +176,26 @@ def speed_rows(view: JobView) -> list[tuple[str, Optional[int], float, Optional[
     return [tuple(rows[k]) for k in sorted(rows)]
 
 
+def redundancy_line(view: JobView) -> Optional[str]:
+    """What the newest speed decision did to the copies of the parameters (None: no decision
+    weighed them): ``redundancy kept: copies 2 -> 2 device(s), ...; <why>``."""
+    detail = newest_speeds(view.events)
+    if detail is None or not detail.redundancy:
+        return None
+    return (f"redundancy {detail.redundancy} (plan v{detail.plan_version}): copies "
+            f"{detail.copies_before} -> {detail.copies_after} device(s), "
+            f"{detail.copy_nodes_before} -> {detail.copy_nodes_after} node(s); "
+            f"{detail.redundancy_reason}")
+
+
 def _speeds(view: JobView) -> Optional[RenderableType]:
     rows = speed_rows(view)
     if not rows:
         return None
-    table = Table(title="Speeds", title_justify="left", expand=False)
+    line = redundancy_line(view)
+    table = Table(title="Speeds", title_justify="left", expand=False,
+                  caption=None if line is None else text(line, limit=400),
+                  caption_justify="left")
     for col in ("device", "rank", "busy/step", "planned", "measured (fastest 1.00)"):
         table.add_column(col, justify="left" if col == "device" else "right")
     for dev, rank, busy, planned, measured in rows:

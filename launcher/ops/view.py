@@ -413,10 +413,10 @@ def speed_value(value: Any) -> Optional[float]:
     return round(float(value), 6) if ok else None
 
 
-def measured_speeds(events: Sequence[schema.EventRecord], plan_version: int
-                    ) -> dict[str, float]:
-    """``measured`` of the newest ``speeds`` event journaled for ``plan_version`` ({} when
-    none; an event whose detail does not read is skipped)."""
+def newest_speeds(events: Sequence[schema.EventRecord], plan_version: Optional[int] = None
+                  ) -> Optional[schema.SpeedsDetail]:
+    """The newest ``speeds`` event's detail (journaled for ``plan_version`` when given; None
+    when none; an event whose detail does not read is skipped)."""
     for ev in reversed(events):
         if ev.type != "speeds":
             continue
@@ -424,9 +424,18 @@ def measured_speeds(events: Sequence[schema.EventRecord], plan_version: int
             detail = schema.event_detail(ev)
         except RecordError:
             continue
-        if isinstance(detail, schema.SpeedsDetail) and detail.plan_version == plan_version:
-            return dict(detail.measured)
-    return {}
+        if isinstance(detail, schema.SpeedsDetail) and \
+                plan_version in (None, detail.plan_version):
+            return detail
+    return None
+
+
+def measured_speeds(events: Sequence[schema.EventRecord], plan_version: int
+                    ) -> dict[str, float]:
+    """``measured`` of the newest ``speeds`` event journaled for ``plan_version`` ({} when
+    none; an event whose detail does not read is skipped)."""
+    detail = newest_speeds(events, plan_version)
+    return {} if detail is None else dict(detail.measured)
 
 
 def _speeds(nodes: list[NodeView], plan: Optional[PlanView],
