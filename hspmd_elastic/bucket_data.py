@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from hspmd_elastic.data import DataError
-from hspmd_elastic.documents import DocumentSampler, Documents
+from hspmd_elastic.documents import DocumentSampler, Documents, bucket_index
 
 
 @dataclass
@@ -76,10 +76,10 @@ class BucketedDocuments:
         self._positions = np.repeat(np.arange(len(rows)), rows)
         docs = base.docs
         truncated = np.minimum(docs.lengths(), base.row_len)  # what the base samples
-        edges = np.asarray((0,) + windows) + 1
+        which = np.where(truncated > 0, bucket_index(truncated, windows), -1)
         self.streams: list[DocumentSampler] = []
         for b, window in enumerate(windows):
-            keep = (truncated > (edges[b] if b else 0)) & (truncated <= edges[b + 1])
+            keep = which == b
             if not keep.any():
                 lo = 1 if b == 0 else windows[b - 1] + 2
                 raise DataError(f"bucket {b} (documents of {lo}..{window + 1} tokens) holds "

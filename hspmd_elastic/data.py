@@ -21,7 +21,11 @@ was sampled before), so every plan and every switch trains on the same rows. A c
 the ``seq_len + 1`` tokens of its window: only the shard(s) holding them are opened (lazily, on
 first use) and sliced. Bad data is a ``DataError``, one line naming the bad value.
 
-``python -m hspmd_elastic.data make|check ...`` writes a demo token file and scans one.
+Writing (``write_token_file``, ``write_token_shards``) is atomic (``files.atomic_group``): a
+bad id or a failure half-way leaves the files it would replace as they were.
+
+``python -m hspmd_elastic.data make|check ...`` writes a demo token file and scans one; ``make``
+creates the output's directory, and a bad flag or path is one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import bisect
 import json
 import operator
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -38,9 +43,12 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
+from hspmd_elastic.files import AtomicGroup, atomic_group
+
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 SHARD_SUFFIX = ".bin"
 DIR_SIDECAR = "dataset.json"
+_SHARD_NAME = re.compile(r"^shard-(\d{5,})\.bin$")  # write_token_shards' names
 _SIDECAR_KEYS = {"dtype", "tokens", "vocab_size"}
 
 # opener(path, dtype, count) -> an array-like of ``count`` tokens; slicing it reads only the slice
@@ -275,41 +283,60 @@ def token_sampler(config, path: str, dtype: Optional[str] = None, seed: int = 0,
 # ---------------------------------------------------------------------------- writing
 def write_token_file(path: str, chunks: Iterable[np.ndarray], dtype: str = "uint16",
                      vocab_size: Optional[int] = None, sidecar: bool = True) -> int:
-    """Write token chunks to a flat ``.bin`` (and its sidecar); the token count."""
+    """Write token chunks to a flat ``.bin`` (and its sidecar), atomically (``files``): a bad
+    id or any failure half-way leaves the old file and sidecar as they were; the token count."""
+    with atomic_group() as group:
+        return stage_token_file(group, path, chunks, dtype, vocab_size, sidecar)
+
+
+def stage_token_file(group: AtomicGroup, path: str, chunks: Iterable[np.ndarray],
+                     dtype: str = "uint16", vocab_size: Optional[int] = None,
+                     sidecar: bool = True) -> int:
+    """``write_token_file`` into ``group`` (replaced when the group commits); the token count.
+    The sidecar is staged after the tokens: it records their count, so a reader refuses a new
+    ``.bin`` beside an old sidecar."""
     np_dtype, count = parse_dtype(dtype), 0
-    with open(path, "wb") as f:
-        for chunk in chunks:
-            chunk = np.asarray(chunk)
-            bad = chunk[(chunk < 0) | (chunk > np.iinfo(np_dtype).max)]
-            if bad.size:
-                raise DataError(f"token id {int(bad[0])} does not fit {dtype}")
-            f.write(chunk.astype(np_dtype).tobytes())
-            count += chunk.size
+    f = group.open(path, "wb")
+    for chunk in chunks:
+        chunk = np.asarray(chunk)
+        bad = chunk[(chunk < 0) | (chunk > np.iinfo(np_dtype).max)]
+        if bad.size:
+            raise DataError(f"token id {int(bad[0])} does not fit {dtype}")
+        f.write(chunk.astype(np_dtype).tobytes())
+        count += chunk.size
     if sidecar:
-        _write_sidecar(sidecar_path(path), dtype, count, vocab_size)
+        _stage_sidecar(group, sidecar_path(path), dtype, count, vocab_size)
     return count
 
 
 def write_token_shards(directory: str, tokens: np.ndarray, shards: int, dtype: str = "uint16",
                        vocab_size: Optional[int] = None) -> list[str]:
     """Split ``tokens`` into ``shards`` files ``shard-00000.bin``... in ``directory`` (created)
-    plus ``dataset.json``; the shard paths."""
+    plus ``dataset.json``, all replaced together (``files.atomic_group``); shards of an earlier,
+    larger write are removed after. The shard paths."""
     os.makedirs(directory, exist_ok=True)
     paths = []
-    for k, part in enumerate(np.array_split(np.asarray(tokens), shards)):
-        paths.append(os.path.join(directory, f"shard-{k:05d}{SHARD_SUFFIX}"))
-        write_token_file(paths[-1], [part], dtype, sidecar=False)
-    _write_sidecar(os.path.join(directory, DIR_SIDECAR), dtype, len(tokens), vocab_size)
+    with atomic_group() as group:
+        for k, part in enumerate(np.array_split(np.asarray(tokens), shards)):
+            paths.append(os.path.join(directory, f"shard-{k:05d}{SHARD_SUFFIX}"))
+            stage_token_file(group, paths[-1], [part], dtype, sidecar=False)
+        _stage_sidecar(group, os.path.join(directory, DIR_SIDECAR), dtype, len(tokens),
+                       vocab_size)
+    for name in os.listdir(directory):
+        match = _SHARD_NAME.match(name)
+        if match and int(match.group(1)) >= shards:
+            os.unlink(os.path.join(directory, name))
     return paths
 
 
-def _write_sidecar(path: str, dtype: str, tokens: int, vocab_size: Optional[int]) -> None:
+def _stage_sidecar(group: AtomicGroup, path: str, dtype: str, tokens: int,
+                   vocab_size: Optional[int]) -> None:
     meta = {"dtype": dtype, "tokens": tokens}
     if vocab_size is not None:
         meta["vocab_size"] = vocab_size
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(meta, f)
-        f.write("\n")
+    f = group.open(path, "w")
+    json.dump(meta, f)
+    f.write("\n")
 
 
 def random_tokens(count: int, vocab_size: int, seed: int = 0,
@@ -321,19 +348,32 @@ def random_tokens(count: int, vocab_size: int, seed: int = 0,
 
 
 # ---------------------------------------------------------------------------- CLI
+def at_least(flag: str, value, low: int = 1) -> None:
+    """A one-line ``DataError`` naming ``flag`` when ``value`` (given) is below ``low``."""
+    if value is not None and value < low:
+        raise DataError(f"{flag}={value} must be >= {low}")
+
+
+def parent_made(path: str) -> str:
+    """``path``, its parent directory created if missing (what ``make`` users expect)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+
 def _make(args) -> int:
-    if args.shards < 1:
-        raise DataError(f"--shards={args.shards} must be >= 1")
+    at_least("--shards", args.shards)
+    at_least("--seed", args.seed, 0)
     if args.text:
         with open(args.text, "rb") as f:
             tokens = np.frombuffer(f.read(), dtype=np.uint8).astype(np.int64)
         vocab = 256  # byte-level: every byte is a token
+        if not tokens.size:
+            raise DataError(f"--text file {args.text!r} is empty: no token to write")
     else:
         if args.tokens is None or args.vocab is None:
             raise DataError("make needs --tokens N and --vocab V (or --text FILE)")
         most = np.iinfo(parse_dtype(args.dtype)).max + 1
-        if args.tokens < 1:
-            raise DataError(f"--tokens={args.tokens} must be >= 1")
+        at_least("--tokens", args.tokens)
         if not 1 <= args.vocab <= most:
             raise DataError(f"--vocab={args.vocab} must be within 1..{most} for {args.dtype}")
         tokens, vocab = None, args.vocab
@@ -343,13 +383,15 @@ def _make(args) -> int:
         write_token_shards(args.out, tokens, args.shards, args.dtype, vocab)
         count = len(tokens)
     else:
-        count = write_token_file(args.out, [tokens] if tokens is not None else
+        count = write_token_file(parent_made(args.out), [tokens] if tokens is not None else
                                  random_tokens(args.tokens, vocab, args.seed), args.dtype, vocab)
     print(f"wrote {count} {args.dtype} tokens (vocab {vocab}) to {args.out}")
     return 0
 
 
 def _check(args) -> int:
+    at_least("--vocab", args.vocab)
+    at_least("--seq-len", args.seq_len)
     shards = TokenShards(args.path, args.dtype)
     meta = read_sidecar(args.path) or {}
     vocab = args.vocab if args.vocab is not None else meta.get("vocab_size")
@@ -370,12 +412,16 @@ def _check(args) -> int:
 
 
 def run_command(args, make: Callable, check: Callable) -> int:
-    """``make`` or ``check`` for the parsed ``args`` of a data command; a ``DataError`` is one
-    line and exit code 2 (this module's CLI and ``hspmd_elastic.documents``')."""
+    """``make`` or ``check`` for the parsed ``args`` of a data command; a ``DataError`` or an
+    ``OSError`` is one line and exit code 2 (this module's CLI and ``hspmd_elastic.documents``')."""
     try:
         return make(args) if args.command == "make" else check(args)
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path that cannot be read or written: one line, no traceback
+        where = f" {exc.filename!r}" if exc.filename else ""
+        print(f"error: cannot {args.command}{where}: {exc.strerror or exc}", file=sys.stderr)
         return 2
 
 

@@ -42,7 +42,6 @@ functions of the segment ids (the loss contract is in ``loss_sum``).
 
 from __future__ import annotations
 
-import argparse
 import operator
 import os
 import struct
@@ -52,8 +51,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from hspmd_elastic.data import (DataError, TokenShards, WindowOrder, run_command,
-                                write_token_file)
+from hspmd_elastic.data import DataError, TokenShards, WindowOrder, stage_token_file
+from hspmd_elastic.files import atomic_group
 
 MMIDIDX_MAGIC = b"MMIDIDX\x00\x00"
 MMIDIDX_VERSION = 1
@@ -204,25 +203,29 @@ def open_documents(path: str, dtype: Optional[str] = None) -> Documents:
 
 # ---------------------------------------------------------------------------- writing
 def write_indexed(prefix: str, docs: Iterable, dtype: str = "uint16") -> tuple[int, int]:
-    """Write ``PREFIX.bin`` and a Megatron-LM ``PREFIX.idx`` (one sequence per document);
+    """Write ``PREFIX.bin`` and a Megatron-LM ``PREFIX.idx`` (one sequence per document),
+    atomically (``files.atomic_group``: a bad id or any failure half-way leaves both files as
+    they were; the ``.idx``, which records the ``.bin``'s size, is renamed last);
     (documents, tokens)."""
     if dtype not in TOKEN_CODES:
         raise DataError(f"index dtype {dtype!r} is not one of {', '.join(TOKEN_CODES)}")
     np_dtype, info, sizes = np.dtype(dtype).newbyteorder("<"), np.iinfo(dtype), []
-    with open(prefix + ".bin", "wb") as f:
+    with atomic_group() as group:
+        f = group.open(prefix + ".bin")
         for k, doc in enumerate(docs):
             doc = np.asarray(doc, dtype=np.int64).reshape(-1)
             bad = doc[(doc < info.min) | (doc > info.max)]
             if bad.size:
                 raise DataError(f"document {k}: token id {int(bad[0])} does not fit {dtype}")
             if doc.size > np.iinfo(np.int32).max:
-                raise DataError(f"document {k} has {doc.size} tokens: too many for an int32 size")
+                raise DataError(f"document {k} has {doc.size} tokens: too many for an int32 "
+                                "size")
             f.write(doc.astype(np_dtype).tobytes())
             sizes.append(doc.size)
-    lengths = np.asarray(sizes, dtype=np.int64)
-    pointers = (np.cumsum(lengths) - lengths) * np_dtype.itemsize
-    doc_index = np.arange(len(sizes) + 1, dtype="<i8")
-    with open(prefix + ".idx", "wb") as f:
+        lengths = np.asarray(sizes, dtype=np.int64)
+        pointers = (np.cumsum(lengths) - lengths) * np_dtype.itemsize
+        doc_index = np.arange(len(sizes) + 1, dtype="<i8")
+        f = group.open(prefix + ".idx")
         f.write(_HEADER.pack(MMIDIDX_MAGIC, MMIDIDX_VERSION, TOKEN_CODES[dtype], len(sizes),
                              len(doc_index)))
         f.write(lengths.astype("<i4").tobytes())
@@ -234,13 +237,13 @@ def write_indexed(prefix: str, docs: Iterable, dtype: str = "uint16") -> tuple[i
 def write_documents(path: str, docs: Iterable, dtype: str = "uint16",
                     vocab_size: Optional[int] = None) -> tuple[int, int]:
     """Write a flat token file (``data.write_token_file``, with its sidecar) and
-    ``path.docs.npy``; (documents, tokens)."""
+    ``path.docs.npy``, the three atomically together; (documents, tokens)."""
     docs = [np.asarray(d, dtype=np.int64).reshape(-1) for d in docs]
-    count = write_token_file(path, docs, dtype, vocab_size)
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum([d.size for d in docs], out=offsets[1:])
-    with open(path + DOCS_SUFFIX, "wb") as f:
-        np.save(f, offsets, allow_pickle=False)
+    with atomic_group() as group:
+        count = stage_token_file(group, path, docs, dtype, vocab_size)
+        np.save(group.open(path + DOCS_SUFFIX), offsets, allow_pickle=False)
     return len(docs), count
 
 
@@ -370,8 +373,14 @@ class DocumentSampler:
                      for d in self.documents(index))
 
     def length_histogram(self, boundaries: Sequence[int]) -> "LengthHistogram":
-        """The sampled documents' lengths (after truncation) by bucket (``length_histogram``)."""
-        return length_histogram(self.sizes, boundaries)
+        """The sampled documents' lengths (after truncation to ``max_len + 1``) by the bucket
+        windows ``boundaries``, whose last must be ``max_len`` (``length_histogram``)."""
+        bounds = tuple(boundaries)
+        if bounds and bounds[-1] != self.max_len:
+            raise DataError(f"the last bucket boundary {bounds[-1]} must be max_len "
+                            f"{self.max_len}: the rows' length, which holds every document "
+                            "after truncation")
+        return length_histogram(self.docs.lengths()[self.doc_ids], bounds)
 
     # ---- the row
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,14 +413,26 @@ def document_sampler(config, path: str, mode: str = "truncate", dtype: Optional[
 
 
 # ---------------------------------------------------------------------------- lengths
+def bucket_index(lengths, windows: Sequence[int]) -> np.ndarray:
+    """The length bucket of each document length (tokens) under bucket ``windows`` (strictly
+    increasing): bucket ``b`` holds ``windows[b - 1] + 1 < n <= windows[b] + 1`` (a window of
+    ``w`` inputs predicts ``w`` targets, so a document of ``w + 1`` tokens fits it; the first
+    from 1); a length beyond the last window + 1 gets ``len(windows)``, no bucket. The one rule
+    of ``length_histogram`` and ``bucket_data.BucketedDocuments``."""
+    edges = np.asarray(windows, dtype=np.int64) + 1
+    return np.searchsorted(edges, np.asarray(lengths, dtype=np.int64), side="left")
+
+
 @dataclass(frozen=True)
 class LengthHistogram:
-    """Documents and tokens per bucket: bucket ``k`` holds lengths in
-    ``(boundaries[k - 1], boundaries[k]]`` (the first from 1)."""
+    """Documents and tokens (after truncation to ``boundaries[-1] + 1``) per bucket of the
+    windows ``boundaries`` (``bucket_index``); ``truncated``: documents cut to that length,
+    counted in the last bucket."""
 
     boundaries: tuple[int, ...]
     documents: tuple[int, ...]
     tokens: tuple[int, ...]
+    truncated: int = 0
 
     @property
     def shares(self) -> tuple[float, ...]:
@@ -420,16 +441,23 @@ class LengthHistogram:
         return tuple(n / total for n in self.documents)
 
     def spec(self) -> str:
-        """``LEN:SHARE,...`` for ``hspmd-launch plan --lengths``: the non-empty buckets."""
-        return ",".join(f"{b}:{s:.12g}" for b, s in zip(self.boundaries, self.shares) if s > 0)
+        """``LEN:SHARE,...`` for ``--hspmd-lengths`` / ``hspmd-launch plan --lengths``: the
+        non-empty buckets, the last of them at the last window (the model's ``seq_len``, which
+        the launcher requires of the last bucket) when the buckets after it are empty: the
+        same documents fall in each bucket as under all the windows."""
+        kept = [(b, s) for b, s in zip(self.boundaries, self.shares) if s > 0]
+        kept[-1] = (self.boundaries[-1], kept[-1][1])
+        return ",".join(f"{b}:{s:.12g}" for b, s in kept)
 
 
 def length_histogram(lengths: Sequence[int], boundaries: Sequence[int]) -> LengthHistogram:
-    """Bucket ``lengths`` (each >= 1) by ``boundaries`` (integers >= 1, strictly increasing, the
-    last at least the longest length); a one-line ``DataError`` names a bad boundary."""
+    """Bucket document ``lengths`` (each >= 1) by the windows ``boundaries`` (integers >= 1,
+    strictly increasing, the last the rows' ``max_len``): a length over ``boundaries[-1] + 1``
+    is truncated to it, as the sampler truncates rows, and counted in the last bucket. A
+    one-line ``DataError`` names a bad boundary."""
     bounds = tuple(boundaries)
     if not bounds:
-        raise DataError("no bucket boundary: give the buckets' longest lengths, such as 512,8192")
+        raise DataError("no bucket boundary: give the buckets' windows, such as 512,8192")
     for k, b in enumerate(bounds):
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
             raise DataError(f"bucket boundary {b!r} must be an integer >= 1")
@@ -441,15 +469,14 @@ def length_histogram(lengths: Sequence[int], boundaries: Sequence[int]) -> Lengt
         raise DataError("no document length to bucket")
     if lengths.min() < 1:
         raise DataError(f"document length {int(lengths.min())} must be >= 1")
-    if lengths.max() > bounds[-1]:
-        over = int((lengths > bounds[-1]).sum())
-        raise DataError(f"{over} document(s) are longer than the last bucket boundary "
-                        f"{bounds[-1]} (the longest has {int(lengths.max())} tokens)")
-    which = np.searchsorted(np.asarray(bounds, dtype=np.int64), lengths, side="left")
+    row = int(bounds[-1]) + 1
+    truncated = int((lengths > row).sum())
+    lengths = np.minimum(lengths, row)
+    which = bucket_index(lengths, bounds)
     docs = np.bincount(which, minlength=len(bounds))
     toks = np.bincount(which, weights=lengths, minlength=len(bounds))
     return LengthHistogram(tuple(int(b) for b in bounds), tuple(int(n) for n in docs),
-                           tuple(int(n) for n in toks))
+                           tuple(int(n) for n in toks), truncated)
 
 
 # ---------------------------------------------------------------------------- model side
@@ -506,87 +533,11 @@ def loss_sum(logits: torch.Tensor, tokens: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------- CLI
-def _make(args) -> int:
-    long_len = args.max_len if args.long_len is None else args.long_len
-    for name, value in (("--docs", args.docs), ("--vocab", args.vocab),
-                        ("--min-len", args.min_len), ("--long-len", long_len)):
-        if value < 1:
-            raise DataError(f"{name}={value} must be >= 1")
-    if args.max_len < args.min_len:
-        raise DataError(f"--max-len={args.max_len} is below --min-len={args.min_len}")
-    if not 0 <= args.long_share <= 1:
-        raise DataError(f"--long-share={args.long_share} must be within [0, 1]")
-    rng = np.random.default_rng(args.seed)
-    short = rng.integers(args.min_len, args.max_len + 1, size=args.docs)
-    lengths = np.where(rng.random(args.docs) < args.long_share, long_len, short)
-    docs = (rng.integers(0, args.vocab, size=int(n)) for n in lengths)
-    n, tokens = write_indexed(args.prefix, docs, args.dtype)
-    print(f"wrote {n} documents, {tokens} {args.dtype} tokens (vocab {args.vocab}) to "
-          f"{args.prefix}.idx/.bin")
-    return 0
-
-
-def _check(args) -> int:
-    docs = open_documents(args.path, args.dtype)
-    lengths = docs.lengths()
-    empty = int((lengths == 0).sum())
-    print(f"{docs.path}: {docs.num_docs} documents ({empty} empty), {docs.num_tokens} "
-          f"{docs.dtype.name} tokens, lengths {int(lengths.min()) if lengths.size else 0}.."
-          f"{int(lengths.max(initial=0))}")
-    if args.vocab is not None:
-        chunk = 1 << 22
-        for lo in range(0, docs.num_tokens, chunk):
-            part = docs.source.read(lo, min(lo + chunk, docs.num_tokens)).astype(np.int64)
-            bad = np.flatnonzero((part < 0) | (part >= args.vocab))
-            if bad.size:
-                raise DataError(f"token id {int(part[bad[0]])} (token {lo + int(bad[0])}) is "
-                                f"not in [0, {args.vocab})")
-    if args.max_len is not None or args.boundaries:
-        sampler = DocumentSampler(docs, args.max_len or int(lengths.max()), args.mode,
-                                  shuffle=False, truncate=not args.no_truncate)
-        if args.max_len is not None:
-            print(f"{sampler.epoch_size(0)} {args.mode} samples of max_len {args.max_len} "
-                  "per epoch (epoch 0)")
-        if args.boundaries:
-            bounds = [_int(b) for b in args.boundaries.split(",")]
-            hist = sampler.length_histogram(bounds)
-            for b, n, t in zip(hist.boundaries, hist.documents, hist.tokens):
-                print(f"  <= {b}: {n} documents, {t} tokens")
-            print(f"--lengths {hist.spec()}")
-    return 0
-
-
-def _int(text: str) -> int:
-    if not text.strip().isdigit():
-        raise DataError(f"bucket boundary {text.strip()!r} is not an integer")
-    return int(text)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hspmd_elastic.documents",
-                                     description="Write or check document datasets.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    make = sub.add_parser("make", help="write random documents as PREFIX.idx + PREFIX.bin")
-    make.add_argument("prefix")
-    make.add_argument("--docs", type=int, required=True, help="how many documents")
-    make.add_argument("--vocab", type=int, required=True, help="random ids are below this")
-    make.add_argument("--min-len", type=int, default=1)
-    make.add_argument("--max-len", type=int, required=True, help="lengths are uniform in range")
-    make.add_argument("--long-share", type=float, default=0.0,
-                      help="this share of the documents gets --long-len tokens")
-    make.add_argument("--long-len", type=int, help="default: --max-len")
-    make.add_argument("--dtype", choices=sorted(TOKEN_CODES), default="uint16")
-    make.add_argument("--seed", type=int, default=0)
-    check = sub.add_parser("check", help="check a document dataset and summarize it")
-    check.add_argument("path", help="PREFIX (.idx/.bin) or a token file with FILE.docs.npy")
-    check.add_argument("--dtype", help="a token file's dtype (default: its sidecar's)")
-    check.add_argument("--vocab", type=int, help="refuse ids outside [0, this)")
-    check.add_argument("--max-len", type=int, help="count the samples of this max_len")
-    check.add_argument("--mode", choices=MODES, default="truncate")
-    check.add_argument("--no-truncate", action="store_true",
-                       help="refuse documents longer than max_len + 1")
-    check.add_argument("--boundaries", help="bucket boundaries such as 512,8192: a histogram")
-    return run_command(parser.parse_args(argv), _make, _check)
+    """``python -m hspmd_elastic.documents make|check``: ``documents_cli.main``."""
+    from hspmd_elastic.documents_cli import main as cli
+
+    return cli(argv)
 
 
 if __name__ == "__main__":

@@ -27,17 +27,23 @@ unmodified torchrun-style DDP script with snapshots), ``--max-restarts 1``; the 
 agent restart every worker, which resume from their snapshot.
 
 The last line is ``RESULT {json}`` with what was measured (nothing in it is asserted here).
+
+Its files (the embedded etcd's data directory, whose write-ahead log alone preallocates about
+60 MB, the model, the workers' results, the agents' ``--log-dir``) live in one
+``hspmd-demo-*`` temporary directory that is removed when the demo ends, however it ends
+(``launcher.node.reaper``: a guard removes it even when the demo is SIGKILLed, and the next
+run sweeps what a dead guard left). ``--keep-work`` keeps it, logs included, and says where.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -51,13 +57,37 @@ import ddp_train  # noqa: E402
 
 from hspmd_elastic.coord import EtcdClient  # noqa: E402
 from hspmd_elastic.contract import schema  # noqa: E402
+from launcher.node import reaper  # noqa: E402
 from launcher.standalone import EtcdCluster  # noqa: E402
 
 JOB = "demo"
+WORK_PREFIX = "hspmd-demo-"
+
+
+@contextlib.contextmanager
+def work_dir(keep: bool):
+    """The demo's temporary directory: removed at the end unless ``keep`` (module doc)."""
+    reaper.sweep_stale_dirs(WORK_PREFIX)
+    path = Path(reaper.owned_tmpdir(WORK_PREFIX))
+    try:
+        yield path
+    finally:
+        if keep:
+            reaper.release_dir(str(path))
+            say(f"kept the demo's files in {path}")
+        else:
+            reaper.remove_owned(str(path))
 
 
 def say(msg: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def agent_env(work: Path) -> dict:
+    """The agents' environment: their temporary files (progress files, compile caches) go
+    under ``work`` too, so that nothing outlives the demo."""
+    (work / "tmp").mkdir(exist_ok=True)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TMPDIR=str(work / "tmp"))
 
 
 def relay(stream, seen: dict) -> None:
@@ -105,8 +135,7 @@ def wait_for(pred, timeout: float, what: str, poll: float = 0.05):
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def run_restart(args) -> int:
-    work = Path(tempfile.mkdtemp(prefix="hspmd-demo-"))
+def run_restart(args, work: Path) -> int:
     progress = work / "progress"
     progress.mkdir()
     say("starting embedded etcd")
@@ -118,13 +147,14 @@ def run_restart(args) -> int:
             "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint_str, "--rdzv-id", JOB,
             "--rdzv-conf", "last_call_timeout=0.5",
             "--max-restarts", "1", "--hspmd-node-id", "node0", "--hspmd-lease-ttl", "2",
+            "--log-dir", str(work / "logs"),
             str(ROOT / "examples" / "ddp_train.py"),
             "--steps", str(args.steps), "--snapshot", str(work / "snap.pt"),
             "--out", str(work / "final.pt"), "--progress-dir", str(progress),
             "--step-seconds", "0.05",
         ]
         say("launching: hspmd-launch " + " ".join(cmd[3:]))
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        env = agent_env(work)
         launcher = subprocess.Popen(cmd, cwd=str(ROOT), env=env, start_new_session=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen = {"snapshot_loads": 0}
@@ -244,12 +274,11 @@ def elastic_reference(steps: int) -> dict[str, torch.Tensor]:
     return reference_train(config, ELASTIC_SEED, batches, AdamWConfig())[0]
 
 
-def run_elastic(args) -> int:
+def run_elastic(args, work: Path) -> int:
     from hspmd_elastic.coord import PrefixWatch, read_events
     from hspmd_elastic.graph.config import ModelConfig, param_specs
     from hspmd_elastic.runtime import gather_full
 
-    work = Path(tempfile.mkdtemp(prefix="hspmd-demo-"))
     config = ModelConfig(**ELASTIC_CONFIG)
     model = work / "model.json"
     model.write_text(config.to_json())
@@ -267,7 +296,7 @@ def run_elastic(args) -> int:
             "--hspmd-device-memory", args.device_memory]
         if args.redundancy:
             capacity += ["--hspmd-redundancy", str(args.redundancy)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        env = agent_env(work)
         seen = {"snapshot_loads": 0}
         try:
             for node in NODES:
@@ -275,6 +304,7 @@ def run_elastic(args) -> int:
                        "--nnodes", str(len(NODES)), "--nproc-per-node", str(args.nproc),
                        "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint_str,
                        "--rdzv-id", JOB, "--hspmd-node-id", node, "--hspmd-lease-ttl", "2",
+                       "--log-dir", str(work / "logs" / node),
                        "--shutdown-timeout", "5", "--hspmd-elastic", "--hspmd-model", str(model),
                        "--hspmd-global-batch", str(ELASTIC_BATCH), *capacity,
                        str(ROOT / "tests" / "scripts" / "elastic_train.py"),
@@ -385,12 +415,13 @@ def main() -> int:
                     help=f"elastic: --hspmd-redundancy of the agents (default {REDUNDANCY}; "
                          "0: none)")
     ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--keep-work", action="store_true",
+                    help="keep the temporary directory (etcd data, model, results) and print "
+                         "its path; by default it is removed at the end")
     args = ap.parse_args()
-    if args.mode == "restart":
-        args.nproc = args.nproc or 3
-        return run_restart(args)
     args.nproc = args.nproc or 3
-    return run_elastic(args)
+    with work_dir(args.keep_work) as work:
+        return (run_restart if args.mode == "restart" else run_elastic)(args, work)
 
 
 if __name__ == "__main__":

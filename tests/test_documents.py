@@ -244,21 +244,40 @@ def test_bad_sampler_arguments_and_ids_are_one_line(indexed):
 
 
 def test_length_histogram_feeds_the_planner(indexed):
+    """Boundaries are the buckets' windows, as the sampler and the launcher read them: window w
+    holds documents of up to w + 1 tokens, the last is max_len, and a longer document is
+    truncated to max_len + 1 and counted in the last bucket."""
     prefix, _ = indexed
     sampler = DocumentSampler(open_documents(prefix), 15)
-    hist = sampler.length_histogram([4, 8, 16])
-    assert hist.documents == (5, 4, 4) and hist.tokens == (11, 26, 48)
+    hist = sampler.length_histogram([4, 8, 15])
+    assert hist.documents == (6, 4, 3) and hist.tokens == (16, 30, 39) and hist.truncated == 1
     assert sum(hist.tokens) == sum(min(n, 16) for n in LENGTHS)
     buckets = parse_lengths(hist.spec())
-    assert [b.max_len for b in buckets] == [4, 8, 16]
-    assert [round(b.share, 9) for b in buckets] == [round(n / 13, 9) for n in (5, 4, 4)]
-    assert length_histogram([1, 2], [1, 2, 3]).spec() == "1:0.5,2:0.5"  # empty buckets left out
-    for bounds, needle in (([8, 4, 16], "boundary 4 is not above the previous 8"),
-                           ([0, 16], "boundary 0 must be"), ([], "no bucket boundary"),
-                           ([4, 8], "4 document(s) are longer than the last bucket boundary 8")):
+    assert [b.max_len for b in buckets] == [4, 8, 15]
+    assert [round(b.share, 9) for b in buckets] == [round(n / 13, 9) for n in (6, 4, 3)]
+    # empty buckets are left out; an empty last one gives its window to the last non-empty
+    assert length_histogram([1, 5], [1, 2, 4]).spec() == "1:0.5,4:0.5"
+    assert length_histogram([1, 2], [1, 2, 3]).spec() == "3:1"
+    for bounds, needle in (([8, 4, 15], "boundary 4 is not above the previous 8"),
+                           ([0, 15], "boundary 0 must be"), ([], "no bucket boundary"),
+                           ([4, 8], "the last bucket boundary 8 must be max_len 15")):
         with pytest.raises(DataError) as info:
             sampler.length_histogram(bounds)
         assert needle in _one_line(info)
+
+
+def test_the_histogram_buckets_documents_as_the_bucketed_sampler_does(indexed):
+    """One rule (documents.bucket_index): each bucket of the histogram holds exactly the
+    documents that bucket_data.BucketedDocuments streams in that bucket, truncated ones too."""
+    from hspmd_elastic.bucket_data import BucketedDocuments
+
+    prefix, _ = indexed
+    for windows in ([4, 8, 15], [1, 3, 11, 15], [15]):
+        sampler = DocumentSampler(open_documents(prefix), 15, shuffle=False)
+        hist = sampler.length_histogram(windows)
+        bucketed = BucketedDocuments(sampler, windows, [1] * len(windows))
+        assert hist.documents == tuple(len(s.doc_ids) for s in bucketed.streams), windows
+        assert hist.tokens == tuple(int(s.sizes.sum()) for s in bucketed.streams), windows
 
 
 # ---------------------------------------------------------------------------- masks and loss
@@ -318,7 +337,7 @@ def test_cli_make_and_check(tmp_path, capsys):
     docs = open_documents(prefix)
     assert docs.num_docs == 50 and 1 <= docs.lengths().min() and docs.lengths().max() <= 20
     assert docs_cli(["check", prefix, "--vocab", "100", "--max-len", "19", "--mode", "pack",
-                     "--boundaries", "8,20"]) == 0
+                     "--boundaries", "8,19"]) == 0
     out = capsys.readouterr().out
     assert "50 documents (0 empty)" in out and "pack samples of max_len 19" in out
     assert "lengths %d..%d" % (docs.lengths().min(), docs.lengths().max()) in out

@@ -6,7 +6,8 @@ global index ranges; ``manifest.json`` lists the shards the step needs; ``shard-
 written by the shard's own writer right after the shard, is the shard's entry in the manifest:
 its size in bytes and its SHA-256, taken at save time. Only the devices of the plan's first
 pipeline write (together they hold one full replica of every state tensor). Files are written
-to a temporary name and renamed, so a reader never sees half a file. Writing happens on a
+atomically (``files``: a temporary name, fsync, rename, fsync of the directory), so a reader
+never sees half a file, and a failed write leaves no temporary file behind. Writing happens on a
 background thread from a copy taken at the step boundary; ``flush`` waits for it with a deadline.
 
 A checkpoint is complete when its manifest, every listed shard and every shard's entry exist
@@ -42,6 +43,7 @@ import torch
 
 from hspmd_elastic.elastic.api import ElasticError
 from hspmd_elastic.elastic.agree import NO_STEP
+from hspmd_elastic.files import atomic_open, atomic_path
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.state import state_specs
 from hspmd_elastic.plan import Plan
@@ -68,14 +70,9 @@ def entry_name(shard: str) -> str:
     return shard[:-len(".pt")] + ".json"
 
 
-def _atomic_save(obj, path: str, as_json: bool = False) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    if as_json:
-        with open(tmp, "w") as f:
-            json.dump(obj, f)
-    else:
-        torch.save(obj, tmp)
-    os.replace(tmp, path)
+def _atomic_json(obj, path: str) -> None:
+    with atomic_open(path, "w") as f:
+        json.dump(obj, f)
 
 
 class _Digests:
@@ -270,12 +267,12 @@ class CheckpointWriter:
                 shard = f"shard-{rank}.pt"
                 size, digest = _save_shard({"step": step, "tensors": specs},
                                            os.path.join(path, shard))
-                _atomic_save({"file": shard, "step": step, "size": size, "sha256": digest},
-                             os.path.join(path, entry_name(shard)), as_json=True)
+                _atomic_json({"file": shard, "step": step, "size": size, "sha256": digest},
+                             os.path.join(path, entry_name(shard)))
                 if rank == writers[0]:
-                    _atomic_save({"format": MANIFEST_FORMAT, "step": step,
+                    _atomic_json({"format": MANIFEST_FORMAT, "step": step,
                                   "shards": [f"shard-{w}.pt" for w in writers]},
-                                 os.path.join(path, "manifest.json"), as_json=True)
+                                 os.path.join(path, "manifest.json"))
                     self._prune(step)
             except Exception as exc:  # noqa: BLE001 - reported, never kills training
                 self.errors.append(f"checkpoint step {step}: {exc}")
@@ -298,13 +295,13 @@ class CheckpointWriter:
 
 
 def _save_shard(obj, path: str) -> tuple[int, str]:
-    """Write one shard (temporary name, then rename); its size and SHA-256, hashed from the
-    temporary file before the rename (so a reader never sees a shard without its bytes)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    st = os.stat(tmp)
-    digest = _DIGESTS.of(tmp, st)
-    os.replace(tmp, path)
+    """Write one shard (``files.atomic_path``: temporary name, fsync, rename); its size and
+    SHA-256, hashed from the temporary file before the rename (so a reader never sees a shard
+    without its bytes)."""
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+        st = os.stat(tmp)
+        digest = _DIGESTS.of(tmp, st)
     _DIGESTS.note(path, digest)
     return st.st_size, digest
 

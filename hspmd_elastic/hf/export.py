@@ -10,9 +10,10 @@ is enough). Names map back through ``weights.hf_names``; no row is permuted (see
 tied model writes no ``lm_head.weight`` (``tie_word_embeddings: true``: transformers ties it on
 load).
 
-Files are written to a temporary name and renamed; ``config.json`` comes last, so a directory
-with a ``config.json`` holds a whole checkpoint. A directory that already holds weights is
-refused: a stale ``model.safetensors`` beside a new index would be loaded instead of it.
+Files are written atomically (``files``: a temporary name, fsync, rename; a failed write leaves
+no temporary file); ``config.json`` comes last, so a directory with a ``config.json`` holds a
+whole checkpoint. A directory that already holds weights is refused: a stale
+``model.safetensors`` beside a new index would be loaded instead of it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from safetensors.torch import save_file
 
+from hspmd_elastic.files import atomic_open, atomic_path
 from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.hf.api import (CONFIG_FILE, DEFAULT_SHARD_BYTES, INDEX_FILE, SINGLE_FILE,
                                   HFCheckpointError)
@@ -128,22 +130,19 @@ def _shard(tensors: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
 
 
 def _save(tensors: Mapping[str, torch.Tensor], path: str) -> str:
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        save_file(dict(tensors), tmp, metadata={"format": "pt"})
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            save_file(dict(tensors), tmp, metadata={"format": "pt"})
     except OSError as exc:
         raise HFCheckpointError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
 
 
 def _write_json(obj, path: str) -> str:
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
+        with atomic_open(path, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=True)
             f.write("\n")
-        os.replace(tmp, path)
     except OSError as exc:
         raise HFCheckpointError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
