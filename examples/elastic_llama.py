@@ -85,13 +85,6 @@ def main() -> int:
     parser.add_argument("--out", help="directory for each worker's final parameter shards")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    try:
-        WorkerIdentity.from_env()
-    except ConfigurationError as exc:
-        print(f"{parser.prog}: error: it must run under hspmd-launch --hspmd-elastic, which "
-              f"starts each worker with its environment ({exc})", file=sys.stderr)
-        return 2
-
     if args.config:
         with open(args.config, encoding="utf-8") as f:
             config = ModelConfig.from_json(f.read())
@@ -132,6 +125,12 @@ def main() -> int:
             return 2
     else:
         sample = synthetic_sampler(config, seed=args.seed)  # row i depends on (seed, i) only
+    try:  # the inputs first, then where it runs
+        WorkerIdentity.from_env()
+    except ConfigurationError as exc:
+        print(f"{parser.prog}: error: it must run under hspmd-launch --hspmd-elastic, which "
+              f"starts each worker with its environment ({exc})", file=sys.stderr)
+        return 2
 
     def on_step(info):
         if info.rank == 0 and info.step % 10 == 0:

@@ -44,7 +44,7 @@ import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 from hspmd_elastic.contract import schema
@@ -430,6 +430,8 @@ class Leader:
         # The furthest step known: a worker's record goes with it, so a plan made after every
         # holder died still says how far the job had got (carried from the previous plan).
         step = max(snap.step or 0, current.step if current else 0)
+        # the sequence length planned for: a worker whose model has another refuses the plan
+        layout = replace(layout, plan=layout.plan.at_seq_len(self.profile.seq_len))
         record = plan_record(decision, layout, self._wall(), step=step)
         self._transition(LeaderState.PUBLISHING, f"v{decision.version}: {decision.reason}")
         try:
