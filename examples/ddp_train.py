@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import time
 
 import torch
@@ -58,10 +59,34 @@ def train_step(model, opt, step: int, rank: int, world: int) -> float:
     return loss.item()
 
 
+def save_atomic(path: str, obj) -> None:
+    """``torch.save`` to a fresh temporary file beside ``path``, fsync, rename over ``path``,
+    fsync the folder: a kill or a power loss never leaves a torn or empty file (what the
+    project's ``hspmd_elastic/files.py`` does, in plain Python: this script needs nothing hspmd)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass  # a folder that cannot be fsynced: the rename is still atomic
+
+
 def save_snapshot(path: str, model, opt, step: int) -> None:
-    tmp = path + ".tmp"
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
-    os.replace(tmp, path)  # atomic: a kill mid-write never leaves a torn snapshot
+    save_atomic(path, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step})
 
 
 @record
@@ -103,7 +128,7 @@ def main() -> None:
             time.sleep(args.step_seconds)
     dist.barrier()
     if rank == 0 and args.out:
-        torch.save({"model": model.state_dict(), "steps": args.steps}, args.out)
+        save_atomic(args.out, {"model": model.state_dict(), "steps": args.steps})
     dist.destroy_process_group()
 
 

@@ -45,6 +45,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from hspmd_elastic.data import DTYPES, DataError, token_sampler
 from hspmd_elastic.elastic.api import ConfigurationError, WorkerIdentity
+from hspmd_elastic.files import atomic_path
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
@@ -155,7 +156,8 @@ def main() -> int:
     if args.out and result.final_state:
         os.makedirs(args.out, exist_ok=True)
         device = f"{os.environ['HSPMD_NODE_ID']}_{os.environ['LOCAL_RANK']}"
-        torch.save(result.final_state, os.path.join(args.out, f"{device}.pt"))
+        with atomic_path(os.path.join(args.out, f"{device}.pt")) as tmp:
+            torch.save(result.final_state, tmp)
     return 0
 
 

@@ -154,6 +154,7 @@ def export_final(out_dir: str, config: ModelConfig, result: RunResult, *, like: 
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from hspmd_elastic.files import atomic_path
     from hspmd_elastic.hf import export_hf
 
     parts = out_dir.rstrip("/") + ".parts"
@@ -162,9 +163,9 @@ def export_final(out_dir: str, config: ModelConfig, result: RunResult, *, like: 
     name = lambda rank: os.path.join(  # noqa: E731
         parts, f"{job}-v{result.plan_version}-rank{rank}.safetensors")
     mine = name(result.rank)
-    save_file({n: t.contiguous() for n, (_r, t) in result.final_state.items()}, mine + ".tmp",
-              metadata={n: json.dumps(r) for n, (r, _t) in result.final_state.items()})
-    os.replace(mine + ".tmp", mine)
+    with atomic_path(mine) as tmp:  # temporary file, fsync, rename: rank 0 never reads half
+        save_file({n: t.contiguous() for n, (_r, t) in result.final_state.items()}, tmp,
+                  metadata={n: json.dumps(r) for n, (r, _t) in result.final_state.items()})
     if result.rank != 0:
         return
     files = [name(r) for r in range(result.world_size)]

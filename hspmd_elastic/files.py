@@ -22,6 +22,12 @@ target is left as it was; the exception propagates unchanged. New files get the 
   is why the project's paired formats record in the later file what the earlier must hold (a
   sidecar's token count, an index's byte size) and refuse a pair that disagrees.
 
+``durable=False`` (every function takes it) skips both fsyncs: the rename still makes the
+switch atomic while the machine runs (a reader sees the old file or the new one, never a torn
+one, whatever happens to the writer), but after a power loss the target may hold its old bytes,
+or be empty or missing. It is for files rewritten continually and read only while their writer
+runs (a worker's progress heartbeat), where an fsync per write costs more than any such loss.
+
 A crash (SIGKILL, power loss) before the rename can leave a ``.<name>.<random>.tmp`` behind;
 it is never read, and ``stale_temporaries(directory)`` lists such files for a cleanup.
 """
@@ -94,9 +100,10 @@ def _discard(tmp: str) -> None:
 class AtomicGroup:
     """Files staged under temporary names, replaced together on ``commit`` (module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, durable: bool = True) -> None:
         self._staged: list[tuple[str, str]] = []  # (temporary, target), in staging order
         self._open: list[IO] = []
+        self.durable = durable  # False: no fsync of the files nor the folders (module doc)
 
     def path(self, target: str) -> str:
         """A temporary path (not created) to write ``target``'s new contents to by name."""
@@ -116,14 +123,17 @@ class AtomicGroup:
         return f
 
     def commit(self) -> None:
-        """fsync every staged file, then rename each over its target and fsync the folders."""
+        """fsync every staged file, then rename each over its target and fsync the folders
+        (renames only, when not ``durable``)."""
         for f in self._open:
             f.flush()
-            os.fsync(f.fileno())
+            if self.durable:
+                os.fsync(f.fileno())
             f.close()
         self._open.clear()
-        for tmp, _target in self._staged:
-            _fsync_file(tmp)
+        if self.durable:
+            for tmp, _target in self._staged:
+                _fsync_file(tmp)
         folders = []
         for tmp, target in self._staged:
             os.replace(tmp, target)
@@ -131,7 +141,7 @@ class AtomicGroup:
             if folder not in folders:
                 folders.append(folder)
         self._staged.clear()
-        for folder in folders:
+        for folder in folders if self.durable else ():
             fsync_dir(folder)
 
     def abort(self) -> None:
@@ -148,9 +158,9 @@ class AtomicGroup:
 
 
 @contextmanager
-def atomic_group() -> Iterator[AtomicGroup]:
+def atomic_group(durable: bool = True) -> Iterator[AtomicGroup]:
     """Stage files in the block; all are replaced when it ends normally, none otherwise."""
-    group = AtomicGroup()
+    group = AtomicGroup(durable)
     try:
         yield group
         group.commit()
@@ -160,23 +170,24 @@ def atomic_group() -> Iterator[AtomicGroup]:
 
 
 @contextmanager
-def atomic_open(path: str, mode: str = "wb", encoding: str = "utf-8") -> Iterator[IO]:
+def atomic_open(path: str, mode: str = "wb", encoding: str = "utf-8",
+                durable: bool = True) -> Iterator[IO]:
     """The temporary file of ``path``, replacing ``path`` when the block ends normally."""
-    with atomic_group() as group:
+    with atomic_group(durable) as group:
         yield group.open(path, mode, encoding)
 
 
 @contextmanager
-def atomic_path(path: str) -> Iterator[str]:
+def atomic_path(path: str, durable: bool = True) -> Iterator[str]:
     """A temporary path to write ``path``'s new contents to by name; renamed over ``path`` when
     the block ends normally (the block must have created it), removed otherwise."""
-    with atomic_group() as group:
+    with atomic_group(durable) as group:
         yield group.path(path)
 
 
-def atomic_write(path: str, data: Data) -> None:
+def atomic_write(path: str, data: Data, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` (bytes, str as UTF-8, or a writer of the binary file)."""
-    with atomic_open(path, "wb") as f:
+    with atomic_open(path, "wb", durable=durable) as f:
         if callable(data):
             data(f)
         else:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hspmd_elastic.contract.ids import check_id
+from hspmd_elastic.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -358,9 +359,7 @@ class _State:
                 "home": self.worker_home.get(name, self.hierarchy.root)}
         try:
             os.makedirs(self.owners, exist_ok=True)
-            with open(path + ".tmp", "w", encoding="utf-8") as fh:
-                json.dump(body, fh)
-            os.replace(path + ".tmp", path)
+            atomic_write(path, json.dumps(body))  # temporary file, fsync, rename
         except OSError as exc:
             raise CgroupError(f"cannot write the owner record {path}: "
                               f"{exc.strerror or exc}") from None

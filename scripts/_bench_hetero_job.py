@@ -47,14 +47,14 @@ def device(local_rank: int) -> str:
 class HeteroJob:
     def __init__(self, etcd, tmp: str, name: str, settings: Settings, flags: Sequence[str]):
         from hspmd_elastic.coord import EtcdClient
+        from hspmd_elastic.files import atomic_write
         from hspmd_elastic.graph.config import ModelConfig
         from launcher.cgroups import CpuQuota
 
         self.etcd, self.tmp, self.name, self.settings = etcd, tmp, name, settings
         self.flags = list(flags)
         self.config = os.path.join(tmp, "model.json")
-        with open(self.config, "w", encoding="utf-8") as f:
-            f.write(ModelConfig(**MODEL).to_json())
+        atomic_write(self.config, ModelConfig(**MODEL).to_json())
         self.tl_dir = os.path.join(tmp, "timeline")
         os.makedirs(self.tl_dir)
         self.log_path = os.path.join(tmp, "agent.log")
@@ -287,7 +287,6 @@ def _stop(agent_box: list, tl_dir: str, quota) -> None:
 
 
 def dump(path: str, result: Mapping) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
+    from hspmd_elastic.files import atomic_write  # temporary file, fsync, rename
+
+    atomic_write(path, json.dumps(result, indent=2, sort_keys=True, default=str))

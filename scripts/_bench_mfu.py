@@ -61,6 +61,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from hspmd_elastic.files import atomic_write
 from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.graph.optim import AdamWConfig
 
@@ -386,11 +387,9 @@ def _run(args) -> int:
               "runs": runs,
               "ratio": ratio, "targets": targets}
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+        atomic_write(args.out, report)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        atomic_write(args.json, json.dumps(result, indent=1))
     print(report, flush=True)
     return 0
 

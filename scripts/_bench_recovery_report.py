@@ -11,6 +11,8 @@ import statistics
 
 from _bench_recovery_setup import AFTER_KILL_STEPS, LEASE_TTL_S
 
+from hspmd_elastic.files import atomic_write
+
 
 def med(rows, key) -> float:
     vals = [r[key] for r in rows if r.get(key) is not None]
@@ -233,7 +235,4 @@ def write_section(path: str, section: str, body: str) -> None:
         nxt = text.find("\n## ", start + len(section))
         tail = "" if nxt < 0 else text[nxt:]
         text = text[:start] + section + "\n\n" + body.rstrip("\n") + "\n" + tail
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic_write(path, text)  # temporary file, fsync, rename: a failure never truncates the doc

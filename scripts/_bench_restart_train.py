@@ -5,7 +5,8 @@ The model is ``hspmd_elastic.graph.reference`` (the dense semantics every plan r
 the same initial weights (``full_params(config, seed)``), the same synthetic global batches (a
 copy of ``runtime.synthetic_sampler``/``global_batch_at``, split evenly over ranks), and
 ``torch.optim.AdamW`` with the runtime's AdamW settings. Like torchrun users do, rank 0 saves the
-full parameters and optimizer state with ``torch.save`` after every step (atomic rename), and
+full parameters and optimizer state with ``torch.save`` after every step (atomically:
+temporary file, fsync, rename, as the elastic side's checkpoints), and
 every rank loads the newest checkpoint when (re)started. A timeline
 (``scripts/_bench_timeline.py``) records ``spawned``, ``start``, ``imported``, ``pg`` (process
 group ready), ``built`` (model and optimizer constructed), ``loaded`` (checkpoint step), every
@@ -63,6 +64,7 @@ def main() -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from hspmd_elastic.files import atomic_path
     from hspmd_elastic.graph.config import ModelConfig
     from hspmd_elastic.graph.init import full_params
     from hspmd_elastic.graph.optim import AdamWConfig
@@ -110,10 +112,10 @@ def main() -> int:
         opt.step()
         tl.mark("step", step=step, loss=loss.item())
         if rank == 0:
-            tmp = args.checkpoint + ".tmp"
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1},
-                       tmp)
-            os.replace(tmp, args.checkpoint)  # a kill mid-write never leaves a torn checkpoint
+            # temporary file, fsync, rename: a kill mid-write never leaves a torn checkpoint
+            with atomic_path(args.checkpoint) as tmp:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                            "step": step + 1}, tmp)
             tl.mark("saved", step=step + 1)
     dist.barrier()
     dist.destroy_process_group()

@@ -24,10 +24,9 @@ import time
 
 
 def _write(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    from hspmd_elastic.files import atomic_write  # temporary file, fsync, rename
+
+    atomic_write(path, json.dumps(data))
 
 
 def main() -> int:

@@ -41,6 +41,7 @@ import _chaos  # noqa: E402
 from _netns import topologies  # noqa: E402
 from launch_harness import marked_processes, new_marker  # noqa: E402
 
+from hspmd_elastic.files import atomic_write  # noqa: E402
 from launcher.inject.api import ScenarioError  # noqa: E402
 from launcher.inject.report import render_table  # noqa: E402
 from launcher.inject.scenario import load_scenario  # noqa: E402
@@ -170,8 +171,8 @@ def main(argv: list[str]) -> int:
     body = {"facts": facts, "passed": not problems, "problems": problems,
             "verdict": verdict.to_dict() if verdict else None,
             "report": report.to_dict() if report is not None else None}
-    Path(f"{report_base}.txt").write_text(text)
-    Path(f"{report_base}.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    atomic_write(f"{report_base}.txt", text)
+    atomic_write(f"{report_base}.json", json.dumps(body, indent=2, sort_keys=True) + "\n")
     print(text + f"soak: report in {report_base}.txt and {report_base}.json", flush=True)
     if interrupted:
         return 130

@@ -57,6 +57,7 @@ import ddp_train  # noqa: E402
 
 from hspmd_elastic.coord import EtcdClient  # noqa: E402
 from hspmd_elastic.contract import schema  # noqa: E402
+from hspmd_elastic.files import atomic_write  # noqa: E402
 from launcher.node import reaper  # noqa: E402
 from launcher.standalone import EtcdCluster  # noqa: E402
 
@@ -281,7 +282,7 @@ def run_elastic(args, work: Path) -> int:
 
     config = ModelConfig(**ELASTIC_CONFIG)
     model = work / "model.json"
-    model.write_text(config.to_json())
+    atomic_write(str(model), config.to_json())
     out = work / "final"
     say("starting embedded etcd")
     with EtcdCluster(size=1, base_dir=str(work / "etcd")) as etcd:

@@ -28,10 +28,11 @@ from __future__ import annotations
 import enum
 import json
 import math
-import os
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
+
+from hspmd_elastic.files import atomic_write
 
 MAX_PROGRESS_BYTES = 1 << 16  # a report is a few hundred bytes; a bigger file is not one
 
@@ -131,11 +132,12 @@ def progress_from_dict(data: Any, local_rank: int) -> Optional[WorkerProgress]:
 
 
 def write_progress(path: str, progress: WorkerProgress) -> None:
-    """Replace the progress file with ``progress`` (tmp file + rename: readers never see half)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(asdict(progress), f)
-    os.replace(tmp, path)
+    """Replace the progress file with ``progress`` (a uniquely named temporary file + rename:
+    readers never see half)."""
+    # durable=False: no fsync. The file is a heartbeat rewritten after every step and read only
+    # while the job runs; the rename alone rules out a torn read, and what a power loss would
+    # undo (the last reports) nobody reads after one, so an fsync per step would be pure cost.
+    atomic_write(path, json.dumps(asdict(progress)), durable=False)
 
 
 def read_progress(path: str, local_rank: int) -> Optional[WorkerProgress]:

@@ -18,8 +18,9 @@ Torch-free and etcd-free (``hspmd_elastic.contract``).
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Optional
+
+from hspmd_elastic.files import atomic_write
 
 RELAY_FILE_NAME = "plan_layout.json"
 MAX_RELAY_BYTES = 1 << 20  # a plan/layout value's limit (records.MAX_VALUE_BYTES_BY_KIND)
@@ -36,20 +37,9 @@ def relay_file_of(progress_file: Optional[str]) -> Optional[str]:
 
 
 def write_relay(path: str, payload: bytes) -> None:
-    """Replace ``path`` by ``payload`` atomically (a temporary file in its folder, renamed);
-    ``OSError`` when the folder cannot be written."""
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".plan_layout.", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Replace ``path`` by ``payload`` atomically (``hspmd_elastic.files``: a temporary file in
+    its folder, fsynced, renamed); ``OSError`` when the folder cannot be written."""
+    atomic_write(path, payload)
 
 
 def relay_signature(path: str) -> Optional[tuple[int, int, int]]:

@@ -13,7 +13,11 @@ training workers) and the comm step's worker process.
   plan in memory, well inside its communication timeout, then finishes.
 
 Each returns one summary line or raises ``CheckFailed``; every wait has a deadline, and the
-agent and its workers are killed at the end whatever happened.
+agent and its workers are killed at the end whatever happened. A step's files (etcd's data
+directory, the model, the workers' files, the agent's log) live in one ``hspmd-gpu-check-*``
+temporary directory removed when the step ends, however it ends (``launcher.node.reaper``: its
+guard removes it even when the check is SIGKILLed, the next run sweeps what a dead guard left);
+``--keep DIR`` puts them in a fresh directory under ``DIR`` instead and leaves them there.
 
 ``run_worker`` is one rank of the comm step (``python -m launcher.health.gpu_check --_worker``):
 ``all_reduce``, with two ranks or more a ``batch_isend_irecv`` ring, with two a fused BSR reshard
@@ -24,6 +28,7 @@ or raises ``CheckFailed``, every wait bounded. etcd comes from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,7 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
+
+from hspmd_elastic.files import atomic_write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "_gpu_check_train.py")
@@ -65,8 +72,7 @@ class _Job:
         self.etcd = EtcdCluster(size=1, base_dir=os.path.join(work, "etcd"))
         self.etcd.start()
         config = os.path.join(work, "model.json")
-        with open(config, "w", encoding="utf-8") as f:
-            json.dump(dict(model_config(device), schema=1), f)
+        atomic_write(config, json.dumps(dict(model_config(device), schema=1)))
         cmd = [sys.executable, "-m", "launcher.cli", "--nnodes", "1", "--nproc-per-node",
                str(nproc), "--rdzv-backend", "etcd", "--rdzv-endpoint", self.etcd.endpoint_str,
                "--rdzv-id", self.job, "--hspmd-node-id", NODE, "--hspmd-elastic",
@@ -164,12 +170,31 @@ class _Job:
         self.etcd.stop()
 
 
-def _workdir(keep: Optional[str], step: str) -> str:
-    """A fresh directory for one step's files (under ``keep`` when given, else temporary)."""
-    if keep is None:
-        return tempfile.mkdtemp(prefix=f"hspmd-gpu-check-{step}-")
-    os.makedirs(keep, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"{step}-", dir=keep)
+WORK_PREFIX = "hspmd-gpu-check-"
+
+
+@contextlib.contextmanager
+def _workdir(keep: Optional[str], step: str) -> Iterator[str]:
+    """A fresh directory for one step's files: under ``keep`` when given, and left there; else
+    temporary, and removed when the block ends, however it ends (module doc)."""
+    if keep is not None:
+        os.makedirs(keep, exist_ok=True)
+        yield tempfile.mkdtemp(prefix=f"{step}-", dir=keep)
+        return
+    from launcher.node import reaper
+
+    reaper.sweep_stale_dirs(WORK_PREFIX)
+    work = reaper.owned_tmpdir(f"{WORK_PREFIX}{step}-")
+    try:
+        yield work
+    finally:
+        reaper.remove_owned(work)
+
+
+def _see(job: "_Job", keep: Optional[str]) -> str:
+    """Where to look after a failure: the kept directory, else the agent log's last lines (the
+    directory is removed)."""
+    return f"see {job.work}" if keep is not None else f"agent log: {job.tail()}"
 
 
 def _release(job: _Job, step: int, local_rank: int = 0) -> None:
@@ -178,8 +203,12 @@ def _release(job: _Job, step: int, local_rank: int = 0) -> None:
 
 def switches_in_process(device: str, budget_s: float, keep: Optional[str] = None) -> str:
     """One worker, two scripted changes, three plans, one process (see the module docstring)."""
+    with _workdir(keep, "switches") as work:
+        return _switches_in_process(work, device, budget_s, keep)
+
+
+def _switches_in_process(work: str, device: str, budget_s: float, keep: Optional[str]) -> str:
     deadline = time.monotonic() + budget_s
-    work = _workdir(keep, "switches")
     holds = [f"2:{work}/go-2.{{local_rank}}", f"4:{work}/go-4.{{local_rank}}"]
     job = _Job(work, device, 1, "scripted:etcd", holds, timeout_s=min(60.0, budget_s))
     try:
@@ -196,7 +225,7 @@ def switches_in_process(device: str, budget_s: float, keep: Optional[str] = None
     finally:
         job.close()
     if result is None:
-        raise CheckFailed(f"the worker wrote no result (see {work})")
+        raise CheckFailed(f"the worker wrote no result ({_see(job, keep)})")
     pids = {first["pid"], second["pid"], result["pid"]}
     versions = [s["to_version"] for s in result["switches"]]
     if len(pids) != 1:
@@ -223,8 +252,13 @@ def switches_in_process(device: str, budget_s: float, keep: Optional[str] = None
 def worker_kill_switch(device: str, budget_s: float, comm_timeout_s: float = 60.0,
                        keep: Optional[str] = None) -> str:
     """Two workers; worker 1 is killed while worker 0 waits in a collective (see above)."""
+    with _workdir(keep, "kill") as work:
+        return _worker_kill_switch(work, device, budget_s, comm_timeout_s, keep)
+
+
+def _worker_kill_switch(work: str, device: str, budget_s: float, comm_timeout_s: float,
+                        keep: Optional[str]) -> str:
     deadline = time.monotonic() + budget_s
-    work = _workdir(keep, "kill")
     open(os.path.join(work, "go-2.0"), "w").close()  # only worker 1 holds
     job = _Job(work, device, 2, "none", [f"2:{work}/go-2.{{local_rank}}"],
                timeout_s=comm_timeout_s)
@@ -241,7 +275,8 @@ def worker_kill_switch(device: str, budget_s: float, comm_timeout_s: float = 60.
     finally:
         job.close()
     if result is None or result["state"] != "done" or result["steps_done"] != STEPS:
-        raise CheckFailed(f"worker 0 did not finish: {result and result['state']} (see {work})")
+        raise CheckFailed(f"worker 0 did not finish: {result and result['state']} "
+                          f"({_see(job, keep)})")
     switch = result["switches"][-1]
     if switch["from_version"] < 1 or switch["source"] != "bsr":
         raise CheckFailed(f"worker 0's last switch was {switch['from_version']}->"

@@ -45,6 +45,7 @@ from hspmd_elastic.contract.env import (ETCD_DOWN_S_ENV, ETCD_ENDPOINT_ENV, ETCD
 from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.schema import job_prefix
+from hspmd_elastic.files import atomic_write
 from launcher.cgroups import release as release_cgroups
 from launcher.etcd_security import subcommand_options, subcommand_security
 from launcher.inject.api import InjectError, ScenarioError
@@ -161,8 +162,7 @@ def _run(client: EtcdClient, scenario, job: str, report_path: Optional[str], as_
         observer.stop()
     text = render_json(report)
     if report_path:
-        with open(report_path, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+        atomic_write(report_path, text + "\n")  # never a half-written report
     click.echo(text if as_json else render_table(report))
     return 0 if all_handled(report) and not report.stopped else 1
 

@@ -32,6 +32,8 @@ from typing import Optional
 
 import psutil
 
+from hspmd_elastic.files import atomic_write
+
 log = logging.getLogger(__name__)
 
 OWNER_FILE = ".hspmd-owner"  # {"pid": ..., "create_time": ...} of the directory's maker
@@ -123,8 +125,7 @@ def owned_tmpdir(prefix: str) -> str:
     """``tempfile.mkdtemp(prefix=...)`` with an owner file, guarded: removed when this process
     dies, and by ``sweep_stale_dirs`` if even the guard could not."""
     path = tempfile.mkdtemp(prefix=prefix)
-    with open(os.path.join(path, OWNER_FILE), "w") as f:
-        json.dump(_me(), f)
+    atomic_write(os.path.join(path, OWNER_FILE), json.dumps(_me()))
     guard_dir(path)
     return path
 
