@@ -37,11 +37,12 @@ cost model estimates there (``--json``: the same, with ``uniform`` holding that 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 from dataclasses import replace
-from typing import Optional
+from typing import Iterator, Optional
 
 import click
 
@@ -54,6 +55,17 @@ from hspmd_elastic.planner import (Candidate, Inventory, LengthBucket, PlanInfea
                                    profile_from_dict, uniform_inventory)
 from launcher.numbers import number
 
+
+@contextlib.contextmanager
+def _planner_errors() -> Iterator[None]:
+    """A plan that cannot exist fails the command (exit 1); bad planner input is a usage
+    error (exit 2); one line each."""
+    try:
+        yield
+    except PlanInfeasibleError as exc:
+        raise click.ClickException(str(exc)) from None
+    except PlannerError as exc:
+        raise click.UsageError(str(exc)) from None
 
 def _load_json(path: str, param: str) -> object:
     try:
@@ -273,16 +285,12 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
     if buckets is not None:
         _show_buckets(inventory, profile, global_batch, buckets, options, as_json, uniform)
         return
-    try:
+    with _planner_errors():
         if uniform:
             result = _told_on(plan_for(uniform_inventory(inventory), profile, global_batch,
                                        current_plan, options), inventory, options, current_plan)
         else:
             result = plan_for(inventory, profile, global_batch, current_plan, options)
-    except PlanInfeasibleError as exc:
-        raise click.ClickException(str(exc)) from None
-    except PlannerError as exc:
-        raise click.UsageError(str(exc)) from None
     if as_json:
         doc = result.to_dict()
         if uniform:
@@ -328,12 +336,8 @@ def _show_buckets(inventory: Inventory, profile, global_batch: int,
     publishes; with ``uniform`` only the latter, for ``--hspmd-planner uniform``."""
     result = None
     if not uniform:
-        try:
+        with _planner_errors():
             result = plan_buckets(inventory, profile, global_batch, buckets, options)
-        except PlanInfeasibleError as exc:
-            raise click.ClickException(str(exc)) from None
-        except PlannerError as exc:
-            raise click.UsageError(str(exc)) from None
     in_step = _in_step(inventory, profile, global_batch, buckets, options, uniform)
     if as_json:
         doc = dict(result.to_dict()) if result is not None else {"planner": "uniform"}
@@ -366,14 +370,10 @@ def _in_step(inventory: Inventory, profile, global_batch: int,
     from hspmd_elastic.planner.explain import layout_line
 
     at = profile_at(profile, buckets[-1].max_len)
-    try:
+    with _planner_errors():
         home = plan_for(uniform_inventory(inventory) if uniform else inventory, at,
                         global_batch, options=options).plan
         layouts = bucket_layouts(inventory, at, home, buckets, options)
-    except PlanInfeasibleError as exc:
-        raise click.ClickException(str(exc)) from None
-    except PlannerError as exc:
-        raise click.UsageError(str(exc)) from None
 
     def why(rows: int) -> str:
         if spread_rows(home, rows) is None:

@@ -453,8 +453,7 @@ def one_node_kill_run(tmp_path: Path, marker: str, etcd_server, model: Path, *, 
     client = EtcdClient(etcd_server.endpoints, timeout=5.0)
     try:
         def workers() -> dict:
-            return {rec.local_rank: rec for kv in client.get_prefix(schema.workers_prefix(job))
-                    for rec in [schema.decode(kv.key, kv.value)]}
+            return job_workers(client, job)
 
         wait_for(lambda: len(workers()) == nproc and all(w.step >= pause
                                                          for w in workers().values()),
@@ -475,6 +474,29 @@ def one_node_kill_run(tmp_path: Path, marker: str, etcd_server, model: Path, *, 
             agent.proc.kill()
             agent.proc.wait(10)
         client.close()
+
+
+def job_workers(client: EtcdClient, job: str) -> dict:
+    """The job's worker records in etcd, by local rank."""
+    return {rec.local_rank: rec for kv in client.get_prefix(schema.workers_prefix(job))
+            for rec in [schema.decode(kv.key, kv.value)]}
+
+
+def straggler_agent(tmp_path: Path, marker: str, etcd_server, config, job: str, node: str, *,
+                    batch: int, steps: int, adam_eps: float) -> tuple:
+    """A one-node agent of two ``elastic_train.py`` workers on ``config`` for the speed-replan
+    tests: replans driven by measured speeds at most every second, AdamW's ``adam_eps``.
+    Returns the agent and the folder its workers write their results to."""
+    model, out = tmp_path / "model.json", tmp_path / "out"
+    model.write_text(config.to_json())
+    agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
+                      "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
+                      "--hspmd-node-id", node, "--shutdown-timeout", "5",
+                      *elastic_argv(model, batch, "--hspmd-straggler-dwell", "1",
+                                    steps=steps, out=out,
+                                    train=("--timeout", "60", "--adam-eps", f"{adam_eps:g}"))],
+                     base_env(marker), tmp_path, node)
+    return agent, out
 
 
 def _load(path: Path) -> dict:

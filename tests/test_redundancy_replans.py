@@ -20,9 +20,8 @@ import uuid
 import pytest
 
 import _elastic
-from _elastic_job import DATA_SEED, SEED, elastic_argv
+from _elastic_job import DATA_SEED, SEED, job_workers, straggler_agent
 from _wait import wait_for
-from launch_harness import Launcher, base_env
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord import read_events
@@ -81,24 +80,16 @@ def test_a_speed_replan_keeps_both_replicas_and_the_job_survives_the_next_kill(
     if found is None:
         pytest.skip(f"no CPU cgroups to throttle a worker with: {why}")
     job = f"rr-{uuid.uuid4().hex[:8]}"
-    model, out = tmp_path / "model.json", tmp_path / "out"
-    model.write_text(MODEL.to_json())
     payload = _elastic.reference_payload(MODEL, steps=STEPS, global_batch=BATCH, seed=SEED,
                                          data_seed=DATA_SEED, adam_eps=ADAM_EPS)
-    agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
-                      "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
-                      "--hspmd-node-id", NODE, "--shutdown-timeout", "5",
-                      *elastic_argv(model, BATCH, "--hspmd-straggler-dwell", "1",
-                                    steps=STEPS, out=out,
-                                    train=("--timeout", "60", "--adam-eps", f"{ADAM_EPS:g}"))],
-                     base_env(marker), tmp_path, NODE)
+    agent, out = straggler_agent(tmp_path, marker, etcd_server, MODEL, job, NODE, batch=BATCH,
+                                 steps=STEPS, adam_eps=ADAM_EPS)
     client = EtcdClient(etcd_server.endpoints, timeout=5.0)
     quota = CpuQuota(job)
     fast_dev, slow_dev = f"{NODE}:0", f"{NODE}:1"
     try:
         def workers() -> dict:
-            return {rec.local_rank: rec for kv in client.get_prefix(schema.workers_prefix(job))
-                    for rec in [schema.decode(kv.key, kv.value)]}
+            return job_workers(client, job)
 
         wait_for(lambda: len(workers()) == 2 and all(w.busy_s > 0 for w in workers().values()),
                  120, "both workers measuring their busy time", proc=agent.proc)

@@ -16,15 +16,13 @@ under the machine's two cores with the agent and etcd beside them.
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
 
 import _elastic
-from _elastic_job import DATA_SEED, SEED, elastic_argv
+from _elastic_job import DATA_SEED, SEED, job_workers, straggler_agent
 from _wait import wait_for
-from launch_harness import Launcher, base_env
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord import read_events
@@ -59,26 +57,18 @@ def _replans(client, job: str, kind: str, device: str) -> list:
 def test_a_throttled_worker_is_replanned_to_less_work_in_memory_and_gets_it_back(
         tmp_path, marker, etcd_server):
     job = f"sg-{uuid.uuid4().hex[:8]}"
-    model, out = tmp_path / "model.json", tmp_path / "out"
-    model.write_text(MID.to_json())
     # AdamW's eps 1.0: the plans add rows in other orders, and a long run must not let those
     # last-bit differences grow (as the chaos soak does)
     payload = _elastic.reference_payload(MID, steps=STEPS, global_batch=BATCH, seed=SEED,
                                          data_seed=DATA_SEED, adam_eps=ADAM_EPS)
-    agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
-                      "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
-                      "--hspmd-node-id", NODE, "--shutdown-timeout", "5",
-                      *elastic_argv(model, BATCH, "--hspmd-straggler-dwell", "1",
-                                    steps=STEPS, out=out,
-                                    train=("--timeout", "60", "--adam-eps", f"{ADAM_EPS:g}"))],
-                     base_env(marker), tmp_path, NODE)
+    agent, out = straggler_agent(tmp_path, marker, etcd_server, MID, job, NODE, batch=BATCH,
+                                 steps=STEPS, adam_eps=ADAM_EPS)
     client = EtcdClient(etcd_server.endpoints, timeout=5.0)
     quota = CpuQuota(job)
     slow_dev = f"{NODE}:1"
     try:
         def workers() -> dict:
-            return {rec.local_rank: rec for kv in client.get_prefix(schema.workers_prefix(job))
-                    for rec in [schema.decode(kv.key, kv.value)]}
+            return job_workers(client, job)
 
         wait_for(lambda: len(workers()) == 2 and all(w.busy_s > 0 for w in workers().values()),
                  60, "both workers measuring their busy time", proc=agent.proc)
