@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from hspmd_elastic.planner import cost
 from hspmd_elastic.planner.api import Estimate, Inventory, PlannerOptions
 
 KEPT = "kept"  # the chosen plan holds every slice on as many devices and nodes as before
@@ -52,8 +53,6 @@ class Copies:
 
 def copies_of(plan, inventory: Inventory) -> Copies:
     """``plan``'s copies over ``inventory``'s nodes (its devices must be in it)."""
-    from hspmd_elastic.planner import cost
-
     return Copies(len(plan.pipelines), cost.replica_nodes(plan, inventory.devices_by_id))
 
 
