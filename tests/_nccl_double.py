@@ -15,10 +15,11 @@ the source line of each, how the elastic runtime handles it and the test that ho
   ``get_future()`` is done at enqueue; ``wait()`` only orders streams and returns at once, unless
   ``is_completed()`` saw an NCCL error on this work: then it aborts the communicator and raises;
   ``is_completed()`` turns true when the operation ended, hit an NCCL error, or its communicator
-  was aborted.
+  was aborted. (``WorkNCCL::wait``, torch 2.7 ``ProcessGroupNCCL.cpp:725-790``.)
 * **an aborted work is a success**: after ``abort()`` every pending work is completed with no
   error, and its ``wait()`` returns normally (``isCompleted`` skips ``checkAndSetException`` once
-  the communicator is aborted). Its outputs hold whatever had arrived: partial data.
+  the communicator is aborted: ``WorkNCCL::isCompleted``, 2.7 ``:528-533``). Its outputs hold
+  whatever had arrived: partial data.
 * **a dead peer** (``NCCL_DOUBLE_TRANSPORT=p2p``, the default: NVLink or shared memory): the
   stream waits for the peer until the group is aborted, like a kernel that spins on the GPU;
   nothing reports it. With ``NCCL_DOUBLE_TRANSPORT=net`` (sockets) the peer's closed connection
@@ -31,31 +32,38 @@ the source line of each, how the elastic runtime handles it and the test that ho
   ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` whole seconds (an integer; the check compares whole
   elapsed seconds with ``>``, so a bound of N fires after N+1 s), without it forever.
   ``abort()`` takes the same mutex, so it blocks while a first operation waits for readiness.
+  (2.13 ``NCCLUtils.hpp:87-98, :225, :289, :304``; ``NCCLComm::getNcclComm``, 2.7
+  ``NCCLUtils.cpp:121-151``.)
 * **abort** (``ProcessGroup.abort()``) runs the communicator's abort on another thread (torch:
   ``std::async``) and waits for it; NCCL's group calls are per thread, so nothing the caller
   wraps around it covers it. An abort returns only when no other communicator of the process
   still has a hung operation running (``ncclCommAbort`` can block behind another communicator's
   kernel: pytorch#119797); aborts that run concurrently release each other. The thread that
-  asked for each abort is recorded (``abort_threads``).
+  asked for each abort is recorded (``abort_threads``). (``ProcessGroupNCCL::abort``, 2.7
+  ``:1389-1397``; 2.13 ``ProcessGroupNCCL.hpp:1468``.)
 * **torch's watchdog** (one thread per group) keeps its own copy of each work: one older than the
   group's ``timeout`` (from its enqueue) is reported there only (the caller's work goes on
   spinning); an NCCL error also reaches the caller's work. Either way the watchdog then writes
   the key ``exception_dump`` at the root of the group's store (under every ``PrefixStore``),
   whatever ``TORCH_NCCL_DUMP_ON_TIMEOUT`` says, and sleeps 4 x
   ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (default 15 s) holding the lock that every enqueue on
-  the group takes.
+  the group takes. (2.13 ``ProcessGroupNCCL.hpp:120, :151, :1289``; upstream
+  ``Watchdog::runLoop``.)
 * **the heartbeat monitor**: the first group of a process, when ``TORCH_NCCL_DUMP_ON_TIMEOUT`` is
   not 0, polls ``exception_dump`` on its root store every ``TORCH_NCCL_COORD_CHECK_MILSEC`` (and
   its own process's dump signal); once it sees one it sleeps
   ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (default 480; nothing interrupts it) and then, unless the
   group was aborted or destroyed meanwhile, ends the process with ``abort()`` (SIGABRT), or with
-  ``TORCH_NCCL_ENABLE_MONITORING=0`` only says it would have.
+  ``TORCH_NCCL_ENABLE_MONITORING=0`` only says it would have. (2.13 ``ProcessGroupNCCL.hpp:74,
+  :101, :106, :125, :782-783``; ``heartbeatMonitor``, 2.7 ``:1593-1865``.)
 * **the destructor** (dropping a group's last reference, on the dropping thread) aborts the group
   unless it was, then joins its watchdog and heartbeat threads through any sleep of theirs
-  (``destructor_waits`` records the thread and the seconds).
+  (``destructor_waits`` records the thread and the seconds). (``~ProcessGroupNCCL``, 2.7
+  ``:1467-1525``.)
 * **point to point**: sends and receives match by order within each pair of ranks; tags are
   ignored. A send is eager (it completes once posted); a receive of another size than the
-  matched send fails.
+  matched send fails. (``ProcessGroupNCCL::send``/``recv``, ``int /* unused */`` tag, 2.7
+  ``:4977-4980``; 2.13 ``distributed_c10d.py:2613``.)
 
 Only what the elastic paths use is implemented: all_reduce (sum, max), all_gather, barrier,
 send and recv.
