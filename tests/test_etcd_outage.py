@@ -152,12 +152,10 @@ def test_an_outage_past_the_limit_ends_the_agent_with_one_line(tmp_path, marker,
     try:
         wait_for(lambda: len(_pids(pid_dir)) == 2, 60, "the workers running", proc=agent.proc)
         workers = [pid for pids in _pids(pid_dir).values() for pid in pids]
-        os.kill(etcd.pid, signal.SIGSTOP)
-        code = agent.wait(60)
-    finally:
-        os.kill(etcd.pid, signal.SIGCONT)
-        if agent.proc.poll() is None:
-            agent.proc.kill()
+    except BaseException:
+        agent.proc.kill()
+        raise
+    code = _agent_code_with_etcd_stopped(etcd, agent)
     _check_ended_past_the_limit(agent, code, workers)
 
 
@@ -186,13 +184,22 @@ def test_elastic_mode_past_the_outage_limit_ends_with_one_line_and_no_worker_lef
                     r.step >= 2 for r in recs) else None
 
             workers = wait_for(paused, 60, "both workers at step 2", proc=agent.proc)
-            os.kill(etcd.pid, signal.SIGSTOP)
-            code = agent.wait(60)
-        finally:
-            os.kill(etcd.pid, signal.SIGCONT)
-            if agent.proc.poll() is None:
-                agent.proc.kill()
+        except BaseException:
+            agent.proc.kill()
+            raise
+    code = _agent_code_with_etcd_stopped(etcd, agent)
     _check_ended_past_the_limit(agent, code, workers)
+
+
+def _agent_code_with_etcd_stopped(etcd, agent) -> int:
+    """Freeze etcd (SIGSTOP) until the agent exits: its exit code (etcd resumes after)."""
+    try:
+        os.kill(etcd.pid, signal.SIGSTOP)
+        return agent.wait(60)
+    finally:
+        os.kill(etcd.pid, signal.SIGCONT)
+        if agent.proc.poll() is None:
+            agent.proc.kill()
 
 
 def _check_ended_past_the_limit(agent, code: int, workers) -> None:

@@ -119,7 +119,9 @@ class _Group:
     """Stands in for a retired process group: only its lifetime is observed."""
 
 
-def test_close_drops_groups_whose_collectives_ended(monkeypatch):
+def _retired_behind_a_collective(monkeypatch):
+    """A reaper holding one retired group behind an abandoned collective still in flight:
+    (reaper, the collective's end, a weak reference to the group)."""
     import weakref
 
     from hspmd_elastic.elastic import reaper as reaper_mod
@@ -132,6 +134,11 @@ def test_close_drops_groups_whose_collectives_ended(monkeypatch):
     alive = weakref.ref(held)
     assert reaper.retire(held) is True
     del held
+    return reaper, done, alive
+
+
+def test_close_drops_groups_whose_collectives_ended(monkeypatch):
+    reaper, done, alive = _retired_behind_a_collective(monkeypatch)
     assert alive() is not None
     done.set()
     assert reaper.close(10.0) is True
@@ -141,18 +148,7 @@ def test_close_drops_groups_whose_collectives_ended(monkeypatch):
 def test_after_close_a_held_group_is_never_destroyed(monkeypatch):
     """A process that exits while a destructor runs on the reaper's thread aborts; so once
     ``close`` has returned, groups still held stay held even when their collective ends."""
-    import weakref
-
-    from hspmd_elastic.elastic import reaper as reaper_mod
-
-    monkeypatch.setattr(reaper_mod, "_SETTLE_S", 0.0)
-    reaper = GroupReaper()
-    done = threading.Event()
-    reaper.abandoned(done)
-    held = _Group()
-    alive = weakref.ref(held)
-    assert reaper.retire(held) is True
-    del held
+    reaper, done, alive = _retired_behind_a_collective(monkeypatch)
     assert reaper.close(0.2) is False  # the collective is still in flight
     done.set()
     assert reaper.wait_idle(1.0) is False  # the holder parks instead of dropping

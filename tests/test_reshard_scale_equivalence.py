@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
-from hspmd_elastic.annotations import AnnotationError, Ranges
+from hspmd_elastic.annotations import Ranges
 from hspmd_elastic.reshard.api import (
     FusedSchedule,
     ReshardError,
@@ -25,8 +24,14 @@ from hspmd_elastic.reshard.api import (
     TensorSpec,
     Transfer,
 )
+from hspmd_elastic.reshard.planner import _check_spec
+from hspmd_elastic.reshard.senders import _cut
+from hspmd_elastic.reshard.slicing import _grid, merge_boxes
+from hspmd_elastic.reshard.slicing import numel as _numel
 
 # ---- frozen reference (do not edit) -----------------------------------------------------------
+# Its small pure helpers (box size, grid, merging, cutting, the request checks) were the same
+# lines as the library's and still are: they are imported above, the rest is the old planner.
 
 class _FlowNetwork:
     """Dinic's max-flow on integer capacities, deterministic (edges kept in insertion order)."""
@@ -147,33 +152,8 @@ class _Demand:
     senders: tuple[int, ...]
 
 
-def _numel(box: Ranges) -> int:
-    return math.prod(hi - lo for lo, hi in box)
-
-
 def _contains(outer: Ranges, inner: Ranges) -> bool:
     return all(olo <= ilo and ihi <= ohi for (olo, ohi), (ilo, ihi) in zip(outer, inner))
-
-
-def _check_spec(spec: TensorSpec) -> None:
-    for which, ann in (("old", spec.old), ("new", spec.new)):
-        if ann.any_partial():
-            raise ReshardPlanError(
-                f"tensor {spec.name!r}: the {which} annotation is partial (-2); BSR moves only "
-                "whole values, reduce the partial sums first"
-            )
-        try:
-            ann.validate(spec.shape, exact=False)
-        except AnnotationError as exc:
-            raise ReshardPlanError(f"tensor {spec.name!r}, {which} annotation: {exc}") from exc
-
-
-def _grid(shape: tuple[int, ...], boxes: Iterable[Ranges]) -> list[list[int]]:
-    cuts = [{0, n} for n in shape]
-    for box in boxes:
-        for d, (lo, hi) in enumerate(box):
-            cuts[d].update((lo, hi))
-    return [sorted(c) for c in cuts]
 
 
 def _cells_of(box: Ranges, grid: list[list[int]]) -> list[Ranges]:
@@ -186,30 +166,6 @@ def _cells_of(box: Ranges, grid: list[list[int]]) -> list[Ranges]:
     for axis in axes:
         cells = [c + (iv,) for c in cells for iv in axis]
     return cells
-
-
-def _merge_boxes(items: list[tuple[object, Ranges]]) -> list[tuple[object, Ranges]]:
-    """Merge adjacent boxes with equal keys into larger boxes, one dimension at a time."""
-    if not items:
-        return []
-    ndim = len(items[0][1])
-    for d in reversed(range(ndim)):
-        groups: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-        for key, box in items:
-            groups[(key, box[:d], box[d + 1 :])].append(box[d])
-        merged: list[tuple[object, Ranges]] = []
-        for (key, head, tail), spans in groups.items():
-            spans.sort()
-            lo, hi = spans[0]
-            for a, b in spans[1:]:
-                if a == hi:
-                    hi = b
-                else:
-                    merged.append((key, head + ((lo, hi),) + tail))
-                    lo, hi = a, b
-            merged.append((key, head + ((lo, hi),) + tail))
-        items = merged
-    return sorted(items, key=lambda kb: kb[1])
 
 
 def _tensor_demands(
@@ -238,24 +194,12 @@ def _tensor_demands(
             else:
                 near = tuple(o for o in owners if dst_node is not None and node_of.get(o) == dst_node)
                 keyed.append((near or owners, cell))
-        for key, box in _merge_boxes(keyed):
+        for key, box in merge_boxes(keyed):
             if key == _LOCAL:
                 local.append(Transfer(spec.name, dst, dst, box, _numel(box) * spec.itemsize))
             else:
                 demands.append(_Demand(spec_index, dst, box, key))  # type: ignore[arg-type]
-    return local, demands, [box for _, box in _merge_boxes([(_MISSING, c) for c in missing])]
-
-
-def _cut(box: Ranges, nbytes: int, itemsize: int) -> tuple[Ranges, Ranges] | None:
-    """Split ``box`` along its outermost dimension of extent > 1 near ``nbytes`` for the head."""
-    for d, (lo, hi) in enumerate(box):
-        if hi - lo > 1:
-            row = _numel(box) // (hi - lo) * itemsize
-            rows = min(max((2 * nbytes + row) // (2 * row), 1), hi - lo - 1)
-            head = box[:d] + ((lo, lo + rows),) + box[d + 1 :]
-            tail = box[:d] + ((lo + rows, hi),) + box[d + 1 :]
-            return head, tail
-    return None
+    return local, demands, [box for _, box in merge_boxes([(_MISSING, c) for c in missing])]
 
 
 def _assign_senders(specs: tuple[TensorSpec, ...], demands: list[_Demand]) -> list[Transfer]:
