@@ -65,6 +65,20 @@ def float64_peer(model):
     return peer
 
 
+def seeded_llama(config, seed: int = 0):
+    """``LlamaForCausalLM(config)`` in float64 from ``seed``, its norm scales drawn from
+    U(0.5, 1.5) (they start at one: this makes them tell the layers apart)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
 def hf_logits(model, batch):
     with torch.no_grad():
         return model(input_ids=batch[:, :-1]).logits

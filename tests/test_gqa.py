@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from _hf_peer import cut, float64_peer, hf_logits, max_diff, mean_ce, train_peer
+from _hf_peer import (cut, float64_peer, hf_logits, max_diff, mean_ce, seeded_llama,
+                      train_peer)
 from _hf_worlds import each_run, run_results, shared_world
 from hspmd_elastic.graph.config import ModelConfig, ModelConfigError, param_specs, tp_problem
 from hspmd_elastic.graph.gradsync import sync_group_members, sync_ops
@@ -68,17 +69,10 @@ def config_of(kv: int) -> ModelConfig:
 
 # ---------------------------------------------------------------------------- the peer
 def tiny_gqa_llama(kv: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(**HF_KW, num_key_value_heads=kv,
-                         rope_parameters={"rope_type": "default", "rope_theta": THETA})
-    torch.manual_seed(kv)
-    model = LlamaForCausalLM(config).to(torch.float64).eval()
-    with torch.no_grad():  # norm scales start at one: make them tell the layers apart
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-    return model
+    return seeded_llama(LlamaConfig(**HF_KW, num_key_value_heads=kv, rope_parameters={
+        "rope_type": "default", "rope_theta": THETA}), seed=kv)
 
 
 def batches(count: int, seed: int) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from _hf_peer import float64_peer, hf_logits, mean_ce, train_peer
+from _hf_peer import float64_peer, hf_logits, mean_ce, seeded_llama, train_peer
 from _world import run_world
 from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.graph.optim import AdamWConfig
@@ -49,17 +49,10 @@ HETERO = Plan((Pipeline((Stage((0, 1), (0, 2)),), 1, 2),
 
 # ---------------------------------------------------------------------------- the peer
 def tiny_llama(**overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(**{**HF_KW, **overrides},
-                         rope_parameters={"rope_type": "default", "rope_theta": THETA})
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float64).eval()
-    with torch.no_grad():  # norm scales start at one: make them tell the layers apart
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-    return model
+    return seeded_llama(LlamaConfig(**{**HF_KW, **overrides}, rope_parameters={
+        "rope_type": "default", "rope_theta": THETA}))
 
 
 def batches(count: int, seed: int = 5) -> list[torch.Tensor]:

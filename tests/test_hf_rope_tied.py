@@ -35,7 +35,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from _hf_peer import cut, float64_peer, hf_logits, max_diff, mean_ce, train_peer
+from _hf_peer import (cut, float64_peer, hf_logits, max_diff, mean_ce, seeded_llama,
+                      train_peer)
 from _hf_worlds import each_run, run_results, shared_world
 from hspmd_elastic.graph.config import ModelConfig, ModelConfigError, param_specs
 from hspmd_elastic.graph.optim import AdamWConfig
@@ -85,19 +86,11 @@ WORLD_TIMEOUT_S, WORLD_TEST_TIMEOUT_S = 480, 540
 
 # ---------------------------------------------------------------------------- the peer
 def tiny_llama(variant: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     rope, extra = VARIANTS[variant]
-    config = LlamaConfig(**{**HF_KW, **extra},
-                         rope_parameters={**(rope or {"rope_type": "default"}),
-                                          "rope_theta": THETA})
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float64).eval()
-    with torch.no_grad():  # norm scales start at one: make them tell the layers apart
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-    return model
+    return seeded_llama(LlamaConfig(**{**HF_KW, **extra}, rope_parameters={
+        **(rope or {"rope_type": "default"}), "rope_theta": THETA}))
 
 
 def batches(count: int, seed: int) -> list[torch.Tensor]:
