@@ -19,6 +19,11 @@ Vocabulary (HSPMD):
   dimension split *across* sub-groups (``-1``: every sub-group holds a full replica; ``-2``: every
   sub-group holds a partial sum; ``d >= 0``: dimension ``d`` is split across sub-groups).
 * ``TensorAnnotation``: a ``DGUnion`` with its ``DSUnion``.
+* ``BoxAnnotation``: explicit per-device boxes (global index ranges) of one tensor shape, for
+  layouts no split rule describes (the uneven optimizer shards of ``graph/zero.py``: each row on
+  one owner, shares by weight). Resharding reads every annotation through the same queries
+  (``devices``, ``local_slices``, ``shards``, ``any_partial``, ``validate``), so BSR plans from
+  either kind; ``Annotation`` is their union.
 
 Uneven (heterogeneous) splits are expressed with integer ``hweights`` on the ``DSUnion``: sub-group
 ``i`` holds the share ``hweights[i] / sum(hweights)`` of dimension ``hdim``. Weights are
@@ -471,3 +476,94 @@ class TensorAnnotation:
         if not isinstance(data, dict):
             raise AnnotationError(f"annotation JSON must be an object, got {type(data).__name__}")
         return cls.from_dict(data)
+
+
+@dataclass(frozen=True)
+class BoxAnnotation:
+    """Each device's box of a tensor of one ``shape``, given explicitly: ``boxes`` is
+    ``((device, ((lo, hi), ...)), ...)`` with distinct devices, one half-open range per dimension
+    inside ``shape``. Boxes may overlap (replicas) or be empty (a device that holds no element
+    still has its empty local tensor). Whole values only: never partial."""
+
+    shape: tuple[int, ...]
+    boxes: tuple[tuple[int, Ranges], ...]
+    _where: dict[int, Ranges] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        shape = tuple(_check_int(n, "dimension size") for n in self.shape)
+        boxes = tuple(sorted((_check_int(d, "device id"), tuple((int(lo), int(hi)) for lo, hi in b))
+                             for d, b in self.boxes))
+        where: dict[int, Ranges] = {}
+        for d, box in boxes:
+            if d < 0 or d in where:
+                raise AnnotationError(f"BoxAnnotation: device {d} is negative or listed twice")
+            if len(box) != len(shape) or any(not 0 <= lo <= hi <= n
+                                              for (lo, hi), n in zip(box, shape)):
+                raise AnnotationError(f"BoxAnnotation: device {d}'s box {box} does not fit "
+                                      f"shape {shape}")
+            where[d] = box
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "boxes", boxes)
+        object.__setattr__(self, "_where", where)
+
+    def devices(self) -> tuple[int, ...]:
+        return tuple(d for d, _ in self.boxes)
+
+    def locate(self, device: int) -> tuple[int, int] | None:
+        """(0, position among the devices) of ``device``, or None (as ``TensorAnnotation``)."""
+        return (0, self.devices().index(device)) if device in self._where else None
+
+    def is_partial(self, device: int) -> bool:
+        return False
+
+    def any_partial(self) -> bool:
+        return False
+
+    def local_slices(self, device: int, shape: Sequence[int]) -> Ranges | None:
+        """``device``'s box, or None if it holds nothing; ``shape`` must be the annotation's."""
+        self._check_shape(shape)
+        return self._where.get(device)
+
+    def shards(self, shape: Sequence[int]) -> dict[int, Ranges]:
+        self._check_shape(shape)
+        return dict(self._where)
+
+    def validate(self, shape: Sequence[int], exact: bool = True) -> None:
+        """Raise ``AnnotationError`` unless ``shape`` is the annotation's (boxes are exact)."""
+        self._check_shape(shape)
+
+    def _check_shape(self, shape: Sequence[int]) -> None:
+        if tuple(shape) != self.shape:
+            raise AnnotationError(f"BoxAnnotation of shape {self.shape} used for shape "
+                                  f"{tuple(shape)}")
+
+    @classmethod
+    def of(cls, annotation: "Annotation", shape: Sequence[int]) -> "BoxAnnotation":
+        """Any annotation's boxes for ``shape``, as a ``BoxAnnotation``."""
+        if isinstance(annotation, BoxAnnotation):
+            annotation.validate(shape)
+            return annotation
+        if annotation.any_partial():
+            raise AnnotationError("a partial annotation has no boxes of whole values")
+        return cls(tuple(int(n) for n in shape), tuple(annotation.shards(shape).items()))
+
+    @classmethod
+    def union(cls, annotations: Sequence["Annotation"], shape: Sequence[int]) -> "BoxAnnotation":
+        """Every device's box of ``annotations`` (their devices must be distinct)."""
+        return cls(tuple(int(n) for n in shape),
+                   tuple(item for a in annotations for item in cls.of(a, shape).boxes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape),
+                "boxes": [[d, [list(r) for r in box]] for d, box in self.boxes]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "BoxAnnotation":
+        try:
+            return cls(tuple(data["shape"]),
+                       tuple((d, tuple(tuple(r) for r in box)) for d, box in data["boxes"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AnnotationError(f"not a BoxAnnotation object: {data!r}") from exc
+
+
+Annotation = TensorAnnotation | BoxAnnotation

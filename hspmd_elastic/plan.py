@@ -14,6 +14,12 @@ heads: ``graph.config.tp_problem``; the sequence length, when the plan says whic
 made for: ``seq_len``, set by the elastic leader from its model, ``at_seq_len``, and carried in
 ``to_dict`` only when set; it takes no part in a plan's equality).
 
+``optimizer_shards`` says where the AdamW moments live: ``"replicated"`` (the default: on every
+holder of a parameter slice, each holder running the whole update of its shard) or ``"uneven"``
+(each row of a split parameter on one holder, the shares proportional to the pipelines' rows:
+``graph/zero.py``; ``with_optimizer_shards`` sets it). It changes the training state's layout,
+so it takes part in equality, and ``to_dict`` carries it only when not the default.
+
 From a plan follow each parameter's layout (``param_layouts``): per pipeline, the TP group that
 holds it, the dimension it is split along and into how many parts (fewer than the TP degree for
 the key/value projections of a TP degree above ``num_kv_heads``: each part is then replicated on
@@ -34,6 +40,7 @@ from hspmd_elastic.annotations import DGUnion, DeviceGroup, DistState, DSUnion, 
 from hspmd_elastic.graph.config import ModelConfig, holding_layers, param_specs, tp_problem
 
 SCHEMA = 1
+OPTIMIZER_SHARDS = ("replicated", "uneven")  # Plan.optimizer_shards; the first is the default
 
 
 class PlanError(ValueError):
@@ -123,6 +130,8 @@ class Plan:
     num_layers: int
     # The sequence length the plan was made for (the leader's model); None: not said.
     seq_len: Optional[int] = field(default=None, compare=False)
+    # Where the AdamW moments live (OPTIMIZER_SHARDS): on every holder, or one owner per row.
+    optimizer_shards: str = OPTIMIZER_SHARDS[0]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -159,12 +168,17 @@ class Plan:
         pipes = tuple(Pipeline(tuple(Stage(tuple(mapping[d] for d in s.devices), s.layers)
                                      for s in p.stages), p.num_microbatches, p.microbatch_size)
                       for p in self.pipelines)
-        return Plan(pipes, self.global_batch, self.num_layers, self.seq_len)
+        return Plan(pipes, self.global_batch, self.num_layers, self.seq_len,
+                    self.optimizer_shards)
 
     def at_seq_len(self, seq_len: Optional[int]) -> "Plan":
         """This plan, made for sequences of ``seq_len`` tokens (``check_model`` holds a model
         to it)."""
         return self if seq_len == self.seq_len else replace(self, seq_len=seq_len)
+
+    def with_optimizer_shards(self, mode: str) -> "Plan":
+        """This plan with its AdamW moments held as ``mode`` says (``OPTIMIZER_SHARDS``)."""
+        return self if mode == self.optimizer_shards else replace(self, optimizer_shards=mode)
 
     # ---- model-dependent -----------------------------------------------------------------
     def check_model(self, config: ModelConfig) -> None:
@@ -246,6 +260,8 @@ class Plan:
         }
         if self.seq_len is not None:
             out["seq_len"] = self.seq_len
+        if self.optimizer_shards != OPTIMIZER_SHARDS[0]:
+            out["optimizer_shards"] = self.optimizer_shards
         return out
 
     def to_json(self) -> str:
@@ -257,8 +273,9 @@ class Plan:
             raise PlanError(f"plan must be a JSON object, got {type(data).__name__}")
         if data.get("schema") != SCHEMA:
             raise PlanError(f"plan schema={data.get('schema')!r}; this code reads schema {SCHEMA}")
+        optional = {"seq_len", "optimizer_shards"} & set(data)
         _expect_keys("plan", data, {"schema", "global_batch", "num_layers", "pipelines"}
-                     | ({"seq_len"} if "seq_len" in data else set()))
+                     | optional)
         pipes = []
         for pi, p in enumerate(data["pipelines"]):
             _expect_keys(f"pipeline {pi}", p, {"num_microbatches", "microbatch_size", "stages"})
@@ -270,7 +287,8 @@ class Plan:
                                     "[start, stop]")
                 stages.append(Stage(tuple(s["devices"]), tuple(s["layers"])))
             pipes.append(Pipeline(tuple(stages), p["num_microbatches"], p["microbatch_size"]))
-        return cls(tuple(pipes), data["global_batch"], data["num_layers"], data.get("seq_len"))
+        return cls(tuple(pipes), data["global_batch"], data["num_layers"], data.get("seq_len"),
+                   data.get("optimizer_shards", OPTIMIZER_SHARDS[0]))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -333,6 +351,9 @@ def _validate(plan: Plan) -> None:
     _positive_int("num_layers", plan.num_layers)
     if plan.seq_len is not None:
         _positive_int("seq_len", plan.seq_len)
+    if plan.optimizer_shards not in OPTIMIZER_SHARDS:
+        raise PlanError(f"optimizer_shards={plan.optimizer_shards!r}; valid: "
+                        f"{', '.join(repr(m) for m in OPTIMIZER_SHARDS)}")
     if not plan.pipelines:
         raise PlanError("plan has no pipelines; need at least one")
     seen: dict[int, tuple[int, int]] = {}

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from hspmd_elastic.annotations import DUPLICATE, DGUnion, DSUnion, TensorAnnotation
+from hspmd_elastic.annotations import (DUPLICATE, Annotation, BoxAnnotation, DGUnion, DSUnion,
+                                       TensorAnnotation)
 from hspmd_elastic.contract.ids import node_of
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.state import state_specs
@@ -123,7 +124,8 @@ def reshard_request(config: ModelConfig, sources: Sequence[Source],
     Each source version's plan is relabelled into the new numbering with its own owners; ids of
     devices that hold nothing usable are distinct across sources. With several sources, a
     tensor's old annotation is the union of their sub-groups: every sub-group of a plan's
-    parameter annotation holds a full replica (hdim -1), so the union does too.
+    parameter annotation holds a full replica (hdim -1), so the union does too; uneven optimizer
+    shards' moments (explicit boxes) merge as the union of their boxes.
     """
     nodes = {r: node_of(d) for r, d in enumerate(new_devices)}
     old: dict[str, list[TensorAnnotation]] = {}
@@ -136,14 +138,17 @@ def reshard_request(config: ModelConfig, sources: Sequence[Source],
             nodes.setdefault(new_id, node_of(src.devices[old_id]))
         for name, spec in state_specs(config, src.plan.relabel(mapping)).items():
             old.setdefault(name, []).append(spec.annotation)
-    specs = [TensorSpec(name, spec.shape, spec.dtype, _union(name, old[name]), spec.annotation)
+    specs = [TensorSpec(name, spec.shape, spec.dtype, _union(name, old[name], spec.shape),
+                        spec.annotation)
              for name, spec in state_specs(config, new_plan).items()]
     return specs, nodes
 
 
-def _union(name: str, annotations: list[TensorAnnotation]) -> TensorAnnotation:
+def _union(name: str, annotations: list[Annotation], shape: tuple[int, ...]) -> Annotation:
     if len(annotations) == 1:
         return annotations[0]
+    if any(isinstance(a, BoxAnnotation) for a in annotations):  # uneven optimizer shards
+        return BoxAnnotation.union(annotations, shape)
     if any(a.states.hdim != DUPLICATE for a in annotations):
         raise ValueError(f"{name}: only replicated (hdim -1) layouts can be merged")
     groups = [g for a in annotations for g in a.groups.groups]

@@ -4,8 +4,10 @@ any plan: the fallback when a switch finds a slice with no live owner.
 Layout: ``<dir>/step-<8 digits>/shard-<rank>.pt`` holds one rank's local state tensors with their
 global index ranges; ``manifest.json`` lists the shards the step needs; ``shard-<rank>.json``,
 written by the shard's own writer right after the shard, is the shard's entry in the manifest:
-its size in bytes and its SHA-256, taken at save time. Only the devices of the plan's first
-pipeline write (together they hold one full replica of every state tensor). Files are written
+its size in bytes and its SHA-256, taken at save time. The devices of the plan's first
+pipeline write (together they hold one full replica of every state tensor); with uneven optimizer
+shards (``Plan.optimizer_shards``) every other device writes its own boxes of the moments too
+(each row's moments live on one owner only). Files are written
 atomically (``files``: a temporary name, fsync, rename, fsync of the directory), so a reader
 never sees half a file, and a failed write leaves no temporary file behind. Writing happens on a
 background thread from a copy taken at the step boundary; ``flush`` waits for it with a deadline.
@@ -41,11 +43,13 @@ from typing import Mapping, Optional
 
 import torch
 
+from hspmd_elastic.annotations import BoxAnnotation
 from hspmd_elastic.elastic.api import ElasticError
 from hspmd_elastic.elastic.agree import NO_STEP
 from hspmd_elastic.files import atomic_open, atomic_path
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.state import state_specs
+from hspmd_elastic.graph.zero import is_uneven
 from hspmd_elastic.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -248,12 +252,14 @@ class CheckpointWriter:
     def submit(self, step: int, config: ModelConfig, plan: Plan, rank: int,
                tensors: Mapping[str, torch.Tensor]) -> None:
         """Queue a checkpoint of this rank's local state ``tensors`` at ``step`` (copied now)."""
-        if plan.locate(rank).pipeline != 0:
+        writers = _writers(plan)
+        if rank not in writers:
             return
+        first = plan.locate(rank).pipeline == 0
         specs = {name: (_plain(spec.annotation.local_slices(rank, spec.shape)),
                         tensors[name].detach().clone())
-                 for name, spec in state_specs(config, plan).items() if name in tensors}
-        writers = sorted(d for s in plan.pipelines[0].stages for d in s.devices)
+                 for name, spec in state_specs(config, plan).items()
+                 if name in tensors and (first or isinstance(spec.annotation, BoxAnnotation))}
         with self._idle:
             self._pending += 1
         self._queue.put((step, rank, writers, specs))
@@ -292,6 +298,14 @@ class CheckpointWriter:
         """Wait until every queued checkpoint is written; False at the deadline."""
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+
+def _writers(plan: Plan) -> list[int]:
+    """The devices that write a checkpoint of ``plan``: its first pipeline's, and with uneven
+    optimizer shards every device (the others' moments have no other copy)."""
+    if is_uneven(plan):
+        return list(plan.devices)
+    return sorted(d for s in plan.pipelines[0].stages for d in s.devices)
 
 
 def _save_shard(obj, path: str) -> tuple[int, str]:

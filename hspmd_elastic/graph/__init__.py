@@ -10,7 +10,9 @@ Modules:
   init.py        deterministic, plan-independent parameter initialisation from a seed
   pipeline.py    the 1F1B schedule (pure) and its execution with point-to-point activations
   gradsync.py    gradient synchronisation across pipelines of different layouts (split all-reduce)
-  optim.py       AdamW on local shards (torch._foreach_* ops), state annotated like its parameters
+  optim.py       AdamW on local shards (torch._foreach_* ops), state annotated like its parameters,
+                 or on owned rows only, staged then committed (uneven optimizer shards)
+  zero.py        uneven optimizer shards: the owner of every row of a split parameter (pure)
   state.py       names, full shapes, dtypes and annotations of a plan's training state (pure)
   specialize.py  SpecializedModel: build / load / step / state_tensors for one rank
   reference.py   the dense single-device semantics every specialization must reproduce

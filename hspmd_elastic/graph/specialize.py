@@ -12,6 +12,12 @@ runtime copies its one-step undo state there, so a failed step costs no copy).
 ``state_tensors()`` exposes the parameters and optimizer state with their HSPMD annotations,
 the input of resharding.
 
+Uneven optimizer shards (``plan.optimizer_shards == "uneven"``, ``zero.py``): the gradient sum
+of a split parameter reaches only each row's owner (reduce-scatter), the owner updates its rows
+with its own moments, out of place, and one all-gather per synchronisation group brings every
+holder the new rows; ``before_update`` runs after that all-gather and the state changes only
+then, so the step keeps its promise: a step that fails in communication changes no state.
+
 Process groups: the default group's ranks are the plan's devices; building creates the plan's
 sub-groups, which every rank of the default group must do together (``Comm.create``).
 
@@ -32,7 +38,7 @@ import torch
 
 from hspmd_elastic.graph.comm import Comm, GraphError, Waiter
 from hspmd_elastic.graph.config import ModelConfig, param_specs
-from hspmd_elastic.graph.gradsync import sync_gradients, sync_ops
+from hspmd_elastic.graph.gradsync import apply_rows, gather_rows, sync_gradients, sync_ops
 from hspmd_elastic.graph.init import full_param, local_part
 from hspmd_elastic.graph.layers import TPGroup
 from hspmd_elastic.graph.model import (StageModule, compute_context, document_masks,
@@ -40,6 +46,7 @@ from hspmd_elastic.graph.model import (StageModule, compute_context, document_ma
 from hspmd_elastic.graph.optim import AdamWConfig, ShardedAdamW
 from hspmd_elastic.graph.pipeline import StageLinks, one_f_one_b, run_schedule
 from hspmd_elastic.graph.state import EXP_AVG, EXP_AVG_SQ, STEP, state_specs
+from hspmd_elastic.graph.zero import is_uneven, local_owned_rows, plan_cuts
 from hspmd_elastic.plan import Plan
 
 
@@ -76,8 +83,8 @@ class SpecializedModel:
                                       first=self.placement.stage == 0,
                                       last=self.placement.stage == len(pipe.stages) - 1)
         self.params = dict(self.module.named_parameters())
-        self.optimizer = ShardedAdamW(self.params, optim)
-        self._sync = sync_ops(plan.param_layouts(config), rank)
+        self.optimizer = ShardedAdamW(self.params, optim, local_owned_rows(plan, config, rank))
+        self._sync = sync_ops(plan.param_layouts(config), rank, plan_cuts(plan, config))
         self._links = StageLinks.of([s.devices for s in pipe.stages], self.placement.stage,
                                     self.placement.tp_rank)
         self._schedule = one_f_one_b(len(pipe.stages), self.placement.stage, pipe.num_microbatches)
@@ -133,7 +140,8 @@ class SpecializedModel:
                   real_tokens: Optional[int] = None
                   ) -> tuple[dict[str, torch.Tensor], float]:
         """This rank's gradients of the step, synchronised under the plan (every replica of a
-        shard holds the sum), and the global loss; no state changes. ``batch`` is the global batch
+        shard holds the sum; with uneven optimizer shards, only the rows this rank owns of a
+        split parameter do), and the global loss; no state changes. ``batch`` is the global batch
         [global_batch, seq+1] or only this rank's rows ``batch_rows()`` (what a rank needs to
         materialise).
 
@@ -192,12 +200,35 @@ class SpecializedModel:
                before_update: Optional[Callable[[], None]] = None) -> None:
         """AdamW with ``grads`` (this rank's shards, synchronised); all communication of the
         step is done: state changes only now, so a step interrupted by a communication error
-        leaves parameters and optimizer state as they were."""
-        if before_update is not None:
-            before_update()
+        leaves parameters and optimizer state as they were. Uneven optimizer shards: the update
+        of the owned rows is staged, the new rows are exchanged (the step's last
+        communication), then ``before_update`` runs and the state changes."""
         for n, p in self.params.items():
             p.grad = grads[n]
+        if is_uneven(self.plan):
+            self._update_owned(before_update)
+            return
+        if before_update is not None:
+            before_update()
         self.optimizer.step()
+
+    def _update_owned(self, before_update: Optional[Callable[[], None]]) -> None:
+        """Uneven optimizer shards: stage the owned rows' update, gather every holder's new rows
+        (communication), then ``before_update`` and the commit."""
+        staged = self.optimizer.staged_step()
+        owned = self.optimizer.owned
+
+        def new_rows(name: str, lo: int, hi: int) -> torch.Tensor:
+            dim, start, _stop = owned[name]
+            return staged.params[name].narrow(dim, lo - start if hi > lo else 0, hi - lo)
+
+        writes = gather_rows(self._sync, new_rows,
+                             {n: tuple(p.shape) for n, p in self.params.items()}, self.comm)
+        if before_update is not None:
+            before_update()
+        with torch.no_grad():
+            self.optimizer.commit(staged)
+            apply_rows(writes, {n: p.data for n, p in self.params.items()})
 
     def _global_loss(self, loss: torch.Tensor) -> float:
         # One contribution per pipeline: TP rank 0 of its last stage.

@@ -5,16 +5,20 @@ Resharding needs exactly this on both sides of a switch: ``state_specs(config, o
 ``state_specs(config, new_plan)`` name the same tensors with their old and new annotations.
 
 Names: the parameter name for a parameter, ``<name>.exp_avg`` and ``<name>.exp_avg_sq`` for its
-AdamW moments (the parameter's annotation), ``optim.step`` for the step counter (an int64 scalar
-that every device of the plan holds).
+AdamW moments, ``optim.step`` for the step counter (an int64 scalar that every device of the plan
+holds). The moments share the parameter's annotation when ``plan.optimizer_shards`` is
+``"replicated"``; in ``"uneven"`` mode a split parameter's moments have explicit per-device boxes
+(``annotations.BoxAnnotation``: each holder its owned rows, ``zero.moment_annotations``), which
+BSR and the checkpoints read like any other annotation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hspmd_elastic.annotations import TensorAnnotation
+from hspmd_elastic.annotations import Annotation
 from hspmd_elastic.graph.config import ModelConfig, param_specs
+from hspmd_elastic.graph.zero import moment_annotations
 from hspmd_elastic.plan import Plan
 
 EXP_AVG, EXP_AVG_SQ, STEP = ".exp_avg", ".exp_avg_sq", "optim.step"
@@ -24,16 +28,19 @@ EXP_AVG, EXP_AVG_SQ, STEP = ".exp_avg", ".exp_avg_sq", "optim.step"
 class StateSpec:
     shape: tuple[int, ...]  # the full (unsharded) shape
     dtype: str  # a torch dtype name: "float64", "float32", "int64"
-    annotation: TensorAnnotation
+    annotation: Annotation
 
 
 def state_specs(config: ModelConfig, plan: Plan) -> dict[str, StateSpec]:
     """Every state tensor of ``plan`` training ``config``, in a fixed order."""
     specs = param_specs(config)
     out = {}
-    for name, ann in plan.param_annotations(config).items():
-        for suffix in ("", EXP_AVG, EXP_AVG_SQ):
-            out[name + suffix] = StateSpec(specs[name].shape, config.dtype, ann)
+    params = plan.param_annotations(config)
+    moments = moment_annotations(plan, config, params)
+    for name, ann in params.items():
+        out[name] = StateSpec(specs[name].shape, config.dtype, ann)
+        for suffix in (EXP_AVG, EXP_AVG_SQ):
+            out[name + suffix] = StateSpec(specs[name].shape, config.dtype, moments[name])
     out[STEP] = StateSpec((), "int64", plan.replicated_annotation())
     return out
 

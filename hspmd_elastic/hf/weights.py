@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hspmd_elastic.graph.config import ModelConfig, param_specs
-from hspmd_elastic.graph.state import EXP_AVG, EXP_AVG_SQ, STEP, state_specs
+from hspmd_elastic.graph.state import EXP_AVG, EXP_AVG_SQ, STEP, local_shapes, state_specs
 from hspmd_elastic.hf.api import INDEX_FILE, SINGLE_FILE, HFCheckpointError
 from hspmd_elastic.plan import Plan
 
@@ -196,11 +196,12 @@ def initial_state_from_hf(path: str, config: ModelConfig, plan: Plan, rank: int,
     plan.check_model(config)
     plan.locate(rank)  # a rank the plan does not use is a PlanError naming it
     state: dict[str, torch.Tensor] = {}
+    shapes = local_shapes(config, plan, rank)  # moments: the owned rows with uneven shards
     for name, value in load_shards(path, config, local_param_ranges(config, plan, rank),
                                    stats).items():
         state[name] = value
-        state[name + EXP_AVG] = torch.zeros_like(value)
-        state[name + EXP_AVG_SQ] = torch.zeros_like(value)
+        state[name + EXP_AVG] = value.new_zeros(shapes[name + EXP_AVG])
+        state[name + EXP_AVG_SQ] = value.new_zeros(shapes[name + EXP_AVG_SQ])
     state[STEP] = torch.zeros((), dtype=torch.int64)
     return state
 
