@@ -44,6 +44,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from hspmd_elastic.data import DTYPES, DataError, token_sampler
+from hspmd_elastic.documents import DEFAULT_MODE, MODES
 from hspmd_elastic.elastic.api import ConfigurationError, WorkerIdentity
 from hspmd_elastic.files import atomic_path
 from hspmd_elastic.graph.config import ModelConfig
@@ -73,9 +74,10 @@ def main() -> int:
                         help="documents of any length instead of fixed windows: a Megatron-LM "
                              "indexed dataset (PREFIX.idx/.bin) or a token file with its "
                              ".docs.npy offsets; docs/data.md")
-    parser.add_argument("--doc-mode", choices=("pack", "truncate"), default="pack",
-                        help="with --documents: whole documents packed into each row "
-                             "(attention stays inside each document), or one per row")
+    parser.add_argument("--doc-mode", choices=MODES, default=DEFAULT_MODE,
+                        help="with --documents: pack (the default: whole documents packed "
+                             "into each row, attention stays inside each document) or "
+                             "truncate (one padded document per row)")
     parser.add_argument("--lengths", metavar="LEN:SHARE,...",
                         help="with --documents: each global batch grouped by these length "
                              "buckets (documents packed within a bucket, or one per row with "

@@ -12,9 +12,9 @@ windows[b] + 1``: a document of ``n`` tokens predicts ``n - 1`` targets from a w
   is a one-line ``DataError`` naming the bad value (an empty bucket names its length range).
 * Each bucket is a stream of its own: a ``DocumentSampler`` over the bucket's documents only
   (the others count as empty) at the bucket's window, in the base's mode, seeded from
-  ``(seed, b)``: in ``"truncate"`` mode one document per row, in ``"pack"`` mode whole documents
-  of the bucket packed into rows of ``window + 1`` tokens (short documents share a row, and
-  attention and the loss stay inside each, ``documents.block_mask``/``loss_mask``).
+  ``(seed, b)``: in ``"pack"`` mode (the default) whole documents of the bucket packed into rows
+  of ``window + 1`` tokens (short documents share a row, and attention and the loss stay inside
+  each, ``documents.block_mask``/``loss_mask``), in ``"truncate"`` mode one document per row.
 * Sample ``i`` (step ``s = i // G``, position ``j = i % G`` in bucket ``b``) is sample
   ``k = s * rows[b] + (j - start_b)`` of bucket ``b``'s stream. So ``sample(i)`` depends on
   the documents, the base's settings, ``windows``, ``rows`` and ``i`` only: every plan and every
@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from hspmd_elastic.data import DataError
-from hspmd_elastic.documents import DocumentSampler, Documents, bucket_index
+from hspmd_elastic.documents import DEFAULT_MODE, DocumentSampler, Documents, bucket_index, \
+    document_sampler
 
 
 @dataclass
@@ -120,12 +121,12 @@ class BucketedDocuments:
 
 def bucketed_sampler(config, path: str, lengths: str, global_batch: int,
                      dtype: Optional[str] = None, seed: int = 0,
-                     mode: str = "truncate") -> BucketedDocuments:
-    """The documents at ``path`` (truncated to ``config.seq_len + 1`` tokens), one per row
-    (``mode="truncate"``) or packed within each bucket (``"pack"``), grouped by the buckets of
-    ``lengths`` (``--hspmd-lengths``' ``LEN:SHARE,...``: windows and, from the shares, each
-    bucket's rows of ``global_batch`` as the planner splits them, ``planner.bucket_rows``)."""
-    from hspmd_elastic.documents import document_sampler
+                     mode: str = DEFAULT_MODE) -> BucketedDocuments:
+    """The documents at ``path`` (truncated to ``config.seq_len + 1`` tokens), packed within
+    each bucket (``mode="pack"``, the default) or one per row (``"truncate"``), grouped by the
+    buckets of ``lengths`` (``--hspmd-lengths``' ``LEN:SHARE,...``: windows and, from the
+    shares, each bucket's rows of ``global_batch`` as the planner splits them,
+    ``planner.bucket_rows``)."""
     from hspmd_elastic.planner import PlannerError
     from hspmd_elastic.planner.buckets import bucket_rows, parse_lengths
 

@@ -21,16 +21,18 @@ number the documents of the row, 0 is padding; pad tokens are 0). Empty document
 sampled; a longer document keeps its first ``R`` tokens (``truncate=True``), else opening the
 sampler is a one-line ``DataError`` naming the document and its length.
 
-* ``"truncate"``: sample ``i`` is document ``order(i % D', epoch=i // D')`` (``D'`` non-empty
-  documents; ``order`` is ``data.WindowOrder``, the identity when ``shuffle=False``).
-* ``"pack"``: epoch ``e`` takes every non-empty document once, in ``order``'s epoch-``e`` order,
-  and packs them greedily first-fit into rows: a document goes into the first of the
-  ``open_rows`` most recently opened rows with room for it, else opens a new row (the oldest open
-  row is then closed; a full row closes at once). Rows keep their documents whole and in arrival
-  order, and are numbered in the order they were opened. Packing an epoch costs
-  O(documents x open_rows) time and O(documents) memory; sample ``i`` in epoch ``e`` needs the
-  row counts of epochs ``0..e`` (each packed once, counts kept) and epoch ``e``'s rows (the latest
+* ``"pack"`` (the default, ``DEFAULT_MODE``): epoch ``e`` takes every non-empty document once, in
+  ``order``'s epoch-``e`` order, and packs them greedily first-fit into rows: a document goes into
+  the first of the ``open_rows`` most recently opened rows with room for it, else opens a new row
+  (the oldest open row is then closed; a full row closes at once). Rows keep their documents whole
+  and in arrival order, and are numbered in the order they were opened. Packing an epoch costs
+  O(documents x open_rows) time and O(documents) memory; sample ``i`` in epoch ``e`` needs the row
+  counts of epochs ``0..e`` (each packed once, counts kept) and epoch ``e``'s rows (the latest
   packed epoch is kept).
+* ``"truncate"``: one document per row, padded: sample ``i`` is document ``order(i % D',
+  epoch=i // D')`` (``D'`` non-empty documents; ``order`` is ``data.WindowOrder``, the identity
+  when ``shuffle=False``). Both modes train on the same targets of the same documents
+  (``loss_sum``); packing needs fewer rows for them.
 
 Promise: ``sample(i)`` depends only on the documents, ``max_len``, ``mode``, ``seed``,
 ``shuffle``, ``truncate``, ``open_rows`` and ``i``: not on the plan, the rank or what was
@@ -62,7 +64,8 @@ MMIDIDX_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: 
                   7: "float32", 8: "uint16"}
 TOKEN_CODES = {name: code for code, name in MMIDIDX_DTYPES.items() if code not in (6, 7)}
 DOCS_SUFFIX = ".docs.npy"
-MODES = ("truncate", "pack")
+MODES = ("pack", "truncate")  # whole documents packed into rows; one padded document per row
+DEFAULT_MODE = "pack"
 
 
 # ---------------------------------------------------------------------------- files
@@ -305,7 +308,7 @@ def pack(sizes: Sequence[int], capacity: int, open_rows: int = 8) -> list[list[i
 class DocumentSampler:
     """``sample(i)`` -> (tokens [max_len + 1] int64, segments [max_len + 1] int32) (module doc)."""
 
-    def __init__(self, docs: Documents, max_len: int, mode: str = "truncate", seed: int = 0,
+    def __init__(self, docs: Documents, max_len: int, mode: str = DEFAULT_MODE, seed: int = 0,
                  shuffle: bool = True, truncate: bool = True, vocab_size: Optional[int] = None,
                  open_rows: int = 8):
         if mode not in MODES:
@@ -403,7 +406,7 @@ class DocumentSampler:
                             f"of document {doc} of {self.docs.path!r}) is not {limit}")
 
 
-def document_sampler(config, path: str, mode: str = "truncate", dtype: Optional[str] = None,
+def document_sampler(config, path: str, mode: str = DEFAULT_MODE, dtype: Optional[str] = None,
                      seed: int = 0, shuffle: bool = True, truncate: bool = True,
                      open_rows: int = 8) -> DocumentSampler:
     """A ``DocumentSampler`` over ``path`` for ``config`` (its ``seq_len`` as ``max_len``, and

@@ -9,6 +9,9 @@ Promises:
 * ``make`` creates the prefix's directory when missing and writes ``PREFIX.bin`` and
   ``PREFIX.idx`` atomically (``documents.write_indexed``): a failed run leaves an earlier
   dataset byte for byte as it was.
+* ``check --max-len N`` counts the samples of an epoch as training reads them: rows packed with
+  whole documents (``--mode pack``, the default, ``documents.DEFAULT_MODE``) or one padded
+  document per row (``--mode truncate``).
 * ``check --boundaries W1,...,Wk`` buckets the documents as training does: rows of
   ``max_len + 1`` tokens (``--max-len``, default the last boundary, which must equal it), a
   longer document truncated to them and counted in the last bucket, bucket ``b`` holding
@@ -27,8 +30,8 @@ from typing import Optional
 import numpy as np
 
 from hspmd_elastic.data import DataError, at_least, parent_made, run_command
-from hspmd_elastic.documents import (MODES, TOKEN_CODES, DocumentSampler, open_documents,
-                                     write_indexed)
+from hspmd_elastic.documents import (DEFAULT_MODE, MODES, TOKEN_CODES, DocumentSampler,
+                                     open_documents, write_indexed)
 
 
 def _make(args) -> int:
@@ -140,7 +143,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     check.add_argument("--max-len", type=int,
                        help="count the samples of rows of this max_len (the model's seq_len; "
                             "default: the last --boundaries window)")
-    check.add_argument("--mode", choices=MODES, default="truncate")
+    check.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
+                       help="pack: whole documents packed into each row (the default, as "
+                            "training reads them); truncate: one padded document per row")
     check.add_argument("--no-truncate", action="store_true",
                        help="refuse documents longer than max_len + 1")
     check.add_argument("--boundaries",

@@ -33,7 +33,7 @@ Promises:
   agent calls it at its job's end, and ``inject`` before its first fault;
 * every error of the file system is a ``CgroupError`` with one line naming the file;
   ``ProcessGone`` when the process to move has exited; no call blocks for more than
-  ``RMDIR_TIMEOUT_S``.
+  ``RMDIR_TIMEOUT_S``. Memory limits per worker (``launcher.cgroup_memory``) share all this.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class CgroupError(RuntimeError):
 
 
 class CgroupUnavailable(CgroupError):
-    """This machine has no usable CPU cgroup (one line saying why)."""
+    """This machine has no usable cgroup of the controller asked for (one line saying why)."""
 
 
 class ProcessGone(CgroupError):
@@ -77,14 +77,15 @@ class ProcessGone(CgroupError):
 
 @dataclass(frozen=True)
 class Hierarchy:
-    """The cgroup hierarchy with the ``cpu`` controller: ``version`` 1 or 2, mounted at
-    ``root`` (where the ``hspmd-<job>`` parents are made)."""
+    """The cgroup hierarchy with the ``controller`` (``cpu`` or ``memory``): ``version`` 1 or
+    2, mounted at ``root`` (where the ``hspmd-<job>`` parents are made)."""
 
     version: int
     root: str
+    controller: str = "cpu"
 
     def describe(self) -> str:
-        return f"cgroup v{self.version} cpu controller at {self.root}"
+        return f"cgroup v{self.version} {self.controller} controller at {self.root}"
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,8 @@ class CpuStat:
 
 
 # ---------------------------------------------------------------------------------- pure parts
-def mount_points(mounts_text: str) -> tuple[Optional[str], Optional[str]]:
-    """Pure: ``(v1 mount with the cpu controller, cgroup2 mount)`` of a ``/proc/mounts`` text
+def mount_points(mounts_text: str, controller: str = "cpu") -> tuple[Optional[str], Optional[str]]:
+    """Pure: ``(v1 mount with the controller, cgroup2 mount)`` of a ``/proc/mounts`` text
     (None where there is none)."""
     v1 = v2 = None
     for line in mounts_text.splitlines():
@@ -107,7 +108,7 @@ def mount_points(mounts_text: str) -> tuple[Optional[str], Optional[str]]:
         if len(parts) < 4:
             continue
         path, fstype, options = parts[1].replace("\\040", " "), parts[2], parts[3].split(",")
-        if fstype == "cgroup" and "cpu" in options and v1 is None:
+        if fstype == "cgroup" and controller in options and v1 is None:
             v1 = path
         elif fstype == "cgroup2" and v2 is None:
             v2 = path
@@ -162,15 +163,15 @@ def worker_cgroup(node: str, local_rank: int) -> str:
     return f"{check_id(node, 'node id')}-{local_rank}"
 
 
-def cgroup_of(proc_cgroup_text: str, version: int) -> Optional[str]:
+def cgroup_of(proc_cgroup_text: str, version: int, controller: str = "cpu") -> Optional[str]:
     """Pure: the path (relative to the hierarchy's root) of the cgroup a ``/proc/<pid>/cgroup``
-    text puts the process in, in the v1 ``cpu`` hierarchy or the v2 one."""
+    text puts the process in, in the v1 hierarchy of ``controller`` or the v2 one."""
     for line in proc_cgroup_text.splitlines():
         hid, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if version == 2 and hid == "0" and controllers == "":
             return path
-        if version == 1 and "cpu" in controllers.split(","):
+        if version == 1 and controller in controllers.split(","):
             return path
     return None
 
@@ -276,13 +277,13 @@ def _owner_alive(record: Optional[dict]) -> bool:
     return isinstance(pid, int) and pid > 0 and process_start(pid) == record.get("owner_start")
 
 
-def _read_record(path: str) -> Optional[dict]:
+def _read_record(path: str, kind: str = OWNER_KIND) -> Optional[dict]:
     try:
         with open(path, encoding="utf-8") as fh:
             record = json.load(fh)
     except (OSError, ValueError):
         record = None
-    return record if isinstance(record, dict) and record.get("kind") == OWNER_KIND else None
+    return record if isinstance(record, dict) and record.get("kind") == kind else None
 
 
 def _unlink(path: str, remove=os.unlink) -> None:
@@ -339,11 +340,12 @@ def _rmdir(path: str, timeout: float = RMDIR_TIMEOUT_S) -> None:
 
 @dataclass
 class _State:
-    """What ``CpuQuota`` made (kept apart from it so that its finalizer can clean up)."""
+    """What ``CpuQuota`` (or ``MemoryLimits``) made (apart, so that a finalizer can clean up)."""
 
     hierarchy: Hierarchy
     parent: str
     owners: str = "/nonexistent"  # the directory of this parent's owner records
+    kind: str = OWNER_KIND  # of the owner records
     homes: dict[int, str] = field(default_factory=dict)  # pid -> the cgroup it came from
     worker_home: dict[str, str] = field(default_factory=dict)  # child name -> its worker's
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -354,7 +356,7 @@ class _State:
     def record(self, name: str, job: str) -> None:
         """Write the owner record of child ``name`` (this process), atomically."""
         path = os.path.join(self.owners, name + ".json")
-        body = {"schema": 1, "kind": OWNER_KIND, "job": job, "cgroup": name,
+        body = {"schema": 1, "kind": self.kind, "job": job, "cgroup": name,
                 "owner_pid": os.getpid(), "owner_start": process_start(os.getpid()),
                 "home": self.worker_home.get(name, self.hierarchy.root)}
         try:
@@ -453,7 +455,7 @@ class CpuQuota:
                 if "cpu" not in enabled:
                     _write(os.path.join(self.parent, "cgroup.subtree_control"), "+cpu")
             if pid not in self._state.homes:
-                self._state.homes[pid] = self._home(pid)
+                self._state.homes[pid] = home_of(self.hierarchy, self.parent, pid)
             self._state.worker_home.setdefault(name, self._state.homes[pid])
             self._state.record(name, self.job)  # before the cgroup: a SIGKILL leaves its owner
             self._mkdir(child)
@@ -515,19 +517,18 @@ class CpuQuota:
     def _limit(self, child: str, fraction: Optional[float]) -> None:
         _set_cap(self.hierarchy.version, child, fraction)
 
-    def _home(self, pid: int) -> str:
-        """The cgroup directory ``pid`` is in now (the hierarchy's root when unknown)."""
-        try:
-            with open(f"/proc/{pid}/cgroup", encoding="utf-8") as fh:
-                rel = cgroup_of(fh.read(), self.hierarchy.version)
-        except FileNotFoundError:
-            raise ProcessGone(f"process {pid} is gone") from None
-        except OSError as exc:
-            raise CgroupError(f"cannot read /proc/{pid}/cgroup: {exc.strerror or exc}") from None
-        home = os.path.normpath(os.path.join(self.hierarchy.root, (rel or "/").lstrip("/")))
-        if home == self.parent or home.startswith(self.parent + os.sep):
-            return self.hierarchy.root  # already ours (a run that did not clean up)
-        return home
+
+def home_of(hierarchy: Hierarchy, parent: str, pid: int) -> str:
+    """The cgroup ``pid`` is in (the root when unknown, or in ``parent``: not cleaned up)."""
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8") as fh:
+            rel = cgroup_of(fh.read(), hierarchy.version, hierarchy.controller)
+    except FileNotFoundError:
+        raise ProcessGone(f"process {pid} is gone") from None
+    except OSError as exc:
+        raise CgroupError(f"cannot read /proc/{pid}/cgroup: {exc.strerror or exc}") from None
+    home = os.path.normpath(os.path.join(hierarchy.root, (rel or "/").lstrip("/")))
+    return hierarchy.root if home == parent or home.startswith(parent + os.sep) else home
 
 
 def _finalize(state: _State) -> None:
@@ -538,10 +539,11 @@ def _finalize(state: _State) -> None:
 
 
 def sweep_stale(job: Optional[str] = None, hierarchy: Optional[Hierarchy] = None,
-                owners: Optional[str] = None) -> list[str]:
+                owners: Optional[str] = None, kind: str = OWNER_KIND, lift=None) -> list[str]:
     """In the ``hspmd-*`` parents (``hspmd-<job>`` with ``job``): restore and remove the worker
     cgroups of dead owners, remove the empty ones of no known owner, then empty parents; leave a
-    live owner's, and one holding processes of no known owner. Returns the cgroups removed."""
+    live owner's, and one holding processes of no known owner. Returns the cgroups removed.
+    ``kind``, ``lift(version, path)``: another controller's owner records and limit lifting."""
     hierarchy = hierarchy if hierarchy is not None else detect()
     owners = owners or owners_root()
     names = [PREFIX + check_id(job, "job id")] if job is not None else \
@@ -553,37 +555,37 @@ def sweep_stale(job: Optional[str] = None, hierarchy: Optional[Hierarchy] = None
             continue
         for child in _subdirs(parent):
             path, rec_path = os.path.join(parent, child), os.path.join(records, child + ".json")
-            record = _read_record(rec_path)
+            record = _read_record(rec_path, kind)
             if _owner_alive(record) or (record is None and _procs(path)):
                 continue
             try:
                 if record is not None:
-                    _restore(hierarchy, parent, child, record)
+                    _restore(hierarchy, parent, child, record, lift)
                 _rmdir(path)
                 _unlink(rec_path)
                 removed.append(path)
             except CgroupError as exc:
-                log.warning("stale CPU cgroup %s not restored: %s", path, exc)
+                log.warning("stale cgroup %s not restored: %s", path, exc)
         try:
             if not _subdirs(parent):
                 _rmdir(parent)
                 _unlink(records, os.rmdir)
                 removed.append(parent)
         except CgroupError as exc:
-            log.warning("stale CPU cgroup %s not removed: %s", parent, exc)
+            log.warning("stale cgroup %s not removed: %s", parent, exc)
     return removed
 
 
-def _restore(hierarchy: Hierarchy, parent: str, child: str, record: dict) -> None:
+def _restore(hierarchy: Hierarchy, parent: str, child: str, record: dict, lift=None) -> None:
     """A dead owner's worker cgroup: cap lifted first (then a process that cannot move is at
     least not throttled), every process moved home (the recorded cgroup, else the root)."""
     path, home = os.path.join(parent, child), record.get("home")
-    _set_cap(hierarchy.version, path, None)
+    lift(hierarchy.version, path) if lift else _set_cap(hierarchy.version, path, None)
     if not (isinstance(home, str) and os.path.isdir(home) and not home.startswith(parent)):
         home = hierarchy.root
     _State(hierarchy, parent, worker_home={child: home})._empty(child, path)
-    log.warning("CPU cgroup %s: its owner (pid %s) is gone; cap lifted, processes moved to %s",
-                path, record.get("owner_pid"), home)
+    log.warning("%s cgroup %s: its owner (pid %s) is gone; limit lifted, processes moved to %s",
+                hierarchy.controller, path, record.get("owner_pid"), home)
 
 
 def release(job: Optional[str] = None) -> list[str]:

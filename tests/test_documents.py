@@ -151,7 +151,7 @@ def test_permutation_is_window_order_at_once():
 def test_truncate_mode_is_one_document_per_sample(indexed):
     prefix, docs = indexed
     nonempty = [d for d, n in enumerate(LENGTHS) if n]
-    plain = DocumentSampler(open_documents(prefix), max_len=7, shuffle=False)
+    plain = DocumentSampler(open_documents(prefix), max_len=7, mode="truncate", shuffle=False)
     for i in range(2 * len(nonempty)):
         d = nonempty[i % len(nonempty)]
         tokens, segments = plain.sample(i)
@@ -161,7 +161,7 @@ def test_truncate_mode_is_one_document_per_sample(indexed):
         assert tokens[:n].tolist() == docs[d][:n].tolist() and not tokens[n:].any()
         assert segments.tolist() == [1] * n + [0] * (8 - n)
         assert plain.lengths(i) == (n,) and plain.documents(i) == [d]
-    shuffled = DocumentSampler(open_documents(prefix), max_len=7, seed=4)
+    shuffled = DocumentSampler(open_documents(prefix), max_len=7, mode="truncate", seed=4)
     order = WindowOrder(len(nonempty), 4)
     assert [shuffled.documents(i)[0] for i in range(len(nonempty))] == \
         [nonempty[order(p, 0)] for p in range(len(nonempty))]

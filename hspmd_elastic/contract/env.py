@@ -64,6 +64,9 @@ ETCD_SERVER_CERT_ENV = "HSPMD_ETCD_SERVER_CERT"  # the embedded etcd's server ce
 ETCD_SERVER_KEY_ENV = "HSPMD_ETCD_SERVER_KEY"  # ... and its key
 ETCD_BINARY_ENV = "HSPMD_ETCD_BINARY"  # the etcd server binary the embedded etcd runs
 GPU_CHECK_WHEELS_ENV = "HSPMD_GPU_CHECK_WHEELS"  # set by scripts/gpu_check: its wheel folder
+# the cgroup.procs file of a worker's memory cgroup: the agent's start shim joins it, then drops
+# the variable (``--hspmd-enforce-memory``; launcher.node.workers)
+CGROUP_PROCS_ENV = "HSPMD_CGROUP_PROCS"
 
 # ----------------------------------------------------- the --etcd-restart-cmd's environment
 ETCD_ENDPOINT_ENV = "HSPMD_ETCD_ENDPOINT"  # the member to act on

@@ -35,6 +35,7 @@ from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.lease import LeasedSession
 from launcher.api import EXIT_FAILED, EXIT_OK, LaunchConfig, LaunchError, SignalReceived
+from launcher.cgroup_memory import release_memory
 from launcher.cgroups import release as release_cgroups
 from launcher.console import WaitBar
 from launcher.logs import RunLogDir
@@ -113,6 +114,7 @@ class NodeAgent:
         finally:
             self._leave()
             release_cgroups(ctx.job)  # this host's CPU cgroups of the job, a dead owner's too
+            release_memory(ctx.job)  # and its memory cgroups (--hspmd-enforce-memory)
         return EXIT_OK if self.outcome.ok else EXIT_FAILED
 
     def _leave(self) -> None:

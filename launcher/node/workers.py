@@ -32,6 +32,7 @@ from typing import Optional
 
 import psutil
 
+from hspmd_elastic.contract.env import CGROUP_PROCS_ENV
 from launcher.api import WorkerSpawnError
 from launcher.logs import WorkerLogPaths, open_console_tails
 from launcher.node import reaper
@@ -45,10 +46,14 @@ KILL_WAIT_S = 5.0
 # command in place (same pid). A preexec_fn would do it without the shim, but a fork that runs
 # Python in the child trips the fork handlers of the agent's gRPC threads (etcd client) and
 # can abort the child; without preexec_fn, subprocess forks with vfork and runs no handlers.
+# With CGROUP_PROCS_ENV in its environment (a worker's memory cgroup, made beforehand: elastic
+# memory.py) the shim joins that cgroup first, so all the worker allocates is charged to it.
 _PDEATHSIG_SHIM = (
     "import ctypes, os, signal, sys\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)\n"
     "os.getppid() == int(sys.argv[1]) or os._exit(137)\n"
+    f"cg = os.environ.pop({CGROUP_PROCS_ENV!r}, '')\n"
+    "cg and os.write(os.open(cg, os.O_WRONLY), str(os.getpid()).encode())\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 

@@ -7,7 +7,9 @@ done, is success; a ``switch-failed`` event, the same error journaled by two wor
 script's error, ``exits.ScriptErrors``: it wins over "no usable device", which is only its
 consequence), no usable device left, or (this agent leading) no plan that keeps the
 ``--hspmd-redundancy`` guarantee or a model that no plan fits even on the largest cluster the
-job can have, is failure. A cause that came from etcd is shown by its first line, escaped and
+job can have, or a plan that does not fit the enforced memory (``--hspmd-enforce-memory``: the OOM
+killer ended a worker of this node; first of the failures, as the others are its consequences),
+is failure. A cause that came from etcd is shown by its first line, escaped and
 cut (``contract.text.first_line``).
 """
 
@@ -35,6 +37,7 @@ class JobView:
     plan_shortfall: str = ""  # this agent's leader found no plan keeping --hspmd-redundancy
     script_error: str = ""  # two worker exits journaled the same error (ScriptError.describe)
     plan_impossible: str = ""  # this agent's leader: no plan fits the largest cluster possible
+    memory_error: str = ""  # an OOM kill under --hspmd-enforce-memory (elastic.memory.describe)
 
 
 def judge(view: JobView) -> tuple[str, str]:
@@ -45,6 +48,8 @@ def judge(view: JobView) -> tuple[str, str]:
         return SUCCEEDED, f"all devices of the plan finished ({view.finished_worker})"
     if view.nodes_done:
         return SUCCEEDED, "every node of the plan finished its workers"
+    if view.memory_error:
+        return FAILED, first_line(view.memory_error, MAX_REASON)
     if view.switch_failed:
         return FAILED, "switch failed: " + first_line(view.switch_failed, MAX_REASON)
     if view.script_error:
