@@ -4,8 +4,8 @@
 
 prints the plan the leader would choose (layout, estimated step time, memory per device, the
 next-best alternatives); ``--json`` prints the same as JSON. ``--device-memory``,
-``--redundancy`` and ``--all-devices`` ask what the leader of agents started with
-``--hspmd-device-memory`` and ``--hspmd-redundancy`` on CPU workers would plan. It runs the pure planner only: no
+``--redundancy`` ask what the leader of agents started with ``--hspmd-device-memory`` and
+``--hspmd-redundancy`` would plan. It runs the pure planner only: no
 etcd, no processes. ``--fail`` takes device ids or ``NODE:INDEX``, the node by name (``node0``)
 or by position (``0``); ``--devices`` names at most ``MAX_DEVICES`` devices, counted before any
 is made. Bad input is a usage error (exit 2) with one line naming the bad value; a
@@ -30,9 +30,16 @@ says so instead of a step time. ``--lengths`` does not combine with ``--current`
 --hspmd-lengths`` publishes: the uniform home plan, and each bucket's plan chosen over the
 devices as they are (``planner.bucket_layouts``, as ``leader.planning`` calls it).
 
-``--uniform`` plans over ``planner.uniform_inventory`` (every device taken for the weakest) and
-tells the result on the devices as they are: their types, and the step time and memory the
-cost model estimates there (``--json``: the same, with ``uniform`` holding that step time).
+``--uniform`` plans the best uniform plan over any prefix of the devices by speed
+(``planner.subsets.best_uniform``: for each prefix, fastest first, every device of it taken for
+its weakest, the others idle; the least predicted step wins) and tells the result on the devices
+as they are: their types, and the step time and memory the cost model estimates there
+(``--json``: the same, with ``uniform`` holding that step time).
+
+Idle devices are listed with why (``Estimate.idle``): each one's speed relative to the fastest
+device and the predicted step time of the best plan that gives it work against the chosen
+plan's (``--json``: ``estimate.idle``). The planner leaves a device idle when it costs the step
+more than it adds; ``--all-devices`` asks for plans that give every device a role instead.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ from hspmd_elastic.planner import (Candidate, Inventory, LengthBucket, PlanInfea
                                    PlannerError, PlannerOptions, PlanResult, estimate_plan,
                                    inventory_from_dict, inventory_from_nodes, parse_bytes,
                                    parse_lengths, plan_buckets, plan_for, preset,
-                                   profile_from_dict, uniform_inventory)
+                                   profile_from_dict)
+from hspmd_elastic.planner.subsets import best_uniform
 from launcher.numbers import number
 
 
@@ -242,13 +250,16 @@ def load_profile(model: str):
 @click.option("--device-memory", default=None, metavar="SIZE",
               help="Every device's memory, e.g. 24MiB (as --hspmd-device-memory declares it).")
 @click.option("--all-devices", is_flag=True,
-              help="Prefer plans that give every device a role (what the leader asks for on "
-                   "CPU workers).")
+              help="Prefer plans that give every device a role, even where a slow device "
+                   "costs the step more than it adds (by default such a device is left idle "
+                   "and the output says why).")
 @click.option("--alternatives", type=number("plan --alternatives"), default=3, show_default=True,
               help="Next-best plans to show (0..100).")
 @click.option("--uniform", is_flag=True,
-              help="The best uniform SPMD plan (one TP/PP everywhere, even layers and rows), "
-                   "as --hspmd-planner uniform plans; its step time on these devices is added.")
+              help="The best uniform SPMD plan (one TP/PP everywhere, even layers and rows) over "
+                   "any prefix of the devices by speed, every device of it taken for its "
+                   "weakest, as --hspmd-planner uniform plans; its step time on these devices "
+                   "is added.")
 @click.option("--lengths", default=None, metavar="LEN:SHARE,...",
               help="Length buckets, shortest first: each bucket's longest sequence (tokens) "
                    "and its share of the sequences, the shares summing to 1, e.g. "
@@ -287,8 +298,9 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
         return
     with _planner_errors():
         if uniform:
-            result = _told_on(plan_for(uniform_inventory(inventory), profile, global_batch,
-                                       current_plan, options), inventory, options, current_plan)
+            result = _told_on(best_uniform(plan_for, inventory, profile, global_batch,
+                                           current_plan, options),
+                              inventory, options, current_plan)
         else:
             result = plan_for(inventory, profile, global_batch, current_plan, options)
     if as_json:
@@ -307,9 +319,10 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
 
 def _told_on(result: PlanResult, inventory: Inventory, options: PlannerOptions,
              current_plan: Optional[Plan]) -> PlanResult:
-    """``result`` (searched over ``uniform_inventory(inventory)``) with every plan's label and
-    estimate on ``inventory``, the devices as they are; a plan that cannot run there (not
-    expected: the uniform devices are the weakest) is left out."""
+    """``result`` (``best_uniform``'s, searched over uniform devices) with every plan's label
+    and estimate on ``inventory``, the devices as they are (the chosen plan keeps its
+    ``Estimate.idle``, whose step times are the uniform predictions); a plan that cannot run
+    there (not expected: the uniform devices are the weakest) is left out."""
     from hspmd_elastic.planner.explain import describe
 
     def told(c: Candidate) -> Optional[Candidate]:
@@ -322,6 +335,8 @@ def _told_on(result: PlanResult, inventory: Inventory, options: PlannerOptions,
         return Candidate(c.plan, est, label, c.score)
 
     chosen = told(result.chosen)
+    if chosen is not None:
+        chosen = replace(chosen, estimate=replace(chosen.estimate, idle=result.estimate.idle))
     if chosen is None:
         raise click.ClickException("the best uniform plan does not run on these devices: "
                                    + describe(result.plan, inventory))
@@ -362,7 +377,7 @@ def _in_step(inventory: Inventory, profile, global_batch: int,
              buckets: tuple[LengthBucket, ...], options: PlannerOptions,
              uniform: bool = False) -> dict:
     """What a job's leader publishes for these buckets: the home plan (``plan_for`` on the
-    whole batch at the longest length; over ``uniform_inventory`` with ``uniform``) and each
+    whole batch at the longest length; ``best_uniform`` with ``uniform``) and each
     bucket's plan inside the step (``planner.bucket_layouts`` over the devices as they are).
     ``home_s`` is None where the home layout cannot run a bucket, ``home_why`` says why."""
     from hspmd_elastic.planner.bucket_layouts import bucket_layouts, spread_rows
@@ -371,8 +386,8 @@ def _in_step(inventory: Inventory, profile, global_batch: int,
 
     at = profile_at(profile, buckets[-1].max_len)
     with _planner_errors():
-        home = plan_for(uniform_inventory(inventory) if uniform else inventory, at,
-                        global_batch, options=options).plan
+        home = (best_uniform(plan_for, inventory, at, global_batch, options=options) if uniform
+                else plan_for(inventory, at, global_batch, options=options)).plan
         layouts = bucket_layouts(inventory, at, home, buckets, options)
 
     def why(rows: int) -> str:

@@ -10,6 +10,7 @@ deadline; debounce clocks are injected where a test needs to hold a replan back.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -24,7 +25,7 @@ from hspmd_elastic.contract import schema
 from _clock import FakeClock
 from _wait import Recorder, wait_for
 from hspmd_elastic.coord.lifecycle import IllegalTransition
-from hspmd_elastic.planner import ModelProfile, plan_for
+from hspmd_elastic.planner import ModelProfile, PlannerOptions, plan_for
 from launcher.node.elastic.devices import device_table, node_record
 from launcher.leader import Leader, LeaderState, Outcome
 
@@ -33,6 +34,14 @@ WAIT = 10.0
 PROFILE = ModelProfile("tiny", num_layers=2, hidden_size=32, ffn_size=64, num_heads=4,
                        vocab_size=64, seq_len=16)
 BATCH = 8
+
+
+def every_worker(inventory, profile, global_batch, current_plan=None, options=None):
+    """``plan_for`` with every usable device given a role (``use_all_devices``): these tests
+    follow the devices through replans, and the tiny model's fixed costs would leave some
+    idle otherwise."""
+    return plan_for(inventory, profile, global_batch, current_plan,
+                    replace(options or PlannerOptions(), use_all_devices=True))
 
 
 class Agent:
@@ -57,7 +66,7 @@ class Agent:
                                         at=0.0)
         self.session.put(schema.device_key(JOB, self.name, index), rec.to_json())
 
-    def lead(self, planner_fn=plan_for, debounce_s: float = 0.1, **kw) -> Leader:
+    def lead(self, planner_fn=every_worker, debounce_s: float = 0.1, **kw) -> Leader:
         self.leader = Leader(self.client, self.session, JOB, self.name, planner_fn, PROFILE,
                              BATCH, debounce_s=debounce_s, election_recheck_s=0.3, **kw)
         return self.leader.start()
@@ -210,7 +219,7 @@ def test_failed_verdict_is_excluded_and_degraded_reaches_the_planner(cluster):
 
     def planner(inventory, profile, global_batch, current_plan=None, options=None):
         inventories.append(inventory)
-        return plan_for(inventory, profile, global_batch, current_plan, options)
+        return every_worker(inventory, profile, global_batch, current_plan, options)
 
     a = cluster.agent("a").up()
     b = cluster.agent("b").up()
@@ -309,7 +318,7 @@ def test_a_publication_that_loses_a_race_re_reads_and_converges(cluster):
                                       created_at=0.0, inventory={"a:0": 1.0, "a:1": 1.0})
             cluster.client.put(schema.plan_current_key(JOB), other.to_json())
             cluster.client.put(schema.plan_history_key(JOB, 2), other.to_json())
-        return plan_for(inventory, profile, global_batch, current_plan, options)
+        return every_worker(inventory, profile, global_batch, current_plan, options)
 
     a = cluster.agent("a").up()
     leader = a.lead(planner_fn=racing_planner)
@@ -333,7 +342,7 @@ def test_a_deposed_leaders_publish_is_rejected(cluster):
         if hold["on"]:
             entered.set()
             gate.wait(WAIT)
-        return plan_for(inventory, profile, global_batch, current_plan, options)
+        return every_worker(inventory, profile, global_batch, current_plan, options)
 
     nodes = [cluster.agent("a").up(), cluster.agent("b").up()]
     # Leaders on sessions of their own, so deposing one leaves its node's records alone.
@@ -341,7 +350,7 @@ def test_a_deposed_leaders_publish_is_rejected(cluster):
     a = Leader(nodes[0].client, a_leader_session, JOB, "a", slow_planner, PROFILE, BATCH,
                debounce_s=0.05, election_recheck_s=0.3, min_nodes=2).start()
     b_leader_session = LeasedSession(nodes[1].client, ttl=2, name="leader b")
-    b = Leader(nodes[1].client, b_leader_session, JOB, "b", plan_for, PROFILE, BATCH,
+    b = Leader(nodes[1].client, b_leader_session, JOB, "b", every_worker, PROFILE, BATCH,
                debounce_s=0.05, election_recheck_s=0.3, min_nodes=2)
     try:
         cluster.wait_plan(1)

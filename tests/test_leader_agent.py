@@ -15,7 +15,7 @@ import pytest
 from hspmd_elastic.coord import EtcdClient, LeasedSession, read_events, read_plan
 from hspmd_elastic.contract import schema
 from _wait import wait_for
-from hspmd_elastic.planner import ModelProfile, plan_for
+from hspmd_elastic.planner import ModelProfile, PlannerOptions, plan_for
 from hspmd_elastic.contract.progress import read_progress
 from launcher.node.elastic.devices import device_table
 from launcher.node.elastic.node import ElasticNode
@@ -229,8 +229,11 @@ def test_a_node_runs_its_plan_and_reports_an_exit_and_a_hang(etcd_server, tmp_pa
     client = EtcdClient(etcd_server.endpoints, timeout=1.0)
     session = LeasedSession(client, ttl=2, name="agent n")
     mono, wall = FakeClock(100.0), FakeClock(1.7e9)
+    # every worker busy (the tiny model's fixed costs would leave some idle): the test follows
+    # each worker's exit and hang
     leader = Leader(client, session, JOB, "n", plan_for, PROFILE, 8, debounce_s=0.05,
-                    election_recheck_s=0.3)
+                    election_recheck_s=0.3,
+                    planner_options=PlannerOptions(use_all_devices=True))
     workers = ElasticWorkers(JOB, "n", [sys.executable, "-c", WORKER], etcd_server.endpoints,
                              log_paths(tmp_path))
     monitor = ProgressMonitor(HangDetector(min_timeout_s=1.0, startup_grace_s=5.0, clock=mono),

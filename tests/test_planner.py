@@ -96,8 +96,10 @@ def test_tp_degrees_respect_model_divisibility():
 
 def test_configured_template_is_honoured():
     inv = cpu_inventory({"node0": [0, 1, 2, 3]})
+    # every worker busy: the tiny model's fixed costs would leave two idle otherwise
     result = plan_for(inv, profile_from_config(TINY), 8,
-                      options=PlannerOptions(tp_degrees=(1,), pp_degrees=(2,)))
+                      options=PlannerOptions(tp_degrees=(1,), pp_degrees=(2,),
+                                             use_all_devices=True))
     assert [len(p.stages) for p in result.plan.pipelines] == [2, 2]
     assert all(s.tp == 1 for p in result.plan.pipelines for s in p.stages)
 

@@ -104,12 +104,25 @@ def test_without_a_current_plan_the_fast_pass_alone_keeps_every_pipeline_a_row()
 
 
 def test_copies_no_plan_can_keep_are_traded_for_the_fewest_lost():
-    result = plan_for(inventory(10.0), PROFILE, BATCH, options=keep(EVERY, Copies(3, 1)))
+    """Three copies owed (``--hspmd-redundancy 3``'s floor) on two devices: none keeps them."""
+    asked = PlannerOptions(use_all_devices=True, keep_copies=3)
+    result = plan_for(inventory(10.0), PROFILE, BATCH, options=keep(asked, Copies(3, 1)))
     after = Copies.of(result.estimate)
     assert after == Copies(2, 1)  # the most two devices hold
-    verdict = weigh(Copies(3, 1), after)
+    verdict = weigh(Copies(3, 1), after, redundancy=3)
     assert verdict.outcome == TRADED and "no plan for these speeds keeps 3 device(s)" in \
         verdict.why
+
+
+def test_copies_beyond_two_are_spent_on_speed_and_the_second_never_is():
+    """Owed: what the plan has, up to two (one loss survived) or the redundancy asked."""
+    assert Copies(4, 2).owed() == Copies(2, 2) and Copies(4, 1).owed(3) == Copies(3, 1)
+    assert Copies(1, 1).owed() == Copies(1, 1)
+    assert keep(PlannerOptions(), Copies(4, 1)).keep_copies == 2
+    spent = weigh(Copies(4, 1), Copies(2, 1))
+    assert spent.outcome == KEPT and "the copies beyond 2/1 spent on speed" in spent.why
+    assert weigh(Copies(2, 1), Copies(1, 1)).outcome == TRADED
+    assert weigh(Copies(4, 1), Copies(2, 1), redundancy=3).outcome == TRADED
 
 
 def test_a_kept_verdict_names_the_faster_plan_it_did_not_take():

@@ -18,6 +18,8 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Mapping, Optional
 
+from hspmd_elastic.plan import OPTIMIZER_SHARDS
+
 if TYPE_CHECKING:
     from hspmd_elastic.graph.config import ModelConfig
     from hspmd_elastic.plan import Plan
@@ -344,9 +346,11 @@ class PlannerOptions:
     ``redundancy``: a hard constraint: every parameter slice (each TP shard of every layer, the
     embedding and the head) lives on at least this many nodes; no plan breaking it is returned,
     and when none meets it ``plan_for`` raises ``RedundancyError`` naming the shortfall. 1: none.
-    ``use_all_devices``: rank plans that leave no usable device idle above all others, even when
-    the cost model says the extra devices do not shorten the step (a job whose every worker
-    expects a role, e.g. a tiny CPU model dominated by fixed costs).
+    ``use_all_devices``: an explicit opt-in: rank plans that leave no usable device idle above
+    all others, even when the cost model says the extra devices do not shorten the step (a job
+    whose every worker must have a role). Without it the search also lays out subsets of the
+    usable devices (``planner.subsets``) and leaves a device idle when it costs more than it
+    adds; ``Estimate.idle`` says why.
     ``switch_weight``: weight of the switch traffic from ``current_plan``: a plan's score is its
     step time x (1 + switch_weight x moved bytes / one replica's state bytes). Independently,
     plans within ``tie_tolerance`` of the best score are ordered by moved bytes.
@@ -357,6 +361,9 @@ class PlannerOptions:
     ones that lose the fewest copies first (a preference: the least redundancy trade that
     exists). With ``keep_copies`` above 1 every pipeline of a layout gets a row at least, so a
     slow device keeps its replica with little work instead of none. 0: nothing to keep.
+    ``optimizer_shards``: where the plans' AdamW moments live (``Plan.optimizer_shards``):
+    ``"replicated"`` or ``"uneven"`` (each device updates, and keeps the moments of, about its
+    pipeline's share of the rows: ``planner.zero_cost``).
     """
 
     tp_degrees: Optional[tuple[int, ...]] = None
@@ -372,8 +379,12 @@ class PlannerOptions:
     refine: int = 4  # candidates re-solved exactly (integer program) after the fast pass
     keep_copies: int = 0
     keep_copy_nodes: int = 0
+    optimizer_shards: str = OPTIMIZER_SHARDS[0]
 
     def __post_init__(self) -> None:
+        if self.optimizer_shards not in OPTIMIZER_SHARDS:
+            raise PlannerError(f"optimizer_shards={self.optimizer_shards!r}; valid: "
+                               f"{', '.join(OPTIMIZER_SHARDS)}")
         for name in ("tp_degrees", "pp_degrees"):
             value = getattr(self, name)
             if value is not None:
@@ -400,8 +411,27 @@ class PlannerOptions:
 
 
 @dataclass(frozen=True)
+class IdleDevice:
+    """Why a usable device has no role in the chosen plan (``Estimate.idle``).
+
+    ``speed``: its effective FLOP/s over the fastest usable device's (1.0: as fast);
+    ``step_time_with_s``: the predicted step time of the best plan the search found that gives
+    it work (None: none it scored does, e.g. for memory); ``step_time_without_s``: the chosen
+    plan's; ``reason``: one line with those numbers, e.g. ``"device 3 idle: at 0.25x the fastest
+    device's speed the best plan using it takes 0.41 s/step vs 0.22 s without"``."""
+
+    id: int
+    speed: float
+    reason: str
+    step_time_with_s: Optional[float]
+    step_time_without_s: float
+
+
+@dataclass(frozen=True)
 class Estimate:
-    """The cost model's verdict on one plan."""
+    """The cost model's verdict on one plan. ``idle`` is filled on a search's chosen plan only
+    (``plan_for``, ``subsets.best_uniform``): one ``IdleDevice`` per device of
+    ``unused_devices``; elsewhere it is empty."""
 
     step_time_s: float
     samples_per_s: float
@@ -417,6 +447,7 @@ class Estimate:
     switch_bytes: Optional[int] = None  # bytes moved from current_plan (None: no current plan)
     replica_nodes: int = 1  # the fewest nodes any parameter slice is held on
     replica_devices: int = 1  # the fewest devices any parameter slice is held on
+    idle: tuple[IdleDevice, ...] = ()  # why each unused device is idle (the chosen plan only)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,11 @@ best few exactly and ranks them:
    remainder into smaller groups). For each pipeline depth the groups are chained into
    pipelines, either in node order (homogeneous pipelines) or dealt so every pipeline gets a
    similar mix of fast and slow groups. Deeper pipelines are tried until they stop helping.
-   When devices are degraded, layouts without the slowest ones are tried as well, so a
-   straggler is used only where it helps.
+   Subsets of the usable devices are laid out as well (``subsets.subsets``: prefixes by
+   speed, dropping the slowest of all, or a type's degraded ones; a family stops once
+   dropping more stops helping), so a device that costs more than it adds (the fixed costs
+   every device pays per step, at its own speed) is left idle; ``options.use_all_devices``
+   lays out all usable devices only.
 2. Fast pass (``passes.Solver.fast``): identical pipelines solved once; min-max layer split
    within memory; min-max split of the batch rows. A pipeline that gets no rows is dropped.
    With ``options.redundancy`` above 1, a layout that leaves some layer on fewer nodes is
@@ -27,6 +30,9 @@ best few exactly and ranks them:
    weighted by switch traffic if asked); plans within ``tie_tolerance`` of the best are
    ordered by the bytes a switch from ``current_plan`` would move, then by pipeline depth,
    then by score.
+5. Idle devices: for each usable device the chosen plan leaves idle, ``Estimate.idle`` holds
+   the best predicted step time of a plan that gives it work (the candidates, and the
+   best-ranked draft using it re-solved exactly) against the chosen one (``subsets``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from itertools import product
 from typing import Optional
 
 from hspmd_elastic.plan import Plan, PlanError
-from hspmd_elastic.planner import cost
+from hspmd_elastic.planner import cost, subsets
 from hspmd_elastic.planner.api import (Candidate, Device, Inventory, ModelProfile,
                                        PlanInfeasibleError, PlannerError, PlannerOptions,
                                        PlanResult, RedundancyError, fmt_bytes)
@@ -50,7 +56,7 @@ from hspmd_elastic.planner.passes import Draft, Solver, tp_options
 
 _PP_DEPTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 _MAX_TP_COMBOS = 64
-_MAX_VARIANTS = 3
+_IDLE_EXACT = 4  # drafts re-solved exactly to say why devices are idle
 _PATIENCE = 2
 _VARIANT_TP_KEEP = 3
 
@@ -130,15 +136,6 @@ def _pipelines(groups: list[_Group], depth: int, mixed: bool) -> tuple[tuple[_Gr
     return tuple(pipes)
 
 
-def _variants(usable: tuple[Device, ...]) -> list[tuple[Device, ...]]:
-    """All usable devices, then without the slowest tiers of degraded ones."""
-    factors = sorted({d.slowdown for d in usable})
-    out = [usable]
-    for limit in reversed(factors[:-1][-(_MAX_VARIANTS - 1):]):
-        out.append(tuple(d for d in usable if d.slowdown <= limit))
-    return out
-
-
 def _group_sets(devices: tuple[Device, ...], profile: ModelProfile,
                 options: PlannerOptions, interned: dict, keep=None):
     """Yield (TP degree per type, TP groups) for each TP degree of each device type
@@ -155,6 +152,8 @@ def _group_sets(devices: tuple[Device, ...], profile: ModelProfile,
     if len(combos) > _MAX_TP_COMBOS:  # many device types: one degree for all
         common = sorted(set.intersection(*(set(v) for v in per_type.values())) or {1})
         combos = [tuple(t for _ in types) for t in common]
+    if keep is not None:  # the kept maps, on the types this subset still has
+        keep = {tuple(kv for kv in k if kv[0] in per_type) for k in keep}
     cache: dict[tuple, list[_Group]] = {}
     ordered: dict[str, tuple] = {}  # node -> _fastest_first
     known: dict[tuple, tuple] = {}  # device classes -> a group's attributes
@@ -277,19 +276,7 @@ def _plan_for(inventory: Inventory, profile: ModelProfile, global_batch: int,
         raise PlanInfeasibleError(f"no usable device: all {len(inventory.devices)} devices of "
                                   "the inventory have failed")
     solver = Solver(profile, global_batch, options)
-    drafts = []
-    keep = None
-    rejected = 0  # layouts that fit but break options.redundancy
-    for index, devices in enumerate(_variants(usable)):
-        best: dict[tuple, float] = {}
-        for tp_of, groups in _group_sets(devices, profile, options, solver.interned, keep):
-            found, dropped = _scan_depths(solver, groups)
-            drafts += found
-            rejected += dropped
-            best[tp_of] = min((d.score for d in found), default=math.inf)
-        if index == 0:
-            # Without the stragglers, only the TP degrees that did best with them are retried.
-            keep = set(sorted(best, key=lambda k: (best[k], k))[:_VARIANT_TP_KEEP])
+    drafts, rejected = _scan_subsets(solver, usable, profile, options)
     if not drafts:
         raise (_short_of_redundancy(usable, profile, options) if rejected
                else _infeasible(usable, profile, options))
@@ -304,7 +291,72 @@ def _plan_for(inventory: Inventory, profile: ModelProfile, global_batch: int,
     if not candidates:
         raise _infeasible(usable, profile, options)
     ranked = _rank(candidates, options)
-    return PlanResult(ranked[0], tuple(ranked[1:1 + options.alternatives]), profile, inventory)
+    chosen = ranked[0]
+    if chosen.estimate.unused_devices:
+        steps = _with_steps(chosen, candidates, drafts, solver, inventory, profile, options)
+        chosen = subsets.with_idle(chosen, subsets.idle_devices(chosen, inventory, steps))
+    return PlanResult(chosen, tuple(ranked[1:1 + options.alternatives]), profile, inventory)
+
+
+def _scan_subsets(solver: Solver, usable: tuple[Device, ...], profile: ModelProfile,
+                  options: PlannerOptions) -> tuple[list[Draft], int]:
+    """Fast-score the layouts of every subset of ``subsets.subsets`` (only all usable devices
+    with ``options.use_all_devices``): (drafts, layouts dropped for ``options.redundancy``).
+    Past the first subset only the TP degree maps that did best on it are retried, and a
+    family of subsets stops once dropping more stops helping (``subsets.Patience``)."""
+    drafts: list[Draft] = []
+    keep = None
+    rejected = 0
+    patience = subsets.Patience(len(usable))
+    tried = [(0, usable)] if options.use_all_devices else subsets.subsets(usable)
+    for index, (family, devices) in enumerate(tried):
+        if not patience.wants(family):
+            continue
+        best: dict[tuple, float] = {}
+        for tp_of, groups in _group_sets(devices, profile, options, solver.interned, keep):
+            found, dropped = _scan_depths(solver, groups)
+            drafts += found
+            rejected += dropped
+            best[tp_of] = min((d.score for d in found), default=math.inf)
+        patience.scored(family, min(best.values(), default=math.inf))
+        if index == 0:
+            # On the subsets, only the TP degrees that did best on all devices are retried.
+            keep = set(sorted(best, key=lambda k: (best[k], k))[:_VARIANT_TP_KEEP])
+    return drafts, rejected
+
+
+def _with_steps(chosen: Candidate, candidates: list[Candidate], drafts: list[Draft],
+                solver: Solver, inventory: Inventory, profile: ModelProfile,
+                options: PlannerOptions) -> dict[int, float]:
+    """Per device ``chosen`` leaves idle, the least predicted step time of a plan that gives it
+    work: the exact candidates, and the best-ranked draft using it re-solved exactly (at most
+    ``_IDLE_EXACT`` drafts)."""
+    idle = set(chosen.estimate.unused_devices)
+    out: dict[int, float] = {}
+
+    def seen(devices, step: float) -> None:
+        for d in idle.intersection(devices):
+            if d not in out or step < out[d]:
+                out[d] = step
+
+    for c in candidates:
+        seen(c.plan.devices, c.estimate.step_time_s)
+    left, solved = set(idle), 0
+    for draft in drafts:
+        if not left or solved >= _IDLE_EXACT:
+            break
+        if left.isdisjoint(d.id for _, pipe, _ in draft.assigned for g in pipe
+                           for d in g.devices):
+            continue
+        solved += 1
+        try:
+            plan = solver.exact(draft)
+            est = cost.estimate_plan(plan, inventory, profile, options)
+        except (PlanError, PlanInfeasibleError):
+            continue
+        seen(plan.devices, est.step_time_s)
+        left -= set(plan.devices)
+    return out
 
 
 def _scan_depths(solver: Solver, groups: list[_Group]) -> tuple[list[Draft], int]:

@@ -15,14 +15,19 @@ current ``Plan`` and ``PlannerOptions`` in; a ``PlanResult`` out). Promises:
 * a plan the planner finds infeasible raises ``PlanningFailed`` (the caller keeps the current
   plan); any other planner failure, or no planner, gives ``fallback_dp_plan`` (from the
   planner's API) over the usable devices, and the layout says so (``planner``);
-* the planner's options come from ``default_planner_options`` unless the caller gives some: CPU
-  jobs ask for every worker slot to get a role, and a cluster of two nodes or more prefers
-  every parameter slice on two nodes; ``RedundantPlanner`` wraps a planner so every plan keeps
-  every slice on ``--hspmd-redundancy`` nodes (a hard constraint, whatever the options), and
-  remembers why the last search found none (``shortfall``) so the agent can end the job;
-  ``UniformPlanner`` wraps a planner so every plan is uniform SPMD (``--hspmd-planner uniform``);
+* the planner's options come from ``default_planner_options`` unless the caller gives some: a
+  cluster of two nodes or more prefers every parameter slice on two nodes; no job is asked to
+  give every device a role (CPU jobs included): the planner leaves a device idle when it costs
+  more than it adds, and the result's ``Estimate.idle`` says why; ``RedundantPlanner`` wraps a
+  planner so every plan keeps every slice on ``--hspmd-redundancy`` nodes (a hard constraint,
+  whatever the options), and remembers why the last search found none (``shortfall``) so the
+  agent can end the job;
+  ``UniformPlanner`` wraps a planner so every plan is uniform SPMD (``--hspmd-planner uniform``),
+  the best one over any prefix of the devices by speed (``planner.subsets.best_uniform``);
+  ``AllDevicesPlanner`` so every usable device gets a role (``--hspmd-all-devices on``); the
+  devices a plan leaves idle are logged with why;
 * a decision that answers speeds alone (``speed_only``: degrade and recover changes, no device
-  came or went) plans under ``keep_copies``: the plans keeping the current plan's copies of
+  came or went) plans under ``keep_copies``: the plans keeping the copies the current plan owes of
   every parameter slice (``planner.copies``) rank first, a trade is logged as a warning;
 * importing this module does not import the planner (its search loads scipy): the planner
   package is imported when a plan is first made.
@@ -113,11 +118,10 @@ class RedundantPlanner:
         return result
 
 
-class UniformPlanner:
-    """A ``PlannerFn`` that plans uniform SPMD (``--hspmd-planner uniform``): ``planner_fn`` over
-    ``planner.uniform_inventory`` (every live device taken for the weakest one), so the plan has
-    one TP and PP degree everywhere, even layers and even rows, whatever the devices' speeds.
-    The conservative mode, and the baseline heterogeneous plans are measured against."""
+class AllDevicesPlanner:
+    """A ``PlannerFn`` that calls ``planner_fn`` with ``use_all_devices`` set on whatever options
+    it is given (``--hspmd-all-devices on``): every usable device gets a role, even one the
+    planner would leave idle. ``shortfall`` is ``planner_fn``'s (none: "")."""
 
     def __init__(self, planner_fn: PlannerFn):
         self.planner_fn = planner_fn
@@ -129,23 +133,63 @@ class UniformPlanner:
     def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
                  current_plan: Optional[Plan] = None,
                  options: Optional[PlannerOptions] = None) -> PlanResult:
-        from hspmd_elastic.planner import PlannerOptions, uniform_inventory
+        from hspmd_elastic.planner import PlannerOptions
 
-        return self.planner_fn(uniform_inventory(inventory), profile, global_batch,
-                               current_plan=current_plan, options=options or PlannerOptions())
+        opts = replace(options or PlannerOptions(), use_all_devices=True)
+        return self.planner_fn(inventory, profile, global_batch, current_plan=current_plan,
+                               options=opts)
+
+
+class UniformPlanner:
+    """A ``PlannerFn`` that plans uniform SPMD (``--hspmd-planner uniform``): the best of
+    ``planner_fn`` over ``planner.uniform_inventory`` of each prefix of the devices by speed
+    (fastest first, every device of it taken for its weakest, the others idle:
+    ``planner.subsets.best_uniform``), so the plan has one TP and PP degree everywhere, even
+    layers and even rows, whatever the devices' speeds, and leaves out slow devices that would
+    pace it. The conservative mode, and the baseline heterogeneous plans are measured against.
+    A ``planner_fn`` with a ``shortfall`` (``RedundantPlanner``) keeps the whole inventory's
+    after a failure, and "" once some prefix has a plan."""
+
+    def __init__(self, planner_fn: PlannerFn):
+        self.planner_fn = planner_fn
+
+    @property
+    def shortfall(self) -> str:
+        return getattr(self.planner_fn, "shortfall", "")
+
+    def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
+                 current_plan: Optional[Plan] = None,
+                 options: Optional[PlannerOptions] = None) -> PlanResult:
+        from hspmd_elastic.planner import PlannerOptions, RedundancyError
+        from hspmd_elastic.planner.subsets import best_uniform
+
+        try:
+            result = best_uniform(self.planner_fn, inventory, profile, global_batch,
+                                  current_plan, options or PlannerOptions())
+        except RedundancyError as exc:
+            self._set_shortfall(str(exc))
+            raise
+        self._set_shortfall("")
+        return result
+
+    def _set_shortfall(self, text: str) -> None:
+        if hasattr(self.planner_fn, "shortfall"):
+            self.planner_fn.shortfall = text
 
 
 def default_planner_options(devices: Sequence[DeviceView]) -> PlannerOptions:
     """The planner's options for this cluster.
 
-    CPU jobs expect a role for every worker slot: ask the planner to use every device. When the
-    devices span two nodes or more, rank plans that keep every parameter slice on two nodes
-    first, so that losing one node is a reshard from the survivors, not a checkpoint reload
-    (a preference: a cluster where no such plan fits still gets the fastest plan)."""
+    When the devices span two nodes or more, rank plans that keep every parameter slice on two
+    nodes first, so that losing one node is a reshard from the survivors, not a checkpoint
+    reload (a preference: a cluster where no such plan fits still gets the fastest plan).
+    ``use_all_devices`` stays off for every job, CPU workers included: a device that costs the
+    step more than it adds (a slow worker's per-step fixed costs) is left idle, and the plan's
+    ``Estimate.idle`` says why; a caller that needs every worker busy passes options with
+    ``use_all_devices=True``."""
     from hspmd_elastic.planner import PlannerOptions
 
-    return PlannerOptions(use_all_devices=all(d.type.upper() == "CPU" for d in devices),
-                          cross_node_replicas=len({d.node for d in devices}) >= 2)
+    return PlannerOptions(cross_node_replicas=len({d.node for d in devices}) >= 2)
 
 
 def make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
@@ -177,7 +221,7 @@ def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
     inventory, opts = None, None
     if planner_fn is not None:
         try:
-            inventory = _inventory(universe, usable, ids, decision.devices[0].type)
+            inventory = device_inventory(universe, usable, ids, decision.devices[0].type)
             opts = options if options is not None else default_planner_options(decision.devices)
             now = _current_in(current, ids)
             before, home = None, opts  # the bucket plans hold no parameters: no copies kept
@@ -186,8 +230,9 @@ def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
             result = planner_fn(inventory, profile, global_batch, current_plan=now,
                                 options=home)
             plan = result.plan
+            _log_idle(decision.version, result, universe)
             if before is not None:
-                _log_copies(decision.version, before, result)
+                _log_copies(decision.version, before, result, home.redundancy)
         except PlanInfeasibleError as exc:
             raise PlanningFailed(f"plan v{decision.version}: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - the planner is optional: fall back, say why
@@ -232,11 +277,20 @@ def keep_copies(options: PlannerOptions, current: Plan, inventory: Inventory):
     return copies, keep(options, copies)
 
 
-def _log_copies(version: int, before, result: PlanResult) -> None:
+def _log_idle(version: int, result: PlanResult, universe: Sequence[str]) -> None:
+    """Say which usable devices the plan leaves idle and why (``Estimate.idle``; ``universe[i]``
+    names the planner's device ``i``)."""
+    from hspmd_elastic.planner.explain import idle_lines
+
+    for line in idle_lines(result.estimate.idle, names=universe):
+        log.info("plan v%d: %s", version, line)
+
+
+def _log_copies(version: int, before, result: PlanResult, redundancy: int = 1) -> None:
     """Say what a speed-driven plan did to the job's redundancy (a trade is a warning)."""
     from hspmd_elastic.planner.copies import KEPT, Copies, weigh
 
-    verdict = weigh(before, Copies.of(result.estimate))
+    verdict = weigh(before, Copies.of(result.estimate), redundancy=redundancy)
     (log.info if verdict.outcome == KEPT else log.warning)(
         "plan v%d (speeds only): redundancy %s: %s", version, verdict.outcome, verdict.why)
 
@@ -276,9 +330,10 @@ def _relabel(plan: Plan, mapping: Mapping[int, int]) -> Plan:
     return plan.relabel(mapping)
 
 
-def _inventory(universe: Sequence[str], usable: Mapping[str, DeviceView],
-               ids: Mapping[str, int], lost_type: str) -> Inventory:
-    """The planner's inventory: every device of ``universe`` under its int id; those not
+def device_inventory(universe: Sequence[str], usable: Mapping[str, DeviceView],
+                     ids: Mapping[str, int], lost_type: str) -> Inventory:
+    """The planner's inventory (``make_layout``'s, and the straggler rule's predictions'): every
+    device of ``universe`` under its int id; those not
     ``usable`` (lost since the current plan) as failed devices of type ``lost_type``."""
     from hspmd_elastic.planner import Device, Health, Inventory, spec_for_device
 

@@ -34,8 +34,11 @@ def base_env(marker: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     # PYTHONFAULTHANDLER: a worker that dies in native code (SIGABRT, SIGSEGV) still prints the
     # Python stacks of its threads, so a failed test says where it was.
+    # PET_HSPMD_ALL_DEVICES (--hspmd-all-devices, read in elastic mode only): every worker gets
+    # a role, as these tests follow every worker through kills and reshards; the tiny models'
+    # fixed costs would leave some idle. A test of idle workers passes "off".
     env.update({MARKER: marker, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONFAULTHANDLER": "1"})
+                "PYTHONFAULTHANDLER": "1", "PET_HSPMD_ALL_DEVICES": "on"})
     env.pop("PYTEST_CURRENT_TEST", None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
