@@ -15,6 +15,12 @@ network, as a BSR source of that plan's switch (``RunResult.drained``), then the
 A worker that holds state never re-enters a plan after one it missed left its device out (a
 partition healed meanwhile): it leaves, and its agent starts a fresh worker, which joins
 through the BSR like any joiner (the fence is the plan version: see ``_left_out_since``).
+A worker that holds nothing while the newest plan leaves its device idle stays: it probes its
+device (``elastic.busy.probe``: one micro-batch through a one-layer copy of the model, no
+process group, bounded by ``elastic.busy.ProbeSchedule``) and reports the probe's time in its
+progress (``probe_s``, ``probes``) under that plan, so the leader can measure the idle device
+and plan it back in when that pays; it waits as long as the job runs (no ``plan_wait_s``
+deadline) and leaves (``EXCLUDED``) once ``rdzv/state`` records the job's end.
 
 The worker computes where ``hspmd_elastic.devices.select_device`` puts it (``HSPMD_DEVICE``:
 ``cuda:<LOCAL_RANK>`` when CUDA is available and allowed, else the CPU); its model, optimizer
@@ -43,7 +49,8 @@ import torch
 from hspmd_elastic.coord import EtcdClient
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import CoordinationError
-from hspmd_elastic.elastic.busy import BusyMeter
+from hspmd_elastic.contract.rounds import TERMINAL, RoundState
+from hspmd_elastic.elastic.busy import BusyMeter, ProbeSchedule, probe, probe_rows
 from hspmd_elastic.elastic.device_timer import step_timer
 from hspmd_elastic.graph.bucketed import BucketStats, check_sampler
 from hspmd_elastic.elastic.api import (ConfigurationError, Lifecycle, PlanWaitTimeout,
@@ -210,6 +217,9 @@ class _Worker:
             checkpoints=writer, checkpoint_dir=checkpoint_dir, undo=undo, init_from=init_from)
         self._rate = (time.monotonic(), 0)
         self.busy = BusyMeter()  # this rank's own compute per step (elastic.busy)
+        # while the plan leaves this device idle: its probes (elastic.busy.probe)
+        self.probes, self.probe_meter = ProbeSchedule(), BusyMeter(window=4, skip=1, min_steps=1)
+        self.probe_count = 0  # probes under the newest plan that leaves this device idle
         self.timer = step_timer(device)  # host clock, or CUDA events (elastic.device_timer)
 
     # ------------------------------------------------------------------------ main loop
@@ -243,11 +253,19 @@ class _Worker:
 
     def _wait_plan(self):
         """The newest plan above ours that uses or drains this device; None if we are
-        excluded."""
+        excluded (or, idle, the job ended)."""
         deadline = time.monotonic() + self.timeouts.plan_wait_s
-        floor = self.version
+        floor, idle = self.version, None
         while True:
-            record = self.plans.wait_newer(floor, max(0.0, deadline - time.monotonic()))
+            if idle is not None:  # a plan runs without this device: probe it until one uses it
+                record = self._idle_wait(idle)
+                if record is None:
+                    if self._job_ended():
+                        self.log.info("the job ended while this device was idle: leaving")
+                        return None
+                    continue
+            else:
+                record = self.plans.wait_newer(floor, max(0.0, deadline - time.monotonic()))
             if record is None:
                 raise PlanWaitTimeout(f"no plan newer than v{floor} using device "
                                       f"{self.identity.device} within "
@@ -263,7 +281,46 @@ class _Worker:
             if self.held is not None:
                 self.log.warning("plan v%d does not use this device: leaving", record.version)
                 return None
-            floor = record.version  # not used yet: a later plan may add us
+            floor, idle = record.version, record  # not used yet: a later plan may add us
+            self._go_idle(record)
+
+    def _go_idle(self, record) -> None:
+        """The newest plan leaves this device idle (the worker holds nothing): report it under
+        that plan, with no probe yet."""
+        self.log.info("plan v%d leaves this device idle: probing it while waiting for a plan "
+                      "that uses it", record.version)
+        self.version, self.probe_count = record.version, 0
+        self._progress()
+
+    def _idle_wait(self, plan):
+        """Wait for a plan newer than ``plan`` until the next probe is due; run the probe (one
+        micro-batch of ``elastic.busy.probe``, no process group) when none came."""
+        newer = self.plans.wait_newer(plan.version, self.probes.wait_s(time.monotonic()))
+        if newer is not None:
+            return newer
+        try:
+            took = probe(self.config, probe_rows(plan_of(plan)), self.former.device, self.seed)
+        except Exception as exc:  # noqa: BLE001 - no sample is better than a failed worker
+            self.log.warning("idle probe failed (%s: %s); not probing again under v%d",
+                             type(exc).__name__, exc, plan.version)
+            self.probes.done(time.monotonic(), self.timeouts.plan_wait_s)
+            return None
+        self.probes.done(time.monotonic(), took)
+        self.probe_meter.add_busy(plan.version, took)
+        self.probe_count += 1
+        self._progress()
+        return None
+
+    def _job_ended(self) -> bool:
+        """Whether ``rdzv/state`` records the job's end (an idle worker then leaves)."""
+        key = schema.rdzv_state_key(self.identity.job)
+        try:
+            kv = self.client.get(key, timeout=self.timeouts.etcd_s)
+            return kv is not None and RoundState.decode(key, kv.value, kv.mod_revision).state \
+                in TERMINAL
+        except (CoordinationError, ValueError) as exc:
+            self.log.debug("cannot read %s (%s)", key, exc)
+            return False
 
     def _left_out_since(self, version: int, most: int = 64) -> bool:
         """True when a plan between ours and ``version`` did not use this device (read from
@@ -415,9 +472,15 @@ class _Worker:
             self.reporter.report(WorkerProgress(os.getpid(), self.rank, self.identity.local_rank,
                                                 self.version, self.step, time.time(), rate,
                                                 self.lifecycle.state.value,
-                                                self.busy.busy_s))
+                                                self.busy.busy_s, *self._probed()))
         except OSError as exc:
             self.log.warning("progress report failed: %s", exc)
+
+    def _probed(self) -> tuple[float, int]:
+        """(probe_s, probes) of the report: this device's probes while a plan leaves it idle."""
+        if self.held is not None or self.probe_count == 0:
+            return 0.0, 0
+        return self.probe_meter.busy_s, self.probe_count
 
     def _close(self) -> None:
         if self.checkpoints is not None:

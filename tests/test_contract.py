@@ -230,10 +230,14 @@ def test_progress_reports_have_one_reader():
     assert progress_from_dict({**REPORT, "extra": [1]}, 1) == got  # other keys are ignored
     assert progress_from_dict({k: v for k, v in REPORT.items() if k != "state"}, 1).state == ""
     assert list(got.record_fields()) == ["pid", "global_rank", "local_rank", "plan_version",
-                                         "step", "last_progress_at", "steps_per_s", "busy_s"]
+                                         "step", "last_progress_at", "steps_per_s", "busy_s",
+                                         "probe_s", "probes"]
     assert got.busy_s == 0.0  # optional: absent is "not measured"
     assert progress_from_dict({**REPORT, "busy_s": 0.25}, 1).busy_s == 0.25
     assert progress_from_dict({**REPORT, "busy_s": math.nan}, 1) is None
+    idle = progress_from_dict({**REPORT, "probe_s": 0.01, "probes": 3}, 1)  # an idle device's
+    assert (idle.probe_s, idle.probes, got.probe_s, got.probes) == (0.01, 3, 0.0, 0)
+    assert progress_from_dict({**REPORT, "probes": 1.5}, 1) is None
 
 
 @pytest.mark.parametrize("change", [

@@ -51,13 +51,15 @@ def records(version: int, step: int, busy: tuple[float, float]) -> dict:
             for i, b in enumerate(busy)}
 
 
-def run(watch: StragglerWatch, clock: Clock, current, busy, steps: range) -> bool:
-    changed = False
+def run(watch: StragglerWatch, clock: Clock, current, busy, steps: range,
+        planned: dict = None) -> dict:
+    """Observe ``steps``; the speeds to plan for that ``observe`` returned last (it returns
+    them as a value each time: the leader passes that into its snapshot)."""
+    planned = {} if planned is None else planned
     for step in steps:
         clock.t += 1.0
-        changed = watch.observe(lambda: records(current.version, step, busy), current,
-                                USABLE) or changed
-    return changed
+        planned = watch.observe(lambda: records(current.version, step, busy), current, USABLE)
+    return planned
 
 
 def test_a_device_four_times_slower_is_planned_for_and_journaled_once():
@@ -65,8 +67,7 @@ def test_a_device_four_times_slower_is_planned_for_and_journaled_once():
     watch = StragglerWatch(profile_from_config(MID), 16, plan_for, default_planner_options,
                            StragglerPolicy(dwell_s=5.0), clock, journal.append)
     v1 = plan_record(1, (8, 8))
-    assert run(watch, clock, v1, (0.1, 0.4), range(1, 12))
-    assert watch.applied == {"n:1": 0.25}
+    assert run(watch, clock, v1, (0.1, 0.4), range(1, 12)) == {"n:1": 0.25}
     [event] = [d for d in journal if d.replan]
     assert event.measured == {"n:0": 1.0, "n:1": 0.25} and event.assumed == {"n:0": 1.0,
                                                                                "n:1": 1.0}
@@ -74,7 +75,7 @@ def test_a_device_four_times_slower_is_planned_for_and_journaled_once():
     assert "n:1 1->0.25" in event.reason
     # nothing new under the same plan: no further decision, no further event
     before = len(journal)
-    assert not run(watch, clock, v1, (0.1, 0.4), range(12, 30))
+    assert run(watch, clock, v1, (0.1, 0.4), range(12, 30)) == {"n:1": 0.25}  # unchanged
     assert len(journal) == before
 
 
@@ -83,8 +84,7 @@ def test_the_same_speeds_and_noise_within_a_quantum_change_nothing():
     watch = StragglerWatch(profile_from_config(MID), 16, plan_for, default_planner_options,
                            StragglerPolicy(dwell_s=0.0), clock, journal.append)
     v1 = plan_record(1, (8, 8))
-    assert not run(watch, clock, v1, (0.1, 0.105), range(1, 20))
-    assert watch.applied == {} and journal == []
+    assert run(watch, clock, v1, (0.1, 0.105), range(1, 20)) == {} and journal == []
 
 
 def test_a_gain_too_small_for_the_switch_is_journaled_but_not_acted_on():
@@ -95,8 +95,8 @@ def test_a_gain_too_small_for_the_switch_is_journaled_but_not_acted_on():
     v1 = schema.PlanRecord(version=1, reason="t", devices=list(DEVS), strategy=Plan(
         tuple(Pipeline((Stage((i,), (0, 2)),), 1, 2) for i in range(2)), 4, 2).to_dict(),
         store_endpoint="h:1", created_at=0.0, inventory={d: 1.0 for d in DEVS})
-    assert not run(watch, clock, v1, (0.01, 0.04), range(1, 12))
-    assert watch.applied == {} and journal and not journal[0].replan
+    assert run(watch, clock, v1, (0.01, 0.04), range(1, 12)) == {}
+    assert journal and not journal[0].replan
     assert "keep the plan" in journal[0].reason
 
 
@@ -111,8 +111,8 @@ def test_recovery_after_the_dwell_gives_the_work_back_and_the_cost_model_is_cali
     profile = profile_from_config(MID)
     inventory = watch._inventory(v2, USABLE, {})
     busy = tuple(predicted_busy_s(plan_of(v2), profile, inventory, r) for r in range(2))
-    assert run(watch, clock, v2, busy, range(12, 40))
-    assert watch.applied == {}  # back at full speed: nothing left to plan around
+    # back at full speed: nothing left to plan around
+    assert run(watch, clock, v2, busy, range(12, 40)) == {}
     assert watch.calibration is None  # fitted when the next plan's predictions are made
     clock.t += 1.0
     watch.observe(lambda: records(3, 41, (0.1, 0.1)), plan_record(3, (8, 8)), USABLE)

@@ -182,6 +182,17 @@ class RestartDetail(Detail):
 
 
 @dataclass
+class IdleDevice:
+    """A usable device a plan leaves idle, and why (nested in ``SpeedsDetail.idle``): its
+    measured speed and the cost model's step time of the best plan with it and without it."""
+
+    speed: float  # measured (1.0: the fastest device); the speed the plan assumed before one
+    step_with_s: float  # predicted step time of the best plan that uses it (0: none found)
+    step_without_s: float  # predicted step time of the plan that leaves it idle
+    reason: str  # the above in one line
+
+
+@dataclass
 class SpeedsDetail(Detail):
     """The leader weighed the devices' measured speeds against the current plan: the numbers,
     whether a plan for the measured speeds pays for its switch (``replan``), and what that
@@ -206,6 +217,9 @@ class SpeedsDetail(Detail):
     copy_nodes_after: int = 0
     redundancy: str = ""
     redundancy_reason: str = ""
+    # The devices the plan this decision leads to leaves idle (the best plan's on a replan, the
+    # current plan's otherwise), each with its speed and step times with and without it.
+    idle: dict[str, IdleDevice] = field(default_factory=dict)
 
 
 EVENT_DETAILS: dict[str, type[Detail]] = {
@@ -227,7 +241,7 @@ EVENT_DETAILS: dict[str, type[Detail]] = {
     EventType.SPEEDS.value: SpeedsDetail,
 }
 EVENT_TYPES: tuple[str, ...] = tuple(EVENT_DETAILS)
-NESTED_DETAIL_TYPES: tuple[type, ...] = (ExitInfo, PlanChange)
+NESTED_DETAIL_TYPES: tuple[type, ...] = (ExitInfo, PlanChange, IdleDevice)
 # The event types a leader journals for the changes a plan answers (``PlanChange.kind``).
 CHANGE_TYPES: tuple[str, ...] = ("join", "leave", "failure", "stall", "drain", "unreachable",
                                  "degrade", "recover", "retry")

@@ -9,9 +9,9 @@ Promises:
   not use its device;
 * **the progress file**: a worker under an agent writes its latest ``WorkerProgress`` to the file
   the agent names in its environment (``WorkerEnv.progress_file``): one JSON object with
-  ``PROGRESS_FIELDS``, ``state`` and the ``OPTIONAL_PROGRESS_FIELDS`` (``busy_s``: the rank's
-  own compute time per step), replaced atomically by rename (``write_progress``); nothing
-  else writes that format;
+  ``PROGRESS_FIELDS``, ``state`` and the ``OPTIONAL_PROGRESS_FIELDS`` (``busy_s``: the
+  rank's own compute time per step; ``probe_s`` and ``probes``: an idle device's probes),
+  replaced atomically by rename (``write_progress``); nothing else writes that format;
 * the format has one reader: ``progress_from_dict`` checks one decoded object (every field of
   ``PROGRESS_FIELDS`` present with its type: integers that are not booleans, finite numbers;
   an optional field absent is its default; ``state`` a string, "" when absent; other keys
@@ -73,6 +73,10 @@ OPTIONAL_PROGRESS_FIELDS: dict[str, tuple[type, Any]] = {
     # seconds of the rank's own compute per step (the step's time minus its waits on peers'
     # collectives and point-to-point), the median over the plan's recent steps; 0: not measured
     "busy_s": (float, 0.0),
+    # a worker whose device the plan leaves idle: seconds of its probe (``elastic.busy.probe``,
+    # the median of its recent ones) and how many it ran under ``plan_version``; 0: none
+    "probe_s": (float, 0.0),
+    "probes": (int, 0),
 }
 
 
@@ -90,6 +94,8 @@ class WorkerProgress:
     steps_per_s: float
     state: str = WorkerState.TRAINING.value
     busy_s: float = 0.0
+    probe_s: float = 0.0
+    probes: int = 0
 
     def record_fields(self) -> dict[str, Any]:
         """The ``PROGRESS_FIELDS`` and ``OPTIONAL_PROGRESS_FIELDS`` of this report (a

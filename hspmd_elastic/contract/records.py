@@ -135,6 +135,11 @@ class WorkerRecord(Record):
     # the rank's own compute per step in seconds (median of the plan's recent steps, waits on
     # peers left out); 0: not measured (yet). The leader's measured speeds come from it.
     busy_s: float = 0.0
+    # a worker whose device the plan leaves idle (it waits for a plan that uses it): its probe's
+    # time in seconds (``elastic.busy.probe``, median of its recent ones) and the number of
+    # probes it ran under ``plan_version`` (the leader's sample marker); 0: none
+    probe_s: float = 0.0
+    probes: int = 0
 
 
 @dataclass

@@ -38,36 +38,32 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from hspmd_elastic.contract.errors import RecordError
-from hspmd_elastic.contract.events import *  # noqa: F401,F403 (the event details)
-from hspmd_elastic.contract.events import EVENT_DETAILS, Detail, check_detail
+# the event details, re-exported: schema.<name> is the contract's one name
+from hspmd_elastic.contract.events import (  # noqa: F401
+    change_detail, CHANGE_TYPES, ChangeDetail, check_detail, Detail, DrainedDetail, EVENT_DETAILS,
+    EVENT_TYPES, EventType, ExitInfo, FailureDetail, FallbackDetail, IdleDevice,
+    NESTED_DETAIL_TYPES, PlanChange, ReplanDetail, RestartDetail, SpeedsDetail, StallDetail,
+    switch_of, SwitchDoneDetail, SwitchFailedDetail, SwitchMark,
+)
 from hspmd_elastic.contract.ids import ID_PATTERN
-from hspmd_elastic.contract.keys import *  # noqa: F401,F403 (the schema's key builders)
-from hspmd_elastic.contract.keys import ID_RE, PAD, ROOT
-from hspmd_elastic.contract.records import *  # noqa: F401,F403 (the schema's records)
-from hspmd_elastic.contract.records import (
-    MAX_VALUE_BYTES,
-    MAX_VALUE_BYTES_BY_KIND,
-    SCHEMA_VERSION,
-    CandidateRecord,
-    CounterRecord,
-    DeviceHealthRecord,
-    EventRecord,
-    FaultScriptRecord,
-    LeaderRecord,
-    NodeRecord,
-    PlanHeadRecord,
-    PlanRecord,
-    ReachRecord,
-    Record,
-    RdzvDoneRecord,
-    RdzvJoinRecord,
-    RdzvMasterRecord,
-    RdzvStateRecord,
-    RetryRecord,
-    SwitchAckRecord,
-    WorkerRecord,
-    PlanStampRecord,
-    PlanLayoutRecord,
+# the key builders, re-exported
+from hspmd_elastic.contract.keys import (  # noqa: F401
+    check_id, claim_key, claims_prefix, device_key, devices_prefix, election_key, election_prefix,
+    event_key, event_seq_key, events_prefix, fault_script_key, ID_RE, job_prefix, leader_key,
+    node_key, nodes_prefix, PAD, plan_current_key, plan_head_key, plan_history_key,
+    plan_history_prefix, plan_layout_key, plan_stamp_key, rdzv_done_key, rdzv_join_key,
+    rdzv_master_key, rdzv_prefix, rdzv_round_prefix, rdzv_state_key, reach_key, reach_prefix,
+    retry_key, retry_prefix, ROOT, switch_ack_key, switch_prefix, worker_key, workers_prefix,
+)
+# the records, re-exported
+from hspmd_elastic.contract.records import (  # noqa: F401
+    AGENT_MODES, CandidateRecord, CounterRecord, DEVICE_STATES, DeviceHealthRecord, DeviceInfo,
+    EventRecord, FaultScriptRecord, GONE_NODE_STATES, LeaderRecord, MAX_VALUE_BYTES,
+    MAX_VALUE_BYTES_BY_KIND, NESTED_TYPES, NODE_STATES, NodeClaimRecord, NodeRecord, NodeState,
+    PlanHeadRecord, PlanLayoutRecord, PlanRecord, PlanStampRecord, RDZV_STATES, RdzvDoneRecord,
+    RdzvJoinRecord, RdzvMasterRecord, RdzvParticipant, RdzvStateRecord, ReachRecord, Record,
+    RECORD_TYPES, RetryRecord, SCHEMA_VERSION, SWITCH_STATES, SwitchAckRecord, VERDICT_ORIGINS,
+    VerdictOrigin, WorkerRecord,
 )
 
 # ---------------------------------------------------------------------------------------- registry

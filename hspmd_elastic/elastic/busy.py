@@ -19,6 +19,17 @@ Promises (``BusyMeter``, pure: the caller passes the times):
   fewer than ``min_steps`` are kept (not measured yet): robust to a step slowed by a one-off
   (a checkpoint write, the garbage collector).
 
+An idle device (the plan leaves it out: the planner found it costs more than it adds) is
+measured by a *probe* while its worker waits for a plan that uses it: ``probe(config, rows,
+device)`` runs the forward and backward of one micro-batch of ``rows`` rows
+(``probe_rows(plan)``: the plan's largest micro-batch) through a one-layer copy of the model
+(``PROBE_LAYERS``; embedding and head included, the dense reference's functions), on the device
+alone: no process group, no store, no state of the job. ``ProbeSchedule`` bounds it: one probe
+at most every ``every_s``, and never more than ``duty`` of the device's time (the wait after a
+probe is at least ``(1 - duty) / duty`` times the probe's own time). The leader predicts the
+same workload with the cost model (``launcher.leader.stragglers.probe_predicted_s``), so the
+probe's time is a speed sample like a training step's.
+
 The runtime measures each step with ``elastic.device_timer``. On CPU workers the times come from
 ``time.perf_counter`` (busy = wall - waited, as above). On CUDA workers they come from CUDA events
 on the compute stream around the compute segments between waits on communication, the device's
@@ -31,7 +42,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+import time
 from typing import Optional
+
+PROBE_LAYERS = 1  # layers of the probe's model (its embedding and head run too)
 
 
 class BusyMeter:
@@ -70,3 +84,62 @@ class BusyMeter:
     def steps(self) -> int:
         """Steps in the current window."""
         return len(self._kept)
+
+
+def probe_rows(plan) -> int:
+    """The rows of a probe under ``plan`` (an ``hspmd_elastic.plan.Plan``): its largest
+    micro-batch; the worker and the leader both take it from here."""
+    return max(p.microbatch_size for p in plan.pipelines)
+
+
+def probe_config(config):
+    """The probe's model: ``config`` with ``PROBE_LAYERS`` layers."""
+    import dataclasses
+
+    return dataclasses.replace(config, num_layers=min(PROBE_LAYERS, config.num_layers))
+
+
+def probe(config, rows: int, device, seed: int = 0) -> float:
+    """Seconds of one forward and backward of ``rows`` rows through ``probe_config(config)``
+    on ``device`` (see the module docstring); touches no process group."""
+    import torch
+
+    from hspmd_elastic.graph.init import full_params
+    from hspmd_elastic.graph.reference import reference_loss
+
+    small = probe_config(config)
+    params = {k: v.to(device).requires_grad_(True) for k, v in full_params(small, seed).items()}
+    gen = torch.Generator().manual_seed(seed)
+    batch = torch.randint(0, small.vocab_size, (rows, small.seq_len + 1),
+                          generator=gen).to(device)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    reference_loss(params, batch, small).backward()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+class ProbeSchedule:
+    """When an idle worker may probe next: at most every ``every_s``, and at most ``duty`` of
+    the time (pure: the caller passes the clock)."""
+
+    def __init__(self, every_s: float = 2.0, duty: float = 0.1):
+        if not (math.isfinite(every_s) and every_s > 0 and 0 < duty <= 1):
+            raise ValueError(f"ProbeSchedule(every_s={every_s}, duty={duty}): need every_s > 0 "
+                             "and 0 < duty <= 1")
+        self.every_s, self.duty = every_s, duty
+        self.next_at = -math.inf
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_at
+
+    def done(self, now: float, took_s: float) -> None:
+        """A probe that took ``took_s`` ended at ``now``."""
+        self.next_at = now + max(self.every_s, took_s * (1 - self.duty) / self.duty)
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until the next probe is due (0: now)."""
+        return max(0.0, self.next_at - now)

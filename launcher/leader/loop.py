@@ -7,6 +7,10 @@ list-then-watch, shared with the agent's elastic mode; a leader given none makes
 runs a level-triggered loop over the pure ``decide``, woken by the view's changes; the snapshot
 is built again only after one of its tables changed. Promises:
 
+* each tick is one line: the view's tables -> the measured speeds to plan for (a value:
+  ``StragglerWatch.observe`` returns it; nothing reads it back from the watch) -> the snapshot
+  with them (``build_snapshot(..., measured=...)``, the only place a measured speed enters the
+  planner's inventory) -> ``decide`` -> (debounce) plan -> publish;
 * changes are debounced: a replan waits until the decision has been stable for ``debounce_s``
   (at most ``max_debounce_s`` after the first change), on the injected ``clock``; a storm of
   failures yields one publication, or a few; while the injected ``hold()`` is true (the agent's
@@ -45,7 +49,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.api import (
@@ -191,8 +195,10 @@ class Leader:
         self._no_devices = False
         self._retries = (-1, 0)  # (furthest step, retry-only publications at that step)
         self._spares: set[str] = set()  # nodes said to be spares (logged once each)
-        # measured speeds (``stragglers``): the snapshot plans for ``stragglers.applied``
+        # measured speeds (``stragglers``): ``observe`` returns the speeds to plan for, which
+        # go into the snapshot (``build_snapshot(..., measured=...)``) and nowhere else
         self.stragglers = stragglers
+        self.measured: dict[str, float] = {}
         if stragglers is not None and stragglers.journal is None:
             stragglers.journal = self._journal_speeds
         # The process's job view (the agent's, shared); without one the leader makes its own.
@@ -284,10 +290,11 @@ class Leader:
         if self.state is LeaderState.FOLLOWER:
             self._take_office()
         started = time.monotonic()
-        snap, current = self._snapshot()
-        if self.stragglers is not None and self.stragglers.observe(
-                self._workers, current, snap.usable()):
-            snap, current = self._snapshot()  # the speeds to plan for changed
+        # view -> measured speeds -> snapshot with them -> decide (-> plan -> publish)
+        snap, current = self._snapshot(self.measured)
+        if self.stragglers is not None:
+            self.measured = self.stragglers.observe(self._workers, current, snap.usable())
+            snap, current = self._snapshot(self.measured)  # the same one unless they changed
         self._note_spares(snap, current)
         decision = decide(snap, current, self.min_nodes, self.max_nodes)
         self._tick_cost = time.monotonic() - started
@@ -346,10 +353,11 @@ class Leader:
         self._infeasible = None
         self._transition(LeaderState.WATCHING, f"elected (term {self.election.term})")
 
-    def _snapshot(self) -> tuple[ClusterSnapshot, Optional[schema.PlanRecord]]:
-        """The cluster as the view has it; built again only after one of its tables changed."""
+    def _snapshot(self, measured: Mapping[str, float]
+                  ) -> tuple[ClusterSnapshot, Optional[schema.PlanRecord]]:
+        """The cluster as the view has it, with the ``measured`` speeds to plan for; built
+        again only after one of its tables or the speeds changed."""
         cached = self._cached
-        measured = dict(self.stragglers.applied) if self.stragglers is not None else {}
         key = (self.view.generations(LEADER_TABLES), tuple(sorted(measured.items())))
         if cached is not None and cached[0] == key:
             return cached[1], cached[2]
@@ -358,7 +366,7 @@ class Leader:
         planned = frozenset(node_of(d) for d in plan.devices) if plan else frozenset()
         snap = build_snapshot(t[Table.NODES], t[Table.DEVICES], self.node, t[Table.WORKERS],
                               reach=t[Table.REACH], planned=planned, retry=t[Table.RETRY],
-                              measured=measured)
+                              measured=dict(measured))
         self._cached = ((gens, tuple(sorted(measured.items()))), snap, plan)
         return snap, plan
 
@@ -398,7 +406,7 @@ class Leader:
         except CoordinationError as exc:
             return self._back(Outcome.ETCD_ERROR, f"reading the plan: {exc}")
         self.view.note_plan(current, rev)
-        snap, _ = self._snapshot()
+        snap, _ = self._snapshot(self.measured)
         decision = decide(snap, current, self.min_nodes, self.max_nodes)
         if decision is None:
             return self._back(Outcome.NO_CHANGE, "nothing to do after a fresh read")

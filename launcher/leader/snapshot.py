@@ -26,7 +26,7 @@ Promises:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 from hspmd_elastic.contract import schema
@@ -118,7 +118,8 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
     the nodes of the current plan, + retry requests, + the speeds the leader measured and
     decided to plan for, ``launcher.leader.stragglers``) -> ``ClusterSnapshot``. A measured
     speed below 1 makes a healthy device ``degraded`` (origin ``measured``); a device slowed by
-    its health verdict too gets the lower of the two."""
+    its health verdict too gets the lower of the two (``with_measured``: the only place a
+    measured speed becomes part of the devices the leader plans over)."""
     health = summarize_device_health(verdicts, default_slowdown=default_slowdown)
     alive = {n for n, rec in nodes.items() if rec.state not in GONE_NODE_STATES}
     cut = cut_off_nodes(reach or {}, planned & alive, alive)
@@ -137,19 +138,34 @@ def build_snapshot(nodes: Mapping[str, schema.NodeRecord],
             else:
                 state, speed, reason = "healthy", 1.0, ""
             origin = verdicts[where].origin if where in verdicts else "health"
-            fast = (measured or {}).get(device_id(name, info.index), 1.0)
-            if state in ("healthy", "degraded") and fast < speed:
-                state, speed, origin = "degraded", fast, MEASURED
-                reason = f"measured speed {fast:.0%} of the fastest device"
-            devs.append(DeviceView(device_id(name, info.index), name, info.index, info.type,
-                                   info.memory_bytes, state, speed, reason,
-                                   info.speed, origin))
+            dev = device_id(name, info.index)
+            devs.append(with_measured(DeviceView(dev, name, info.index, info.type,
+                                                 info.memory_bytes, state, speed, reason,
+                                                 info.speed, origin),
+                                      (measured or {}).get(dev, 1.0)))
         views[name] = NodeView(name, rec.host, rec.state, rec.store_endpoint, tuple(devs),
                                cut.get(name, ""))
     steps = [w.step for w in (workers or {}).values()]
     running = frozenset(device_id(n, lr) for n, lr in (workers or {}))
     retries = {n: r.plan_version for n, r in (retry or {}).items() if n in alive}
     return ClusterSnapshot(views, self_node, max(steps) if steps else None, running, retries)
+
+
+def with_measured(view: DeviceView, speed: float) -> DeviceView:
+    """The one fold of a measured speed into a device's view: a healthy or degraded device
+    measured slower than its view says becomes ``degraded`` at the measured speed (origin
+    ``MEASURED``); any other view is itself. ``build_snapshot`` folds the leader's measured
+    speeds with it, and the straggler rule's predictions (``stragglers``) fold the speeds they
+    weigh with it, over ``nominal(view)``."""
+    if view.state not in ("healthy", "degraded") or not speed < view.speed:
+        return view
+    return replace(view, state="degraded", speed=speed, origin=MEASURED,
+                   reason=f"measured speed {speed:.0%} of the fastest device")
+
+
+def nominal(view: DeviceView) -> DeviceView:
+    """``view`` at full health: healthy, speed 1.0 (what a measured speed is relative to)."""
+    return replace(view, state="healthy", speed=1.0, reason="", origin="health")
 
 
 def cut_off_nodes(reach: Mapping[str, schema.ReachRecord], voters: frozenset,

@@ -27,7 +27,9 @@ model expects, 0.25 a device four times slower. Promises:
   weighs most (which is why the share leaves those costs out): a device that recovers while
   it holds a few rows must not make the others look slow (it gets its work back, as an
   equal). Given ``devices``, the answer is empty unless every one of them has a speed, so a
-  partial view (right after a switch) never rescales the others;
+  partial view (right after a switch) never rescales the others. ``others`` are devices the
+  plan leaves idle, whose samples come from their probes (``elastic.busy.probe``): they are
+  scaled by the same reference and never are it;
 * ``StragglerPolicy.quantise`` rounds a speed to a multiple of ``quantum`` (at least ``floor``);
   ``StragglerPolicy.changed(assumed, measured)`` names the devices whose measured speed moved
   from the one the plan assumed (1.0 when it says nothing) by more than one quantum and whose
@@ -155,10 +157,13 @@ class SpeedEstimator:
         return {dev: statistics.median_low(t.window) for dev, t in self._tracks.items()
                 if t.version == self._newest and len(t.window) >= self.min_samples}
 
-    def relative(self, devices: Optional[Iterable[Hashable]] = None) -> dict[Hashable, float]:
+    def relative(self, devices: Optional[Iterable[Hashable]] = None,
+                 others: Iterable[Hashable] = ()) -> dict[Hashable, float]:
         """``speeds()`` over the fastest of them (1.0); with ``devices``, only those, and
-        nothing unless every one of them has a speed."""
+        nothing unless every one of them has a speed; ``others`` (idle devices, measured by
+        their probes) are scaled by the same reference and never are it."""
         speeds = self.speeds()
+        extra = {d: speeds[d] for d in others if d in speeds}
         if devices is not None:
             wanted = list(dict.fromkeys(devices))
             if not wanted or any(d not in speeds for d in wanted):
@@ -169,7 +174,8 @@ class SpeedEstimator:
         shares = {d: self._tracks[d].predicted_s for d in speeds}
         largest = max(shares.values())
         reference = max(s for d, s in speeds.items() if shares[d] >= RELIABLE_SHARE * largest)
-        return {d: (1.0 if s >= reference else s / reference) for d, s in speeds.items()}
+        return {d: (1.0 if s >= reference else s / reference)
+                for d, s in {**speeds, **extra}.items()}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ Promises (pure functions of ``EventRecord`` lists, no I/O):
   from its start event; bytes moved are the ``switch-done`` detail's ``bytes_moved``;
 * counters (switches, failures, seconds, bytes, events by type) cover the whole journal;
 * ``event_summary`` says in one line what an event means (a ``speeds`` event: the devices whose
-  measured speed differs from the plan's, and the predicted gain and cost of the decision).
+  measured speed differs from the plan's, the predicted gain and cost of the decision, and the
+  devices its plan leaves idle with why: ``idle_summary``).
 """
 
 from __future__ import annotations
@@ -176,7 +177,16 @@ def _speeds_summary(d: Any) -> str:
     return (f"plan v{d.plan_version} measured {shown or 'as assumed'}{more}; step "
             f"{d.step_now_s:.3f}s -> {d.step_new_s:.3f}s, gain {d.gain_s:.1f}s vs cost "
             f"{d.cost_s:.1f}s{copies_summary(d)}: {verdict}"
-            + (f" ({d.reason})" if d.reason else ""))
+            + (f" ({d.reason})" if d.reason else "") + idle_summary(d))
+
+
+def idle_summary(d: Any) -> str:
+    """``; idle: n:2 (speed 0.25: step 0.31 s with it, 0.28 s without)`` ("" when the
+    decision's plan leaves no device idle)."""
+    idle = getattr(d, "idle", None) or {}
+    shown = ", ".join(f"{dev} ({idle[dev].reason})" for dev in sorted(idle)[:SPEEDS_SHOWN])
+    more = f" and {len(idle) - SPEEDS_SHOWN} more" if len(idle) > SPEEDS_SHOWN else ""
+    return f"; idle: {shown}{more}" if idle else ""
 
 
 def copies_summary(d: Any) -> str:

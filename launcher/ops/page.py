@@ -3,14 +3,14 @@
 Promises: the page renders the status document (``/api/state``) and re-renders on every
 ``state`` event of ``/api/stream``; each GPU shows its worker's busy time per step and its
 measured speed when known, and a "Device speeds" table lists busy time, planned and measured
-speed per device once any is known; values from etcd are inserted as text nodes or attribute
-values (``textContent``, ``append`` of strings, ``setAttribute``), never as HTML (no
+speed per device once any is known, and why the plan leaves a device idle; values from etcd
+are inserted as text nodes or attribute values (``textContent``, ``append`` of strings, ``setAttribute``), never as HTML (no
 ``innerHTML``), so a ``<script>`` in a value shows as typed; ``CSP`` is the page's
 Content-Security-Policy: only its own inline script (by hash) runs, and it connects only to its
 own origin;
 elements carry ``data-*`` attributes (``data-device``/``data-health``, ``data-event-type``,
-``data-stage``, ``data-speed-device`` with ``data-busy``/``data-planned``/``data-measured`` on
-a row of the speeds table; ``data-source`` on the body: ``state`` or ``stream``) so tests and
+``data-stage``, ``data-speed-device`` with ``data-busy``/``data-planned``/``data-measured``/
+``data-idle`` on a row of the speeds table; ``data-source`` on the body: ``state`` or ``stream``) so tests and
 scripts can find them. ``?stream=0`` renders one snapshot; ``?stream=once`` renders the first
 pushed document and closes the stream (both let a headless browser finish loading).
 """
@@ -310,15 +310,17 @@ function speedRows(d) {
   const rows = new Map();
   for (const n of d.nodes) {
     for (const g of n.devices) {
-      if (g.planned_speed !== null || g.measured_speed !== null) {
+      if (g.planned_speed !== null || g.measured_speed !== null || g.idle) {
         rows.set(g.id, {id: g.id, rank: null, busy: 0, planned: g.planned_speed,
-          measured: g.measured_speed});
+          measured: g.measured_speed, idle: g.idle || null});
       }
     }
     for (const w of n.workers) {
       if (!(w.busy_s > 0)) continue;
       const id = n.id + ":" + w.local_rank;
-      if (!rows.has(id)) rows.set(id, {id: id, rank: null, busy: 0, planned: null, measured: null});
+      if (!rows.has(id)) {
+        rows.set(id, {id: id, rank: null, busy: 0, planned: null, measured: null, idle: null});
+      }
       Object.assign(rows.get(id), {rank: w.global_rank, busy: w.busy_s});
     }
   }
@@ -335,13 +337,14 @@ function renderSpeeds(d) {
   const tb = el("tbody");
   for (const r of rows) {
     tb.append(el("tr", {"data-speed-device": r.id, "data-busy": r.busy,
-      "data-planned": r.planned, "data-measured": r.measured},
+      "data-planned": r.planned, "data-measured": r.measured, "data-idle": r.idle || ""},
       el("td", {}, r.id), el("td", {class: "num"}, r.rank === null ? "-" : r.rank),
       el("td", {class: "num"}, r.busy > 0 ? r.busy.toFixed(4) + " s" : "-"),
-      el("td", {class: "num"}, num(r.planned)), el("td", {class: "num"}, num(r.measured))));
+      el("td", {class: "num"}, num(r.planned)), el("td", {class: "num"}, num(r.measured)),
+      el("td", {}, r.idle || "-")));
   }
   const head = el("tr", {}, ...["device", "rank", "busy / step", "planned speed",
-    "measured speed (1.00 = fastest)"].map(h => el("th", {}, h)));
+    "measured speed (1.00 = fastest)", "idle: why"].map(h => el("th", {}, h)));
   put("sp", el("table", {}, el("thead", {}, head), tb));
 }
 

@@ -160,18 +160,20 @@ def _cluster(view: JobView) -> RenderableType:
 
 # ----------------------------------------------------------------------------------- speeds
 def speed_rows(view: JobView) -> list[tuple[str, Optional[int], float, Optional[float],
-                                            Optional[float]]]:
-    """(device, global rank, busy_s, planned, measured) of every device or worker with any of
-    them known, sorted by device; a worker's device is ``<node>:<local_rank>``."""
+                                            Optional[float], Optional[str]]]:
+    """(device, global rank, busy_s, planned, measured, idle) of every device or worker with
+    any of them known, sorted by device; a worker's device is ``<node>:<local_rank>``;
+    ``idle``: why the current plan leaves the device idle (None: it does not)."""
     rows: dict[str, list] = {}
     for node in view.nodes:
         for d in node.devices:
-            if d.planned_speed is not None or d.measured_speed is not None:
-                rows[d.id] = [d.id, None, 0.0, d.planned_speed, d.measured_speed]
+            if d.planned_speed is not None or d.measured_speed is not None or d.idle:
+                rows[d.id] = [d.id, None, 0.0, d.planned_speed, d.measured_speed, d.idle]
         for w in node.workers:
             if w.busy_s > 0:
                 row = rows.setdefault(f"{node.id}:{w.local_rank}",
-                                      [f"{node.id}:{w.local_rank}", None, 0.0, None, None])
+                                      [f"{node.id}:{w.local_rank}", None, 0.0, None, None,
+                                       None])
                 row[1], row[2] = w.global_rank, w.busy_s
     return [tuple(rows[k]) for k in sorted(rows)]
 
@@ -196,15 +198,18 @@ def _speeds(view: JobView) -> Optional[RenderableType]:
     table = Table(title="Speeds", title_justify="left", expand=False,
                   caption=None if line is None else text(line, limit=400),
                   caption_justify="left")
-    for col in ("device", "rank", "busy/step", "planned", "measured (fastest 1.00)"):
-        table.add_column(col, justify="left" if col == "device" else "right")
-    for dev, rank, busy, planned, measured in rows:
+    idle = any(r[5] for r in rows)
+    for col in ("device", "rank", "busy/step", "planned", "measured (fastest 1.00)",
+                *(("idle: why",) if idle else ())):
+        table.add_column(col, justify="left" if col in ("device", "idle: why") else "right")
+    for dev, rank, busy, planned, measured, why in rows:
         slow = measured is not None and planned is not None and measured < planned
         table.add_row(text(dev), "-" if rank is None else str(rank),
                       f"{busy:.4f}s" if busy > 0 else "-",
                       "-" if planned is None else f"{planned:.2f}",
                       Text("-" if measured is None else f"{measured:.2f}",
-                           style="yellow" if slow else ""))
+                           style="yellow" if slow else ""),
+                      *((text(why or "-", limit=200),) if idle else ()))
     return table
 
 

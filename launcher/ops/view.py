@@ -12,6 +12,8 @@ Promises:
   without a node record is ``lost`` (its agent's lease ended);
 * switches and counters come from the whole event journal (``events.py`` says how events pair
   into switches);
+* a usable device the current plan was made over (its ``inventory``) but gives no role is
+  ``idle``, with why (``idle_reason``: the newest ``speeds`` decision's numbers for it);
 * a device's ``planned_speed`` is the current plan's ``inventory`` entry for it, its
   ``measured_speed`` the newest ``speeds`` event of the current plan (``measured``; 1.0: the
   fastest device); a worker's ``busy_s`` is its record's (0: not measured yet). A speed that is
@@ -55,6 +57,7 @@ class DeviceView:
     replaced_by_plan: Optional[int] = None  # first plan version that dropped this device
     planned_speed: Optional[float] = None  # the current plan's inventory (1.0: nominal)
     measured_speed: Optional[float] = None  # newest ``speeds`` event of the plan (1.0: fastest)
+    idle: Optional[str] = None  # why the current plan leaves this usable device idle
 
     @property
     def id(self) -> str:
@@ -67,7 +70,7 @@ class DeviceView:
                 "health_at": self.health_at, "in_plan": self.plan_rank is not None,
                 "plan_rank": self.plan_rank, "placement": self.placement,
                 "replaced_by_plan": self.replaced_by_plan, "planned_speed": self.planned_speed,
-                "measured_speed": self.measured_speed}
+                "measured_speed": self.measured_speed, "idle": self.idle}
 
 
 @dataclass
@@ -448,6 +451,28 @@ def _speeds(nodes: list[NodeView], plan: Optional[PlanView],
         for dev in node.devices:
             dev.planned_speed = speed_value(plan.inventory.get(dev.id))
             dev.measured_speed = speed_value(measured.get(dev.id))
+            if dev.id in plan.inventory and dev.plan_rank is None \
+                    and dev.health not in ("failed", "suspect", "lost"):
+                dev.idle = idle_reason(events, plan.version, dev.id)
+
+
+def idle_reason(events: Sequence[schema.EventRecord], plan_version: int, device: str) -> str:
+    """Why plan ``plan_version`` leaves ``device`` idle: the reason of the newest ``speeds``
+    event that led to it (a replan decided under an earlier plan) or was weighed under it and
+    names the device (``SpeedsDetail.idle``: speed, step time with and without it), else the
+    plain fact."""
+    for ev in reversed(events):
+        if ev.type != "speeds":
+            continue
+        try:
+            d = schema.event_detail(ev)
+        except RecordError:
+            continue
+        fits = d.plan_version == plan_version and not d.replan or \
+            d.plan_version < plan_version and d.replan
+        if fits and device in getattr(d, "idle", {}):
+            return d.idle[device].reason
+    return f"plan v{plan_version} leaves it idle"
 
 
 # ----------------------------------------------------------------------------- rendezvous

@@ -20,8 +20,10 @@ SUCCEEDED, or FAILED / INTERRUPTED) with its own ``TRANSITIONS`` table on the on
   ``switch-failed`` event: state with no live owner and no checkpoint), the same error killed
   two workers (the script's error, ``exits.ScriptErrors`` over the journal's ``failure``
   events: on two devices, or again after a replan), no usable device is left, or this agent's
-  leader found no plan that keeps ``--hspmd-redundancy`` (``RedundantPlanner.shortfall``) or no
-  plan for the model even on the largest cluster the job can have (``Leader.impossible``);
+  leader found no plan that keeps ``--hspmd-redundancy`` (``RedundantPlanner.shortfall``), no
+  plan for the model even on the largest cluster the job can have (``Leader.impossible``), or
+  (``--hspmd-enforce-memory``) the OOM killer ended a worker of this node: the plan does not fit
+  the enforced memory (``elastic.memory``; that worker's failure carries the one-line error);
   the agents then stop their workers, print torchrun's failure summary of their own failed
   workers (with the script's error, the job's first such exit as the root cause, whichever
   node it was on), and exit 1;
@@ -70,7 +72,7 @@ from launcher.console import ElasticWaits
 from launcher.health.api import HealthSource
 from launcher.jobview import Table, WatchedJob
 from launcher.leader import Leader, RedundantPlanner, build_snapshot
-from launcher.leader.planning import UniformPlanner
+from launcher.leader.planning import AllDevicesPlanner, UniformPlanner
 from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
 from launcher.node.elastic.devices import device_table
 from launcher.node.elastic.node import ElasticNode
@@ -79,6 +81,7 @@ from launcher.node.env import node_address_env
 from launcher.node.hangs import ProgressMonitor
 from launcher.node.elastic.exits import ScriptErrors
 from launcher.node.elastic.judge import JobView, judge
+from launcher.node.elastic.memory import WorkerMemory
 from hspmd_elastic.contract.rounds import FAILED, SUCCEEDED, TERMINAL, RoundState
 from launcher.summary import WorkerFailure, format_summary
 
@@ -138,6 +141,7 @@ class ElasticMode:
         self._finished_worker = ""
         self._event_seq = 0
         self._switch_failed = ""
+        self._memory_error = ""  # --hspmd-enforce-memory: the plan that did not fit
         self._script_errors = ScriptErrors()  # the journal's worker exits, by error
         self._planner: Optional[RedundantPlanner] = None  # with --hspmd-redundancy
         self._marked_done: set[int] = set()
@@ -256,15 +260,19 @@ class ElasticMode:
                 else None)
         base = dict(os.environ, **node_address_env(cfg.local_addr, os.environ))
         base.update(cfg.extra_env)
+        settings = self.settings
+        memory = WorkerMemory(self.job, self.node_id, settings.device_memory_bytes) \
+            if settings.enforce_memory else None
         workers = ElasticWorkers(self.job, self.node_id, cfg.entrypoint, self.client.endpoints,
                                    lambda version, lr: attempts(version)[lr], base_env=base,
-                                   role=cfg.role, progress_dir=progress_dir)
-        settings = self.settings
+                                   role=cfg.role, progress_dir=progress_dir, memory=memory)
         planner = plan_for
         if settings.redundancy:
             planner = self._planner = RedundantPlanner(plan_for, settings.redundancy)
         if settings.planner == "uniform":
             planner = UniformPlanner(planner)
+        if settings.all_devices:
+            planner = AllDevicesPlanner(planner)
         stragglers = None
         if settings.straggler_replans:
             from launcher.leader.planning import default_planner_options
@@ -275,6 +283,7 @@ class ElasticMode:
             predict = RedundantPlanner(plan_for, settings.redundancy) if settings.redundancy \
                 else plan_for
             predict = UniformPlanner(predict) if settings.planner == "uniform" else predict
+            predict = AllDevicesPlanner(predict) if settings.all_devices else predict
             stragglers = StragglerWatch(settings.model_profile, settings.global_batch, predict,
                                         default_planner_options,
                                         StragglerPolicy(dwell_s=settings.straggler_dwell_s))
@@ -352,7 +361,18 @@ class ElasticMode:
                 pid=ex.pid, exitcode=code,
                 error_file=worker.logs.error_file if worker is not None else "",
                 observed_at=getattr(worker, "exited_at", None) or time.time()))
+            self._note_oom(ex.local_rank, ex.pid)
         self._seen_exits = len(exits)
+
+    def _note_oom(self, local_rank: int, pid: int) -> None:
+        """An OOM kill under ``--hspmd-enforce-memory``: the plan's error, on its failure."""
+        workers = self.node.workers
+        if pid not in workers.oom_killed:
+            return
+        error = workers.memory.describe(self.node.plan_version, local_rank)
+        self._memory_error = self._memory_error or error
+        self.failures[-1].message = error
+        log.error("[%s] node %s: %s", self.job, self.node_id, error)
 
     # ------------------------------------------------------------------ the job's end
     def _judge(self) -> tuple[str, str]:
@@ -408,7 +428,8 @@ class ElasticMode:
                        plan_shortfall=self._planner.shortfall if self._planner else "",
                        usable_devices=self._usable[1],
                        script_error=found.describe() if found is not None else "",
-                       plan_impossible=leader.impossible if leader is not None else "")
+                       plan_impossible=leader.impossible if leader is not None else "",
+                       memory_error=self._memory_error)
 
     def _mark_done(self, version: int) -> None:
         """Record (once per plan version) that this node's slots of the plan all exited 0."""

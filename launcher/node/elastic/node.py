@@ -30,6 +30,11 @@ workers can switch. ``ElasticNode`` bundles the small pieces beside it into one 
 * surviving workers are never restarted (``workers.py``); a worker that left because
   the newest plan does not use its device (final report ``excluded``) is no failure: no event,
   no failed verdict, and a later plan may use the slot again;
+* while a plan uses some of this node's slots and leaves others idle (the planner found them
+  not worth their cost), each idle slot whose verdict is healthy or degraded runs an idle
+  worker (``workers.idle_local_ranks``): it holds nothing, probes its device and reports the
+  probe (``WorkerRecord.probe_s``), so the leader keeps measuring the device; it joins the
+  first plan that uses it like any joiner, and leaves when the job ends;
 * while a local worker waits for a plan after it trained (it left a collective), the agent
   probes its plan's peers over the data network (``reach.py``) and writes the ones it cannot
   reach to ``reach/<node>`` under its lease until they answer again, probing them on after a
@@ -47,6 +52,7 @@ workers can switch. ``ElasticNode`` bundles the small pieces beside it into one 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -68,7 +74,7 @@ from launcher.leader import Leader
 from launcher.jobview import Table, WatchedJob
 from launcher.node.elastic.acks import ACK_KEEP, ACK_ORDER, ack_state
 from launcher.node.elastic.devices import node_record
-from launcher.node.elastic.workers import ElasticWorkers, new_local_ranks
+from launcher.node.elastic.workers import ElasticWorkers, new_local_ranks, plan_rank
 from launcher.node.elastic.exits import (SlotVerdicts, WorkerExit, report_worker_exit,
                                          worker_of)
 from launcher.node.hangs import ProgressMonitor, watched_slots
@@ -108,6 +114,7 @@ class ElasticNode:
         self.devices, self.workers, self.leader, self.health = devices, workers, leader, health
         self.monitor = monitor or ProgressMonitor(clock=clock, wall_clock=wall_clock)
         self.slots = SlotVerdicts()
+        self._verdicts: dict = {}  # slot -> its latest merged verdict (publish_verdicts)
         self.store = StoreServer(store_host or host, store_port)
         self.plan: Optional[schema.PlanHeadRecord] = None  # the newest plan applied (head)
         self.plan_version = 0
@@ -160,12 +167,13 @@ class ElasticNode:
                 # One read of plan/layout for the whole node, before any new worker starts:
                 # the workers take it from the relay file (``contract.relay``), not from etcd.
                 relay_plan(self.client, self.job, plan, self.workers.progress_dir)
-            for w in self.workers.apply_plan(plan):
+            for w in self.workers.apply_plan(plan, self._idle_slots()):
                 self._put_worker(w, plan.version)
             self.plan = plan
             self.plan_version = plan.version
             self.plan_nodes = plan_nodes(plan)
             self.slot_plan = new_local_ranks(plan, self.node, ())
+            self._rank_idle(plan)
             if self.workers.running() and self._state != "running":
                 self.put_node("running")
         exits = self.workers.poll()
@@ -191,7 +199,7 @@ class ElasticNode:
         if self.plan is not None and any(self._left(ex) for ex in exits):
             # A worker that left an older plan may exit after a newer one took its slot back
             # (a healed partition): that plan gets a fresh worker now.
-            for w in self.workers.apply_plan(self.plan):
+            for w in self.workers.apply_plan(self.plan, self._idle_slots()):
                 self._put_worker(w, self.plan.version)
         self._relay_progress()
         self.monitor.observe(watched_slots(self.records, self.reports))
@@ -232,6 +240,7 @@ class ElasticNode:
         interval while needed), and mirror what it cannot reach into ``reach/<node>``."""
         running = self.workers.running()
         armed = any(r.state == WorkerState.WAITING_PLAN.value and r.plan_version > 0
+                    and r.global_rank >= 0  # an idle worker (no rank) took part in no plan
                     for lr, r in self.reports.items() if running.get(lr) == r.pid)
         now = self._clock()
         if (armed or self.reach.unreachable()) and \
@@ -256,7 +265,9 @@ class ElasticNode:
 
     def _request_retry(self) -> None:
         """Mirror the workers stuck after a failed switch into ``retry/<node>``."""
-        stuck = self.stuck.observe(self.plan_version, self.workers.running(), self.reports)
+        planned = {lr: pid for lr, pid in self.workers.running().items()
+                   if lr in self.slot_plan}  # an idle worker waits by design, it is not stuck
+        stuck = self.stuck.observe(self.plan_version, planned, self.reports)
         want = None if stuck is None else (self.plan_version, tuple(stuck[0]))
         if want == self._retry_written:
             return
@@ -298,6 +309,14 @@ class ElasticNode:
                                   plan_version=plan_version, step=0,
                                   last_progress_at=self._wall(), steps_per_s=0.0)
         self._put_record(rec)
+
+    def _rank_idle(self, plan) -> None:
+        """An idle worker (no rank) that ``plan`` uses: its record gets the plan's rank now
+        (its own reports follow once it switched)."""
+        for lr, rec in list(self.records.items()):
+            rank = plan_rank(plan, self.node, lr)
+            if rec.global_rank < 0 and rank is not None:
+                self._put_record(dataclasses.replace(rec, global_rank=rank))
 
     def _put_record(self, rec: schema.WorkerRecord) -> None:
         self.records[rec.local_rank] = rec
@@ -371,7 +390,15 @@ class ElasticNode:
 
     def publish_verdicts(self) -> None:
         source = self.health.poll(self._clock()) if self.health is not None else {}
-        self.publisher.publish(self.slots.merged(source, [d.index for d in self.devices]))
+        self._verdicts = self.slots.merged(source, [d.index for d in self.devices])
+        self.publisher.publish(self._verdicts)
+
+    def _idle_slots(self) -> list[int]:
+        """This node's slots that may run an idle worker when a plan leaves them out: those
+        whose latest verdict is healthy or degraded (a failed or suspect device gets none)."""
+        return [d.index for d in self.devices
+                if self._verdicts.get(d.index) is None
+                or self._verdicts[d.index].state.value in ("healthy", "degraded")]
 
     def stop(self, grace_s: float = 30.0, timeout: float = 5.0) -> None:
         """Stop the workers and the leader, close the store (the agent owns the session)."""
