@@ -22,10 +22,11 @@ Promises:
 * ``close`` (the fixture's finalizer, run even when the test fails) kills every tracked process
   by pid, stops the etcd members, deletes every namespace (which removes their veths) and the
   host's veth; every loop is bounded in count and time;
-* when the kernel refuses a namespace (no privilege, no netns support) the test is skipped with
-  the kernel's own message, except where namespaces are expected to work: with
-  ``HSPMD_REQUIRE_NETNS=1`` (``.ci/run`` sets it) the refusal fails the test, since a skipped
-  partition or chaos test there is a missing test.
+* when the kernel refuses a namespace (no privilege, no netns support) the test fails with one
+  line carrying the kernel's own message wherever namespaces are expected to work: on Linux as
+  root, and wherever ``HSPMD_REQUIRE_NETNS=1`` (``.ci/run`` sets it), since a skipped partition
+  or chaos test there is a missing test. It is skipped, with that message, only elsewhere (not
+  root, not Linux) or where ``HSPMD_REQUIRE_NETNS=0`` says so explicitly.
 """
 
 from __future__ import annotations
@@ -58,7 +59,27 @@ IP_TIMEOUT_S = 10.0
 STOP_GRACE_S = 5.0
 
 
-REQUIRE_ENV = "HSPMD_REQUIRE_NETNS"  # 1: a refused namespace fails the test instead of skipping
+# 1: a refused namespace fails the test; 0: it skips it; unset: it fails on Linux as root
+REQUIRE_ENV = "HSPMD_REQUIRE_NETNS"
+
+
+def netns_required() -> bool:
+    """Whether a refused namespace fails the test (else it is skipped)."""
+    wanted = os.environ.get(REQUIRE_ENV, "")
+    if wanted in ("0", "1"):
+        return wanted == "1"
+    return sys.platform.startswith("linux") and os.geteuid() == 0
+
+
+def refused(exc: Exception) -> None:
+    """Fail (where namespaces are expected to work) or skip the test, in one line."""
+    reason = " ".join(str(exc).split())
+    if netns_required():
+        why = (f"{REQUIRE_ENV}=1" if os.environ.get(REQUIRE_ENV) == "1"
+               else f"Linux as root; {REQUIRE_ENV}=0 skips instead")
+        pytest.fail(f"network namespaces refused by the kernel where they are required ({why})"
+                    f": {reason}", pytrace=False)
+    pytest.skip(f"network namespaces refused by the kernel: {reason}")
 
 
 class NetnsRefused(RuntimeError):
@@ -380,7 +401,8 @@ class Topology:
 @contextlib.contextmanager
 def topologies(tmp: Path) -> Iterator:
     """``make(nodes=..., etcd_members=3)`` -> a started ``Topology``; all closed at the end.
-    A kernel that refuses namespaces skips the test with its own message."""
+    A kernel that refuses namespaces fails or skips the test with its own message
+    (``refused``)."""
     made: list[Topology] = []
 
     def make(nodes: Sequence[str] = ("node-a", "node-b"), etcd_members: int = 3) -> Topology:
@@ -389,10 +411,7 @@ def topologies(tmp: Path) -> Iterator:
         try:
             return topo.start()
         except NetnsRefused as exc:
-            if os.environ.get(REQUIRE_ENV) == "1":
-                pytest.fail(f"network namespaces refused by the kernel, where they are required "
-                            f"({REQUIRE_ENV}=1): {exc}")
-            pytest.skip(f"network namespaces refused by the kernel: {exc}")
+            refused(exc)
 
     try:
         yield make

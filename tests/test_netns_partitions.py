@@ -19,12 +19,15 @@ network namespaces, a 3-member etcd, ``hspmd-launch --hspmd-elastic`` agents, re
   after the cut and never takes part in that round; after the heal the node's agent finds the
   job moved on, stops its stale worker, and the next round has both nodes again; the final
   parameters equal the fault-free reference;
-* a minority etcd member cut off for three lease TTLs, then every member: the clients fail over,
-  the workers train to the end while no member answers, nothing in the job notices (one plan,
-  no leave, no failure), the parameters equal the reference.
+* a minority etcd member cut off for three lease TTLs (until a lease granted at the cut expires):
+  the clients fail over and keep their leases; then every member, until every agent saw the
+  outage and gave its lease up and the workers trained to the end: nothing in the job notices
+  (one plan, no leave, no failure), the parameters equal the reference.
 
 Workers wait at gates (``elastic_train.py --gate STEP:FILE``), so every cut and heal hits a known
-state; every wait is a poll with a deadline.
+state; every fault lasts until an event (a record in etcd, a step reached, a line an agent
+logs), never a sleep; every wait is a poll with a deadline, and no pass or fail depends on how
+long anything took (the times printed are for reading).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from _wait import wait_for
 from launch_harness import SCRIPTS, base_env
 
 from hspmd_elastic.contract import schema
+from hspmd_elastic.coord.api import CoordinationError
 from hspmd_elastic.coord.plans import read_plan
 from launcher.inject.topology import PARTITION_MODES
 
@@ -141,11 +145,10 @@ def test_the_leaders_node_cut_off_is_replanned_away_fenced_and_rejoins_after_the
 
     away = wait_for(plan_where(job, lambda p: f"{cut}:0" not in p.devices, first.version), 30,
                     f"a plan without {cut}", interval=0.05)
-    replan_s = away.created_at - cut_at
     print(f"leader's node cut off ({mode}, TTL {TTL:g}s, debounce 1s): the new leader published "
-          f"after {replan_s:.2f}s")
-    assert replan_s < 4 * TTL + 10, replan_s  # generous: timing belongs in benchmarks
+          f"after {away.created_at - cut_at:.2f}s")  # shown, never checked: see benchmarks
     assert away.leader == kept and away.term > old.term
+    assert sorted(away.devices) == [f"{kept}:0"]
     # A late write under the old leader's fence (what its publish_plan would send) is refused.
     with pytest.raises(FencedWriteRejected):
         job.client.fenced_txn(old.candidate_key, old.term,
@@ -200,10 +203,8 @@ def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(n
 
         away = wait_for(plan_where(job, lambda p: "node-c:0" not in p.devices, first.version),
                         60, "a plan without node-c", interval=0.05)
-        replan_s = away.created_at - cut_at
-        print(f"data link cut ({mode}): replanned away after {replan_s:.2f}s "
-              f"(collective timeout {comm_timeout:g}s)")
-        assert replan_s < comm_timeout + 15, replan_s  # generous: timing is in benchmarks
+        print(f"data link cut ({mode}): replanned away after {away.created_at - cut_at:.2f}s "
+              f"(collective timeout {comm_timeout:g}s)")  # shown, never checked
         assert sorted(away.devices) == ["node-a:0", "node-b:0"]
         replan = wait_for(lambda: [e for e in job.events() if e.type == "replan"
                                    and schema.event_detail(e).version == away.version], 10,
@@ -235,6 +236,18 @@ def test_a_data_link_cut_is_replanned_away_and_the_node_rejoins_after_the_heal(n
         job.close()
 
 
+LEASE_LOST = "lost: no refresh succeeded for over"  # an agent's keep-alive giving up
+OUTAGE = "etcd unreachable, workers keep running"  # an agent's etcd call failing
+
+
+def lease_gone(job: NetnsJob, lease: int) -> bool:
+    """Whether etcd says ``lease`` has expired (False while no member answers in time)."""
+    try:
+        return job.client.lease_ttl(lease) == -1
+    except CoordinationError:
+        return False
+
+
 @pytest.mark.parametrize("mode", PARTITION_MODES)
 def test_a_minority_etcd_member_then_every_member_cut_off_change_nothing(cluster, mode):
     topo, job = cluster
@@ -249,19 +262,38 @@ def test_a_minority_etcd_member_then_every_member_cut_off_change_nothing(cluster
     [endpoint] = topo.etcd_connections("node-a", agent.proc.pid)
     member = topo.members[topo.etcd.endpoints.index(endpoint)].name
     moved = f"etcd client moved from member {endpoint} to "
+    held = job.client.get(schema.node_key(job.name, "node-a"))
+    assert held is not None and held.lease
     topo.cut(member, mode=mode)
-    cut_at = time.monotonic()
+    # The fault lasts three lease TTLs as etcd counts them: until a lease granted now expires.
+    probe = job.client.grant(int(3 * TTL))
     # Its client failed over to another member (its own log line, written when another member
     # answered it) while the member was still cut.
-    wait_for(lambda: moved in agent.stderr() or job.check_agents(), 3 * TTL,
+    wait_for(lambda: moved in agent.stderr() or job.check_agents(), 60,
              f"node-a's etcd client moving off {member} ({endpoint})", interval=0.1)
-    time.sleep(max(3 * TTL - (time.monotonic() - cut_at), 0))  # the fault's length
+    wait_for(lambda: lease_gone(job, probe), 60, f"a {3 * TTL:g}s lease granted at the cut "
+             "to expire (the member still cut)", interval=0.1)
+    # ... and kept its lease meanwhile: refreshed through the other members, never re-granted.
+    now = job.client.get(schema.node_key(job.name, "node-a"))
+    assert now.lease == held.lease and job.client.lease_ttl(held.lease) > 0
     topo.heal(member)
-    for m in topo.members:  # no etcd at all, for 3 lease TTLs: every lease expires
+    # No etcd at all: every member cut until every agent saw the outage and its keep-alive gave
+    # its lease up (no refresh for over a TTL), and the workers, released meanwhile, trained to
+    # the end.
+    def said(node: str) -> tuple[int, int]:
+        err = job.agents[node].stderr()
+        return err.count(OUTAGE), err.count(LEASE_LOST)
+
+    before_cut = {node: said(node) for node in job.agents}
+    for m in topo.members:
         topo.cut(m.name, mode=mode)
-    open(gates[2], "w").close()  # the workers train to the end meanwhile
-    time.sleep(3 * TTL)
-    healed_at = time.time()
+    open(gates[2], "w").close()
+    wait_for(lambda: job.check_agents() or all(
+        min(n - b for n, b in zip(said(node), before_cut[node])) > 0 for node in job.agents),
+        60, "every agent seeing the outage and losing its lease while no member answers",
+        interval=0.1)
+    wait_for(lambda: job.check_agents() or len(list((topo.tmp / "out").glob("*.pt"))) == 2, 60,
+             "the workers' results, written while no member answers", interval=0.1)
     for m in topo.members:
         topo.heal(m.name)
     job.finish(90)
@@ -269,13 +301,9 @@ def test_a_minority_etcd_member_then_every_member_cut_off_change_nothing(cluster
     _elastic.assert_recovered_in_memory(res, {d: r.pid for d, r in before.items()}, REFERENCE)
     assert all(r["plan_version"] == 1 and len(r["switches"]) == 1 for r in res.values()), \
         {d: (r["plan_version"], len(r["switches"])) for d, r in res.items()}
-    outs = sorted((topo.tmp / "out").glob("*.pt"))
-    assert all(p.stat().st_mtime < healed_at for p in outs), "training waited for etcd"
     types = [e.type for e in job.events()]
     assert types.count("replan") == 1 and not {"leave", "failure", "switch-failed"} & set(types), \
         types
-    for node, agent in job.agents.items():
-        assert "etcd unreachable, workers keep running" in agent.stderr(), node
 
 
 @pytest.mark.parametrize("mode", PARTITION_MODES)
@@ -310,15 +338,13 @@ def test_partition_fault_cuts_and_heals_links_through_the_topology_file(netns, m
     assert inj.detail["devices"] == ["dat"] and inj.detail["mode"] == mode
     assert state("node-b", "dat") == mode
     assert state("node-b", "ctl") == "up" and state("node-a", "dat") == "up"
-    # What each mode models: a host whose own port went down learns it at once; a dropping
-    # path (a failed switch, a firewall) tells neither side anything: connects hang.
-    started = time.monotonic()
+    # What each mode models: a host whose own port went down learns it at once (the kernel's
+    # own error, not a timeout); a dropping path (a failed switch, a firewall) tells neither
+    # side anything: connects hang until the caller gives up.
     assert topo.connect("node-b", a_dat) == (
         "Network is unreachable" if mode == "down" else "timeout")
     assert topo.connect("node-a", b_dat, timeout=0.5) in (
         ("timeout", "No route to host") if mode == "down" else ("timeout",))
-    took = time.monotonic() - started
-    assert (took < 1.0 + 5) if mode == "down" else (took >= 1.0 + 0.5), took
     inj.timers[0].action()  # the heal, as the harness fires it after duration_s
     assert state("node-b", "dat") == "up" and not ctx.cut
     assert topo.connect("node-b", a_dat) == "refused"
@@ -332,6 +358,31 @@ def test_partition_fault_cuts_and_heals_links_through_the_topology_file(netns, m
     ghost = parse_fault({"fault": "partition", "target": {"node": "node-z"}}, 2, defaults, "t")
     with pytest.raises(InjectError, match="node 'node-z' is not in the topology file"):
         Partition(ghost).inject(ctx)
+
+
+@pytest.mark.parametrize("required", [None, "0", "1"])
+def test_a_refused_namespace_fails_where_namespaces_must_work(monkeypatch, required):
+    """Unset: fails on Linux as root (this machine's own user decides), else skips; 1 fails and
+    0 skips anywhere; either way in one line with the kernel's words."""
+    import os
+    import sys
+
+    import _netns
+
+    if required is None:
+        monkeypatch.delenv(_netns.REQUIRE_ENV, raising=False)
+        fails = sys.platform.startswith("linux") and os.geteuid() == 0
+    else:
+        monkeypatch.setenv(_netns.REQUIRE_ENV, required)
+        fails = required == "1"
+    outcome = pytest.fail.Exception if fails else pytest.skip.Exception
+    with pytest.raises(outcome) as ended:
+        _netns.refused(_netns.NetnsRefused("mount --make-shared /run/netns failed:\n"
+                                           "Operation not permitted"))
+    msg = str(ended.value.msg)
+    assert msg.startswith("network namespaces refused by the kernel") and msg.endswith(
+        ": mount --make-shared /run/netns failed: Operation not permitted"), msg  # one line
+    assert ("where they are required" in msg) == fails, msg
 
 
 def test_a_partition_mode_that_does_not_exist_is_one_line(tmp_path, capsys):
@@ -395,6 +446,9 @@ def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_h
     r0 = both[0]["round"]
     cut_at = time.time()
     topo.cut("node-b", mode=mode)
+    # The last step node-b's worker had reported when its links went: it may still report the
+    # one step whose all-reduce ended before the cut, never one after.
+    at_cut = max(ln["step"] for ln in lines() if ln["round"] == r0 and ln["rank"] == 1)
 
     def round_without_b():
         job.check_agents()
@@ -409,7 +463,6 @@ def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_h
                      interval=0.05)
     print(f"restart mode, node cut off ({mode}, TTL {TTL:g}s): round {r1} without it closed "
           f"{closed.at - cut_at:.2f}s after the cut, first step {first[0]['t'] - cut_at:.2f}s")
-    assert closed.at - cut_at < 4 * TTL + 10  # generous: timing belongs in benchmarks
     assert all(ln["rank"] == 0 for ln in lines() if ln["round"] == r1)  # without node-b
     # The cut node's agent must have seen the outage (an etcd call that failed, not one still
     # blocked in its timeout) before the heal, or the heal would hide it.
@@ -420,8 +473,13 @@ def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_h
     wait_for(reached(lambda ln: ln["round"] > r1 and ln["rank"] == 1), 90,
              "node-b back in a later round", interval=0.1)
     job.finish(120)
-    late = [ln for ln in lines() if ln["round"] == r0 and ln["t"] > cut_at + 0.5]
-    assert not late, late  # the cut node's worker completed no step after the cut
+    # The cut node's worker completed no step after the cut: its last step is at most the one
+    # in flight at the cut, and no later than the snapshot round r1 resumed from (rank 0's last
+    # step of round r0: a step of node-b's needs rank 0's all-reduce).
+    stale = max(ln["step"] for ln in lines() if ln["round"] == r0 and ln["rank"] == 1)
+    kept = max(ln["step"] for ln in lines() if ln["round"] == r0 and ln["rank"] == 0)
+    resumed = min(ln["step"] for ln in lines() if ln["round"] == r1) - 1
+    assert stale <= at_cut + 1 and stale <= resumed == kept, (at_cut, stale, kept, resumed)
     final = torch.load(snapshot, map_location="cpu")
     assert final["step"] == steps
     for name, value in reference_params(steps, batch).items():

@@ -22,19 +22,21 @@ from hspmd_elastic.coord.client import EtcdClient
 pytestmark = pytest.mark.multiproc
 
 
-def restart_args(etcd, job: str, node: str, nnodes: str, *extra: str) -> list[str]:
+def restart_args(etcd, job: str, node: str, nnodes: str, *extra: str, ttl: str = "2"
+                 ) -> list[str]:
     return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "etcd",
             "--rdzv-endpoint", etcd.endpoint_str, "--rdzv-id", job, "--hspmd-node-id", node,
-            "--rdzv-conf", "last_call_timeout=0.5,join_timeout=300", "--hspmd-lease-ttl", "2",
+            "--rdzv-conf", "last_call_timeout=0.5,join_timeout=300", "--hspmd-lease-ttl", ttl,
             "--shutdown-timeout", "5", *extra, str(SCRIPTS / "sleeper.py")]
 
 
-def _sleeping(tmp_path, marker, etcd, job: str, node: str, nnodes: str, name: str):
+def _sleeping(tmp_path, marker, etcd, job: str, node: str, nnodes: str, name: str,
+              ttl: str = "2"):
     """A restart-mode agent whose one worker sleeps; (launcher, worker pid)."""
     pids = tmp_path / f"pids-{name}"
     pids.mkdir()
-    agent = Launcher(restart_args(etcd, job, node, nnodes), base_env(marker, PID_DIR=str(pids)),
-                     tmp_path, name)
+    agent = Launcher(restart_args(etcd, job, node, nnodes, ttl=ttl),
+                     base_env(marker, PID_DIR=str(pids)), tmp_path, name)
     pid = int(wait_for(lambda: (pids / "0.pids").exists() and (pids / "0.pids").read_text(),
                        60, f"{name}'s worker", proc=agent.proc))
     return agent, pid
@@ -74,16 +76,30 @@ def test_a_second_agent_with_a_held_node_id_fails_in_one_line(tmp_path, marker, 
 
 
 def test_a_sigkilled_agents_claim_on_this_host_is_taken_over_at_once(tmp_path, marker,
-                                                                     etcd_server):
+                                                                     etcd_server, client):
+    """The dead agent's claim is under a lease that outlives the test (an hour): only a
+    takeover (the newcomer revoking that lease) can give the node id to the newcomer."""
     job = f"dup-{uuid.uuid4().hex[:8]}"
-    first, worker = _sleeping(tmp_path, marker, etcd_server, job, "node-a", "1", "a")
+    key = schema.claim_key(job, "node-a")
+    first, worker = _sleeping(tmp_path, marker, etcd_server, job, "node-a", "1", "a",
+                              ttl="3600")
+    held = client.get(key)
+    assert schema.decode(key, held.value).pid == first.proc.pid and held.lease
     first.proc.send_signal(signal.SIGKILL)
     assert first.wait(10) == -signal.SIGKILL
     wait_for(lambda: not pid_alive(worker), 20, "the killed agent's worker to die")
-    again = Launcher(restart_args(etcd_server, job, "node-a", "1"),
-                     base_env(marker, PID_DIR=str(tmp_path), EXIT_NOW="1"), tmp_path, "again")
-    assert again.wait(60) == 0, again.stderr()
+    assert client.lease_ttl(held.lease) > 0  # the dead agent's claim still stands
+    again, again_worker = _sleeping(tmp_path, marker, etcd_server, job, "node-a", "1", "again")
+    taken = client.get(key)
+    claim = schema.decode(key, taken.value)
+    assert (claim.pid, claim.host, claim.mode) == (again.proc.pid, schema.decode(
+        key, held.value).host, "restart"), claim
+    assert taken.create_revision > held.mod_revision and taken.lease not in (0, held.lease)
+    assert client.lease_ttl(held.lease) == -1  # revoked by the newcomer, not expired
     assert "left from a dead agent; taking it over" in again.stderr()
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.wait(30) == 1, again.stderr()
+    assert not pid_alive(again_worker)
 
 
 def test_a_restart_mode_agent_cannot_take_down_a_running_elastic_job(tmp_path, marker,

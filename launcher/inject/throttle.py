@@ -27,8 +27,8 @@ from launcher.cgroups import CgroupError, CgroupUnavailable, CpuQuota, ProcessGo
     worker_cgroup
 from launcher.inject.api import InjectError, NotOwnedError, TargetNotFound
 from launcher.inject.detect import Injected
-from launcher.inject.faults import FaultAction, InjectContext, Injection, Timer, \
-    _worker_dict, find_worker
+from launcher.inject.context import FaultAction, InjectContext, Injection, Timer, worker_dict
+from launcher.inject.targets import find_worker
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Throttle(FaultAction):
             detail["duration_s"] = self.spec.params["duration_s"]
             timers.append(Timer(self.spec.params["duration_s"], "cap lifted", _lift(ctx, name),
                                 ends_fault=True))
-        return Injection(Injected(self.spec.fault, _worker_dict(w), (w.pid,)), detail, timers)
+        return Injection(Injected(self.spec.fault, worker_dict(w), (w.pid,)), detail, timers)
 
 
 class Unthrottle(FaultAction):
@@ -121,7 +121,7 @@ class Unthrottle(FaultAction):
             quota.set(name, None)
         except CgroupError as exc:
             raise InjectError(f"unthrottle of worker {w.node}/{w.local_rank}: {exc}") from None
-        return Injection(Injected(self.spec.fault, _worker_dict(w), (w.pid,)),
+        return Injection(Injected(self.spec.fault, worker_dict(w), (w.pid,)),
                          {"pid": w.pid, "cgroup": quota.path(name),
                           "done_by": f"cap of pid {w.pid} lifted ({quota.path(name)})"})
 
