@@ -131,8 +131,11 @@ class ElasticSettings:
     # device's own, or its type's) and speed relative to the type's nominal.
     device_memory_bytes: int = 0
     device_speed: float = 1.0
+    enforce_memory: bool = False  # --hspmd-enforce-memory: a memory cgroup per worker
     redundancy: int = 0  # every parameter slice on this many nodes, a hard constraint (0: none)
     planner: str = "hetero"  # --hspmd-planner: hetero (HSPMD) or uniform (one TP/PP everywhere)
+    # --hspmd-all-devices: every usable worker gets a role, even one the planner would leave idle
+    all_devices: bool = False
     # --hspmd-straggler-replans: the leader replans on measured speeds (launcher.leader.speeds)
     straggler_replans: bool = True
     straggler_dwell_s: float = 30.0  # --hspmd-straggler-dwell: seconds between such switches

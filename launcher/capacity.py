@@ -1,12 +1,15 @@
 """Elastic mode's declared capacity and redundancy flags, parsed into ``ElasticSettings`` fields.
 
-A node can declare what its devices are, for the leader's planner: ``--hspmd-device-memory``
-(a size with a unit: ``24MiB``, ``1.5GiB``, ``512KiB``) and ``--hspmd-device-speed`` (relative
-to the device type's nominal speed, 1.0 by default). The agent advertises them in its node
-record (``DeviceInfo.memory_bytes`` and ``speed``), and the planner shards a model that does not
-fit the declared memory exactly as it would on real GPUs, so a cluster's layouts can be
-rehearsed on CPU workers. ``--hspmd-redundancy N`` makes "every parameter slice on N nodes" a
-hard constraint of the planner. Bad values raise ``ConfigError`` with one line naming them.
+A node can declare what its devices are, for the leader's planner: ``--hspmd-device-memory`` (a
+size with a unit: ``24MiB``, ``1.5GiB``, ``512KiB``) and ``--hspmd-device-speed`` (relative to the
+device type's nominal speed, 1.0 by default). The agent advertises them in its node record
+(``DeviceInfo.memory_bytes`` and ``speed``), and the planner shards a model that does not fit the
+declared memory exactly as it would on real GPUs, so a cluster's layouts can be rehearsed on CPU
+workers; ``--hspmd-enforce-memory`` makes that memory a real limit of each worker
+(``launcher.cgroup_memory``; it needs ``--hspmd-device-memory``). ``--hspmd-redundancy N`` makes
+"every parameter slice on N nodes" a hard constraint of the planner; ``--hspmd-all-devices on``
+gives every usable worker a role (the planner otherwise leaves idle a worker that costs the step
+more than it adds). Bad values raise ``ConfigError`` with one line naming them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from launcher.api import ConfigError
 
 CAPACITY_FLAGS = ("hspmd_device_memory", "hspmd_device_speed", "hspmd_redundancy",
                   "hspmd_planner", "hspmd_straggler_replans",
-                  "hspmd_straggler_dwell", "hspmd_lengths")  # CLI params
+                  "hspmd_straggler_dwell", "hspmd_lengths", "hspmd_enforce_memory")  # CLI params
 PLANNERS = ("hetero", "uniform")  # --hspmd-planner
 SWITCHES = {"on": True, "off": False}  # --hspmd-straggler-replans
 
@@ -85,6 +88,23 @@ def parse_lengths_flag(value: Optional[str]) -> tuple[tuple[int, float], ...]:
         raise ConfigError(f"invalid --hspmd-lengths value {value!r}: {why}") from None
 
 
+def enforce_memory(params: dict) -> bool:
+    """``--hspmd-enforce-memory``: only with a declared ``--hspmd-device-memory`` to enforce."""
+    if params.get("hspmd_enforce_memory") and params.get("hspmd_device_memory") is None:
+        raise ConfigError("--hspmd-enforce-memory needs --hspmd-device-memory (the memory each "
+                          "worker is limited to, plus its measured baseline)")
+    return bool(params.get("hspmd_enforce_memory"))
+
+
+def all_devices(params: dict) -> bool:
+    """``--hspmd-all-devices on|off`` (default off): every usable worker gets a role, even one
+    whose per-step fixed costs the planner predicts outweigh its work. Read in elastic mode
+    only (not a capacity flag: without ``--hspmd-elastic`` it is ignored, so
+    ``PET_HSPMD_ALL_DEVICES`` may be set for every launch)."""
+    return SWITCHES[_choice("--hspmd-all-devices", params.get("hspmd_all_devices"),
+                            tuple(SWITCHES), "off")]
+
+
 def _choice(flag: str, value: Optional[str], choices, default: str) -> str:
     text = default if value is None else str(value).strip().lower()
     if text not in choices:
@@ -106,5 +126,7 @@ def capacity_settings(params: dict, max_nodes: int) -> dict:
                                                   params.get("hspmd_straggler_replans"),
                                                   tuple(SWITCHES), "on")],
             "lengths": parse_lengths_flag(params.get("hspmd_lengths")),
+            "all_devices": all_devices(params),
+            "enforce_memory": enforce_memory(params),
             **({} if params.get("hspmd_straggler_dwell") is None else
                {"straggler_dwell_s": params["hspmd_straggler_dwell"]})}

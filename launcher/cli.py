@@ -200,6 +200,9 @@ class _LaunchCommand(click.Command):
                  "shorter recovers sooner.")
 @_opt("--hspmd-device-memory", default=None, help="Elastic mode: memory of each device of "
       "this node as the planner sees it (24MiB, 1.5GiB): rehearse a cluster's layouts on CPUs.")
+@_opt("--hspmd-enforce-memory", is_flag=True, default=None, help="Elastic mode: limit each "
+      "worker to --hspmd-device-memory plus its measured baseline (a memory cgroup); a plan "
+      "that does not fit ends the job (the OOM killer's kill, reported as the plan's error).")
 @_opt("--hspmd-device-speed", default=None, help="Elastic mode: speed of this node's devices "
       "relative to their type's nominal (default 1.0).")
 @_opt("--hspmd-device", default=None, help="Elastic mode: where workers compute: auto "
@@ -208,6 +211,9 @@ class _LaunchCommand(click.Command):
       "many nodes, a hard constraint; the job fails when no plan keeps it (default: none).")
 @_opt("--hspmd-planner", default=None, help="Elastic mode: hetero (the default: plans fitted to "
       "each device's speed and memory) or uniform (one TP/PP everywhere, even layers and rows).")
+@_opt("--hspmd-all-devices", default=None, help="Elastic mode: on or off (the default): give "
+      "every usable worker a role, even one the planner predicts costs the step more than it "
+      "adds (left idle otherwise, and the leader's log says why).")
 @_opt("--hspmd-straggler-replans", default=None, help="Elastic mode: on (the default) or off: "
       "replan when measured device speeds say a new plan gains more than the switch costs.")
 @_opt("--hspmd-straggler-dwell", type=number("--hspmd-straggler-dwell"), default=None,
