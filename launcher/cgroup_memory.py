@@ -34,27 +34,24 @@ import logging
 import os
 import subprocess
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
-from hspmd_elastic.contract.ids import check_id
 from launcher.cgroups import (
     MOUNTS,
-    PREFIX,
     CgroupError,
     CgroupUnavailable,
     Hierarchy,
+    JobCgroups,
     ProcessGone,
     _read,
-    _State,
-    _subdirs,
     _write,
     home_of,
+    make_dir,
     mount_points,
     owners_root,
-    sweep_stale,
 )
+from launcher.cgroup_sweep import sweep_stale
 
 log = logging.getLogger(__name__)
 
@@ -193,32 +190,16 @@ def _lift(version: int, child: str) -> None:
     _set_limit(version, child, None)
 
 
-class MemoryLimits:
+class MemoryLimits(JobCgroups):
     """The memory cgroups of one job on this machine: ``place`` a proven process of the job
     under a ``MemoryLimit``, read ``oom_kills``, ``close`` (also a context manager)."""
 
+    WHAT = "memory"
+
     def __init__(self, job: str, hierarchy: Optional[Hierarchy] = None,
                  owners: Optional[str] = None):
-        self.job = check_id(job, "job id")
-        self.hierarchy = hierarchy if hierarchy is not None else detect_memory()
-        self.parent = os.path.join(self.hierarchy.root, PREFIX + self.job)
-        self._state = _State(self.hierarchy, self.parent,
-                             os.path.join(owners or memory_owners(), PREFIX + self.job),
-                             kind=OWNER_KIND)
-        self._finalizer = weakref.finalize(self, _finalize, self._state)
-
-    def __enter__(self) -> "MemoryLimits":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def path(self, name: str) -> str:
-        """The directory of the worker cgroup ``name`` (``worker_cgroup(node, local_rank)``)."""
-        return os.path.join(self.parent, check_id(name, "worker cgroup name"))
-
-    def placed(self) -> list[str]:
-        return _subdirs(self.parent)
+        super().__init__(job, hierarchy if hierarchy is not None else detect_memory(),
+                         owners or memory_owners(), kind=OWNER_KIND)
 
     def prepare(self, name: str, limit: MemoryLimit, home: Optional[str] = None) -> str:
         """Make the worker cgroup ``name`` with ``limit`` before its worker exists (``home``:
@@ -226,9 +207,8 @@ class MemoryLimits:
         its ``cgroup.procs``, which the worker writes its pid to before its own code runs."""
         child = self.path(name)
         with self._state.lock:
-            if not self._finalizer.alive:  # placed again after a close
-                self._finalizer = weakref.finalize(self, _finalize, self._state)
-            _mkdir(self.parent)
+            self._armed()
+            make_dir(self.parent)
             if self.hierarchy.version == 2:
                 enabled = _read(os.path.join(self.parent, "cgroup.subtree_control")).split()
                 if "memory" not in enabled:
@@ -236,7 +216,7 @@ class MemoryLimits:
             self._state.worker_home.setdefault(
                 name, home or home_of(self.hierarchy, self.parent, os.getpid()))
             self._state.record(name, self.job)  # before the cgroup: a SIGKILL leaves its owner
-            _mkdir(child)
+            make_dir(child)
             _set_limit(self.hierarchy.version, child, limit.limit)
         return os.path.join(child, "cgroup.procs")
 
@@ -276,28 +256,6 @@ class MemoryLimits:
     def pids(self, name: str) -> list[int]:
         return [int(x) for x in _read(os.path.join(self.path(name), "cgroup.procs")).split()]
 
-    def close(self) -> None:
-        """Move every process back, remove every cgroup of the job (idempotent)."""
-        self._state.close()
-        self._finalizer.detach()
-
-
-def _mkdir(path: str) -> None:
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise CgroupError(f"cannot create {path}: {exc.strerror or exc}") from None
-
-
-def _finalize(state: _State) -> None:
-    try:
-        state.close()
-    except CgroupError as exc:
-        log.warning("memory cgroups left behind: %s", exc)
-
-
 def memory_owners() -> str:
     """Where the owner records of every job's memory cgroups live on this machine."""
     return os.path.join(owners_root(), "memory")
@@ -305,7 +263,7 @@ def memory_owners() -> str:
 
 def sweep_stale_memory(job: Optional[str] = None, hierarchy: Optional[Hierarchy] = None,
                        owners: Optional[str] = None) -> list[str]:
-    """``cgroups.sweep_stale`` for the memory cgroups: a dead owner's limit lifted, processes
+    """``cgroup_sweep.sweep_stale`` for the memory cgroups: a dead owner's limit lifted, processes
     home, cgroups removed; returns the cgroups removed."""
     return sweep_stale(job, hierarchy if hierarchy is not None else detect_memory(),
                        owners or memory_owners(), OWNER_KIND, _lift)

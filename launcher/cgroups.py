@@ -28,9 +28,10 @@ Promises:
   finalizer runs it when the object is collected or the interpreter exits;
 * no cgroup without its owner on record: ``place`` first writes ``<owners_root()>/hspmd-<job>/
   <child>.json`` (the owner's pid and start time, the worker's home; a cgroup file system takes
-  no file of ours), ``close`` removes it; ``sweep_stale`` restores what a dead (SIGKILLed)
-  owner left: cap lifted, processes home, cgroup removed; ``release`` (never raises) is how the
-  agent calls it at its job's end, and ``inject`` before its first fault;
+  no file of ours), ``close`` removes it; ``cgroup_sweep.sweep_stale`` restores what a dead
+  (SIGKILLed) owner left: cap lifted, processes home, cgroup removed;
+  ``cgroup_sweep.release`` (never raises) is how the agent calls it at its job's end, and
+  ``inject`` before its first fault;
 * every error of the file system is a ``CgroupError`` with one line naming the file;
   ``ProcessGone`` when the process to move has exited; no call blocks for more than
   ``RMDIR_TIMEOUT_S``. Memory limits per worker (``launcher.cgroup_memory``) share all this.
@@ -410,22 +411,28 @@ class _State:
                 raise CgroupError(f"processes {pids} keep reappearing in {child}")
 
 
-class CpuQuota:
-    """The CPU cgroups of one job on this machine (one ``CpuQuota`` per job and machine):
-    ``place`` a proven process of the job under a quota, ``set`` or lift it, read ``stat``, and
-    ``close`` (also a context manager; a finalizer closes what was not closed)."""
+class JobCgroups:
+    """The cgroups of one job under one controller's hierarchy, ``<root>/hspmd-<job>/<child>``,
+    with their owner records (``kind``) under ``owners``: what ``CpuQuota`` and
+    ``cgroup_memory.MemoryLimits`` share. ``close`` (also a context manager; a finalizer closes
+    what was not closed) moves every process back and removes every cgroup of the job."""
 
-    def __init__(self, job: str, hierarchy: Optional[Hierarchy] = None,
-                 cores: Optional[int] = None, owners: Optional[str] = None):
+    WHAT = "CPU"  # for the finalizer's warning
+
+    def __init__(self, job: str, hierarchy: Hierarchy, owners: str, kind: str = OWNER_KIND):
         self.job = check_id(job, "job id")
-        self.hierarchy = hierarchy if hierarchy is not None else detect()
-        self.cores = cores if cores is not None else (os.cpu_count() or 1)
-        self.parent = os.path.join(self.hierarchy.root, PREFIX + self.job)
-        self._state = _State(self.hierarchy, self.parent,
-                             os.path.join(owners or owners_root(), PREFIX + self.job))
-        self._finalizer = weakref.finalize(self, _finalize, self._state)
+        self.hierarchy = hierarchy
+        self.parent = os.path.join(hierarchy.root, PREFIX + self.job)
+        self._state = _State(hierarchy, self.parent, os.path.join(owners, PREFIX + self.job),
+                             kind=kind)
+        self._finalizer = weakref.finalize(self, _finalize, self._state, self.WHAT)
 
-    def __enter__(self) -> "CpuQuota":
+    def _armed(self) -> None:
+        """A finalizer for what is made next (placed again after a ``close``)."""
+        if not self._finalizer.alive:
+            self._finalizer = weakref.finalize(self, _finalize, self._state, self.WHAT)
+
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -439,6 +446,23 @@ class CpuQuota:
         """The worker cgroups there are now."""
         return _subdirs(self.parent)
 
+    def close(self) -> None:
+        """Move every process back, remove every cgroup of the job (idempotent)."""
+        self._state.close()
+        self._finalizer.detach()  # nothing left for it (and never another object's cgroups)
+
+
+class CpuQuota(JobCgroups):
+    """The CPU cgroups of one job on this machine (one ``CpuQuota`` per job and machine):
+    ``place`` a proven process of the job under a quota, ``set`` or lift it, read ``stat``, and
+    ``close`` (``JobCgroups``)."""
+
+    def __init__(self, job: str, hierarchy: Optional[Hierarchy] = None,
+                 cores: Optional[int] = None, owners: Optional[str] = None):
+        super().__init__(job, hierarchy if hierarchy is not None else detect(),
+                         owners or owners_root())
+        self.cores = cores if cores is not None else (os.cpu_count() or 1)
+
     def place(self, name: str, pid: int, fraction: float) -> str:
         """Cap process ``pid`` (one the caller proved is the job's) at ``fraction`` of a core in
         the worker cgroup ``name``; returns its directory. ``ProcessGone`` when it exited."""
@@ -447,8 +471,7 @@ class CpuQuota:
             raise ValueError(f"pid {pid!r} is not a process a job can own")
         child = self.path(name)
         with self._state.lock:
-            if not self._finalizer.alive:  # placed again after a close
-                self._finalizer = weakref.finalize(self, _finalize, self._state)
+            self._armed()
             self._mkdir(self.parent)
             if self.hierarchy.version == 2:
                 enabled = _read(os.path.join(self.parent, "cgroup.subtree_control")).split()
@@ -500,19 +523,9 @@ class CpuQuota:
         """The processes in the worker cgroup ``name``."""
         return _procs(self.path(name))
 
-    def close(self) -> None:
-        """Move every process back, remove every cgroup of the job (idempotent)."""
-        self._state.close()
-        self._finalizer.detach()  # nothing left for it (and never another object's cgroups)
-
     # ------------------------------------------------------------------------------ helpers
     def _mkdir(self, path: str) -> None:
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise CgroupError(f"cannot create {path}: {exc.strerror or exc}") from None
+        make_dir(path)
 
     def _limit(self, child: str, fraction: Optional[float]) -> None:
         _set_cap(self.hierarchy.version, child, fraction)
@@ -531,70 +544,18 @@ def home_of(hierarchy: Hierarchy, parent: str, pid: int) -> str:
     return hierarchy.root if home == parent or home.startswith(parent + os.sep) else home
 
 
-def _finalize(state: _State) -> None:
+def make_dir(path: str) -> None:
+    """``mkdir`` that leaves an existing directory be; any other failure is a ``CgroupError``."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise CgroupError(f"cannot create {path}: {exc.strerror or exc}") from None
+
+
+def _finalize(state: _State, what: str = "CPU") -> None:
     try:
         state.close()
     except CgroupError as exc:
-        log.warning("CPU cgroups left behind: %s", exc)
-
-
-def sweep_stale(job: Optional[str] = None, hierarchy: Optional[Hierarchy] = None,
-                owners: Optional[str] = None, kind: str = OWNER_KIND, lift=None) -> list[str]:
-    """In the ``hspmd-*`` parents (``hspmd-<job>`` with ``job``): restore and remove the worker
-    cgroups of dead owners, remove the empty ones of no known owner, then empty parents; leave a
-    live owner's, and one holding processes of no known owner. Returns the cgroups removed.
-    ``kind``, ``lift(version, path)``: another controller's owner records and limit lifting."""
-    hierarchy = hierarchy if hierarchy is not None else detect()
-    owners = owners or owners_root()
-    names = [PREFIX + check_id(job, "job id")] if job is not None else \
-        [n for n in _subdirs(hierarchy.root) if n.startswith(PREFIX)]
-    removed = []
-    for name in names:
-        parent, records = os.path.join(hierarchy.root, name), os.path.join(owners, name)
-        if not os.path.isdir(parent):
-            continue
-        for child in _subdirs(parent):
-            path, rec_path = os.path.join(parent, child), os.path.join(records, child + ".json")
-            record = _read_record(rec_path, kind)
-            if _owner_alive(record) or (record is None and _procs(path)):
-                continue
-            try:
-                if record is not None:
-                    _restore(hierarchy, parent, child, record, lift)
-                _rmdir(path)
-                _unlink(rec_path)
-                removed.append(path)
-            except CgroupError as exc:
-                log.warning("stale cgroup %s not restored: %s", path, exc)
-        try:
-            if not _subdirs(parent):
-                _rmdir(parent)
-                _unlink(records, os.rmdir)
-                removed.append(parent)
-        except CgroupError as exc:
-            log.warning("stale cgroup %s not removed: %s", parent, exc)
-    return removed
-
-
-def _restore(hierarchy: Hierarchy, parent: str, child: str, record: dict, lift=None) -> None:
-    """A dead owner's worker cgroup: cap lifted first (then a process that cannot move is at
-    least not throttled), every process moved home (the recorded cgroup, else the root)."""
-    path, home = os.path.join(parent, child), record.get("home")
-    lift(hierarchy.version, path) if lift else _set_cap(hierarchy.version, path, None)
-    if not (isinstance(home, str) and os.path.isdir(home) and not home.startswith(parent)):
-        home = hierarchy.root
-    _State(hierarchy, parent, worker_home={child: home})._empty(child, path)
-    log.warning("%s cgroup %s: its owner (pid %s) is gone; limit lifted, processes moved to %s",
-                hierarchy.controller, path, record.get("owner_pid"), home)
-
-
-def release(job: Optional[str] = None) -> list[str]:
-    """``sweep_stale`` that never raises (a machine without a usable CPU cgroup has nothing to
-    release): the agent calls it at its job's end, ``inject`` before its first fault."""
-    try:
-        return sweep_stale(job)
-    except CgroupUnavailable:
-        return []
-    except (CgroupError, ValueError, OSError) as exc:
-        log.warning("CPU cgroups%s: %s", f" of job {job}" if job else "", exc)
-        return []
+        log.warning("%s cgroups left behind: %s", what, exc)

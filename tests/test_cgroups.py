@@ -36,9 +36,9 @@ from launcher.cgroups import (
     parse_cpu_stat,
     parse_quota,
     quota_us,
-    sweep_stale,
     worker_cgroup,
 )
+from launcher.cgroup_sweep import release, sweep_stale
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -252,7 +252,7 @@ def test_a_sigkilled_owners_cgroup_is_restored_by_the_sweep(hierarchy, spawn, tm
     assert removed == [os.path.join(parent, "node-a-0"), parent]
     assert home_of(proc.pid, hierarchy) == home and not os.path.exists(parent)
     assert not os.path.exists(os.path.join(owners, f"hspmd-{job}"))
-    assert cgroups.release(job) == []  # nothing left; never raises
+    assert release(job) == []  # nothing left; never raises
 
 
 # ---------------------------------------------------------------------------------- pure parts

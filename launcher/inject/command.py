@@ -16,7 +16,7 @@ when every fault was detected and recovered (or, for faults a job rides through,
 the job did not fail, 1 otherwise. SIGINT and SIGTERM stop the run at its next wait: what the
 faults hold is released (processes resumed, links healed, caps lifted and cgroups removed), the
 report is made, and the exit is 1. Before the first fault, the CPU cgroups of runs that died
-(SIGKILL) are restored (``launcher.cgroups.release``).
+(SIGKILL) are restored (``launcher.cgroup_sweep.release``).
 ``--progress`` names the job's progress files (JSON lines: ``step``, ``round``, ``rank``,
 ``t``, ``batch``); without it, progress is read from the job's ``workers/`` records.
 ``etcd-restart`` runs ``--etcd-restart-cmd`` when given (``/bin/sh -c``, bounded by
@@ -46,7 +46,7 @@ from hspmd_elastic.coord.api import CoordinationError, EtcdAuthError
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.contract.schema import job_prefix
 from hspmd_elastic.files import atomic_write
-from launcher.cgroups import release as release_cgroups
+from launcher.cgroup_sweep import release as release_cgroups
 from launcher.etcd_security import subcommand_options, subcommand_security
 from launcher.inject.api import InjectError, ScenarioError
 from launcher.inject.detect import JobObserver, default_progress

@@ -13,7 +13,7 @@ on the first throttle and kept in ``InjectContext.cpu_quota`` (``Quotas``), whos
 by ``InjectContext.close``) moves every process back and removes every cgroup the harness made,
 logging (never raising) what it could not (each cgroup's owner is on record, so that what a
 SIGKILLed harness left is restored by the next ``inject`` or by the agent at its job's end:
-``cgroups.release``); a machine without a usable CPU cgroup, or a cap
+``cgroup_sweep.release``); a machine without a usable CPU cgroup, or a cap
 that cannot be set, is ``NotOwnedError``/``InjectError`` with one line saying why; a worker
 that exited meanwhile is ``TargetNotFound`` (the harness retries a little).
 """

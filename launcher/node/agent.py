@@ -36,7 +36,7 @@ from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.lease import LeasedSession
 from launcher.api import EXIT_FAILED, EXIT_OK, LaunchConfig, LaunchError, SignalReceived
 from launcher.cgroup_memory import release_memory
-from launcher.cgroups import release as release_cgroups
+from launcher.cgroup_sweep import release as release_cgroups
 from launcher.console import WaitBar
 from launcher.logs import RunLogDir
 from launcher.node.api import AgentContext, Mode, ModeOutcome, StopCause
