@@ -79,10 +79,11 @@ Sampler = Callable[[int], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class RuntimeTimeouts:
+class RuntimeTimeouts(SwitchTimeouts):
+    """The worker's limits: the switch's (``SwitchTimeouts``: ``regroup_s``, ``comm_s``, also
+    every collective and point-to-point wait of a step, ``checkpoint_flush_s``) and its own."""
+
     plan_wait_s: float = 300.0  # for a (newer) plan that uses this device
-    comm_s: float = 60.0  # any one collective / point-to-point wait, and the BSR
-    regroup_s: float = 60.0  # meeting the plan's ranks on the store
     finish_s: float = 300.0  # for every rank of the plan to finish the last step
     etcd_s: float = 5.0
 
@@ -213,7 +214,7 @@ class _Worker:
         self.checkpoints = writer
         self.switcher = GraphSwitch(
             identity, self.client, self.plans, self.former, self.watchdog, config, optim, seed,
-            SwitchTimeouts(regroup_s=timeouts.regroup_s, comm_s=timeouts.comm_s),
+            timeouts,
             checkpoints=writer, checkpoint_dir=checkpoint_dir, undo=undo, init_from=init_from)
         self._rate = (time.monotonic(), 0)
         self.busy = BusyMeter()  # this rank's own compute per step (elastic.busy)
@@ -469,10 +470,11 @@ class _Worker:
         if self.step != s0:
             self._rate = (now, self.step)
         try:
+            probe_s, probes = self._probed()
             self.reporter.report(WorkerProgress(os.getpid(), self.rank, self.identity.local_rank,
                                                 self.version, self.step, time.time(), rate,
-                                                self.lifecycle.state.value,
-                                                self.busy.busy_s, *self._probed()))
+                                                self.busy.busy_s, probe_s, probes,
+                                                state=self.lifecycle.state.value))
         except OSError as exc:
             self.log.warning("progress report failed: %s", exc)
 

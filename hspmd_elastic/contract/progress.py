@@ -29,7 +29,7 @@ import enum
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
 from hspmd_elastic.files import atomic_write
@@ -61,29 +61,11 @@ DONE_STATES = frozenset({WorkerState.DONE.value})
 # the device is not at fault, and a later plan may use it again.
 LEFT_STATES = frozenset({WorkerState.EXCLUDED.value})
 
-# The fields of a report besides ``state`` -> their type; the same fields, in the same order,
-# as ``schema.WorkerRecord``, which the agent relays to etcd.
-PROGRESS_FIELDS: dict[str, type] = {
-    "pid": int, "global_rank": int, "local_rank": int, "plan_version": int, "step": int,
-    "last_progress_at": float, "steps_per_s": float,
-}
-# Fields a report may leave out (a script's own heartbeat does): name -> (type, default). Also
-# relayed to ``schema.WorkerRecord``, after ``PROGRESS_FIELDS``.
-OPTIONAL_PROGRESS_FIELDS: dict[str, tuple[type, Any]] = {
-    # seconds of the rank's own compute per step (the step's time minus its waits on peers'
-    # collectives and point-to-point), the median over the plan's recent steps; 0: not measured
-    "busy_s": (float, 0.0),
-    # a worker whose device the plan leaves idle: seconds of its probe (``elastic.busy.probe``,
-    # the median of its recent ones) and how many it ran under ``plan_version``; 0: none
-    "probe_s": (float, 0.0),
-    "probes": (int, 0),
-}
-
-
 @dataclass
-class WorkerProgress:
-    """One progress report: the ``schema.WorkerRecord`` fields (what the agent relays to etcd)
-    plus the worker's state (a ``WorkerState`` value; "" in a report that names none)."""
+class WorkerFields:
+    """What a worker reports of itself, which its agent relays to etcd: the fields of both
+    ``WorkerProgress`` (the report, with the worker's state) and ``schema.WorkerRecord`` (the
+    record of ``workers/<node>/<local_rank>``), defined once here."""
 
     pid: int
     global_rank: int
@@ -92,16 +74,36 @@ class WorkerProgress:
     step: int
     last_progress_at: float
     steps_per_s: float
-    state: str = WorkerState.TRAINING.value
+    # seconds of the rank's own compute per step (the step's time minus its waits on peers'
+    # collectives and point-to-point), the median over the plan's recent steps; 0: not measured
+    # (yet). The leader's measured speeds come from it.
     busy_s: float = 0.0
+    # a worker whose device the plan leaves idle (it waits for a plan that uses it): its probe's
+    # time in seconds (``elastic.busy.probe``, the median of its recent ones) and how many it ran
+    # under ``plan_version`` (the leader's sample marker); 0: none
     probe_s: float = 0.0
     probes: int = 0
 
+
+_TYPES = {"int": int, "float": float}
+# The fields of a report besides ``state`` -> their type (``WorkerFields`` without a default),
+# and those a report may leave out (a script's own heartbeat does): name -> (type, default).
+PROGRESS_FIELDS: dict[str, type] = {
+    f.name: _TYPES[f.type] for f in fields(WorkerFields) if f.default is MISSING}
+OPTIONAL_PROGRESS_FIELDS: dict[str, tuple[type, Any]] = {
+    f.name: (_TYPES[f.type], f.default) for f in fields(WorkerFields) if f.default is not MISSING}
+
+
+@dataclass
+class WorkerProgress(WorkerFields):
+    """One progress report: the ``WorkerFields`` (what the agent relays to etcd) plus the
+    worker's state (a ``WorkerState`` value; "" in a report that names none)."""
+
+    state: str = WorkerState.TRAINING.value
+
     def record_fields(self) -> dict[str, Any]:
-        """The ``PROGRESS_FIELDS`` and ``OPTIONAL_PROGRESS_FIELDS`` of this report (a
-        ``schema.WorkerRecord``'s arguments)."""
-        return {name: getattr(self, name) for name in (*PROGRESS_FIELDS,
-                                                        *OPTIONAL_PROGRESS_FIELDS)}
+        """The ``WorkerFields`` of this report (a ``schema.WorkerRecord``'s arguments)."""
+        return {f.name: getattr(self, f.name) for f in fields(WorkerFields)}
 
 
 def _typed(value: Any, tp: type) -> Any:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Optional
 
 from hspmd_elastic.contract.errors import RecordError
 from hspmd_elastic.contract.events import EVENT_TYPES
+from hspmd_elastic.contract.progress import WorkerFields
 
 # 2: event details are typed (``contract.events``) and device verdicts carry their ``origin``;
 # a value of schema 1 is an older release's and is refused in one line (``schema.decode_as``).
@@ -122,24 +123,10 @@ class DeviceHealthRecord(Record):
 
 
 @dataclass
-class WorkerRecord(Record):
-    KIND: ClassVar[str] = "worker"
+class WorkerRecord(WorkerFields, Record):
+    """A worker's progress as its agent relays it (``progress.WorkerFields``, defined there)."""
 
-    pid: int
-    global_rank: int
-    local_rank: int
-    plan_version: int
-    step: int
-    last_progress_at: float
-    steps_per_s: float
-    # the rank's own compute per step in seconds (median of the plan's recent steps, waits on
-    # peers left out); 0: not measured (yet). The leader's measured speeds come from it.
-    busy_s: float = 0.0
-    # a worker whose device the plan leaves idle (it waits for a plan that uses it): its probe's
-    # time in seconds (``elastic.busy.probe``, median of its recent ones) and the number of
-    # probes it ran under ``plan_version`` (the leader's sample marker); 0: none
-    probe_s: float = 0.0
-    probes: int = 0
+    KIND: ClassVar[str] = "worker"
 
 
 @dataclass
