@@ -1,4 +1,5 @@
-"""The pure parts of ``scripts/bench_hetero`` (``scripts/_bench_hetero_pure.py``): its arguments,
+"""The pure parts of ``scripts/bench_hetero`` (``scripts/bench/hetero_pure.py`` and
+``hetero_mixes.py``, the baselines of part (d)): its arguments,
 tokens/s from the workers' timelines, the cost model's predictions of measured plans with the
 constants fitted to them, the targets' ratios and the report. No processes, no timing: the
 benchmark itself measures.
@@ -18,7 +19,8 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "scripts"))
 
-import _bench_hetero_pure as bench  # noqa: E402
+from bench import hetero_mixes as mixes  # noqa: E402
+from bench import hetero_pure as bench  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -206,3 +208,59 @@ def test_the_report_has_the_command_the_tables_and_every_verdict():
         if line.startswith("| p0 |"):
             assert line.count("|") == 10, line
     assert bench.report({}, "c", "h")  # an empty run still renders
+
+
+# ---- (d): ours against the best baseline on each mix ------------------------------------------
+
+
+def test_the_default_mixes_and_their_parsing():
+    assert mixes.MIXES == ((0.5, 0.5, 0.125, 0.125), (0.5, 0.5, 0.25, 0.25),
+                           (1.0, 0.5, 0.25, 0.25))
+    assert mixes.parse_mixes("0.5,0.5,0.25,0.25;1,0.5,0.25,0.25", 2) == (
+        (0.5, 0.5, 0.25, 0.25), (1.0, 0.5, 0.25, 0.25))
+    for bad, why in (("1,1,1", "adds up to 3"), ("0.5", "2 to 8"), ("0.5,x", "not a comma"),
+                     ("0.5,0", "share 0.0"), ("0.5,nan", "share nan"), ("0.5,3", "share 3.0")):
+        with pytest.raises(ValueError, match=why):
+            mixes.parse_mixes(bad, 2)
+    s = bench.parse_args(["--parts", "mixes", "--mixes", "0.5,0.25", "--rounds", "3"])
+    assert (s.parts, s.mixes, s.rounds) == (("mixes",), ((0.5, 0.25),), 3)
+    assert bench.parse_args(["--quick"]).rounds == 1 and bench.parse_args([]).rounds == 2
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--parts", "steady,nope"])
+
+
+def test_the_candidates_are_uniform_over_all_the_fastest_k_and_ours():
+    got = mixes.candidates((0.25, 1.0, 0.5, 0.25))
+    assert [(c.name, c.fractions, c.planner) for c in got] == [
+        ("uniform-all", (0.25, 1.0, 0.5, 0.25), "uniform"),
+        ("fastest-1", (1.0,), "uniform"), ("fastest-2", (1.0, 0.5), "uniform"),
+        ("fastest-3", (1.0, 0.5, 0.25), "uniform"),
+        ("ours", (0.25, 1.0, 0.5, 0.25), "hetero")]
+    assert [c.nproc for c in got] == [4, 1, 2, 3, 4]
+    assert mixes.order(got, 0) == got and mixes.order(got, 1) == got[::-1]
+
+
+def test_ours_is_set_against_the_best_measured_baseline():
+    runs = {"uniform-all": [{"tokens_per_s": 100.0, "layout": "DP4", "devices_used": 4},
+                            {"tokens_per_s": 120.0, "layout": "DP4", "devices_used": 4}],
+            "fastest-2": [{"tokens_per_s": 200.0, "layout": "DP2", "devices_used": 2},
+                          {"error": "timed out"}],
+            "ours": [{"tokens_per_s": 260.0, "layout": "DP4 hetero", "devices_used": 3},
+                     {"tokens_per_s": 280.0, "layout": "DP4 hetero", "devices_used": 3}]}
+    s = mixes.summarize(runs)
+    assert s["candidates"]["uniform-all"]["tokens_per_s"] == 110.0
+    assert s["candidates"]["fastest-2"]["errors"] == ["timed out"]
+    assert (s["best_baseline"], s["best_baseline_tokens_per_s"]) == ("fastest-2", 200.0)
+    assert s["ours_tokens_per_s"] == 270.0 and math.isclose(s["ours_vs_best"], 1.35)
+    name = mixes.mix_name(mixes.GAIN_MIX)
+    t = mixes.targets({name: s, "1,0.5": dict(s, ours_vs_best=0.96)})
+    assert [(x.name, x.ok) for x in t] == [
+        (f"ours / best baseline on {name}", True), ("ours / best baseline on 1,0.5", False),
+        (f"ours / best uniform-or-subset plan on {name}", True)]
+    lost = mixes.summarize({"uniform-all": [{"tokens_per_s": 100.0}], "ours": [{"error": "x"}]})
+    assert lost["ours_vs_best"] is None
+    assert not mixes.targets({"a": lost})[0].ok  # a missing figure is a miss, never a pass
+    text = "\n".join(mixes.report({name: s}, {name: {"ours_vs_uniform": 1.5}}, 2))
+    assert "| 0.5,0.5,0.25,0.25 | 110 | fastest-2: 200 | 270 | **1.35x** | 1.50x |" in text
+    assert "| ours | DP4 hetero | 3 | 270 | 260, 280 | 1.35x |" in text
+    assert "| PASS |" in text

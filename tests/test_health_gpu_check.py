@@ -31,13 +31,13 @@ SCRIPT = os.path.join(ROOT, "scripts", "gpu_check")
 
 @pytest.fixture(scope="module")
 def bench():
-    """``scripts/_bench_mfu.py``, what ``scripts/bench_step --mfu`` runs."""
+    """``scripts/bench/mfu.py``, what ``scripts/bench_step --mfu`` runs."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
-        import _bench_mfu
+        from bench import mfu
     finally:
         sys.path.remove(os.path.join(ROOT, "scripts"))
-    return _bench_mfu
+    return mfu
 
 
 def test_without_gpus_every_gpu_step_is_skipped_and_strict_fails_with_one_line():

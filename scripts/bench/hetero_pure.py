@@ -25,9 +25,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional, Sequence
+
+from bench.common import cell, int_flag, ratio, seconds_flag
+from bench.hetero_mixes import MIXES, mix_name, parse_mixes
+from bench.common import fmt as _f
+from bench.common import ms as _ms
 
 NODE = "sn"
 NPROC = 4
@@ -43,6 +49,7 @@ HETERO_GAIN = 1.3  # measured hetero / uniform
 MODEL_ERROR = 0.20  # calibrated model vs measured, per plan
 JOURNAL_SLACK_S = 0.5  # two switches' journal times may be closer than the leader's decisions
 SECTION = "## Heterogeneous devices, measured"
+PARTS = ("steady", "straggler", "mixes")
 
 
 @dataclass(frozen=True)
@@ -57,54 +64,43 @@ class Settings:
     quick: bool
     json_path: Optional[str]
     write_doc: Optional[str]
+    parts: tuple[str, ...] = PARTS  # which parts run: steady (a), straggler (b, c), mixes (d)
+    mixes: tuple[tuple[float, ...], ...] = MIXES
+    rounds: int = 2  # (d): rounds of every candidate on every mix
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * MODEL["seq_len"]
 
 
-def _positive_int(flag: str, low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}={text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{flag}={value} must be >= {low}")
-        return value
-    return parse
-
-
-def _seconds(flag: str, low: float, high: float):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}={text!r} is not a number") from None
-        if not (math.isfinite(value) and low <= value <= high):
-            raise argparse.ArgumentTypeError(f"{flag}={text} must be in [{low:g}, {high:g}] s")
-        return value
-    return parse
 
 
 def parser(description: str = "") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true",
                     help="a short run (fewer steps per window, fewer flips): for development")
-    ap.add_argument("--measure-steps", type=_positive_int("--measure-steps", 3), default=None,
+    ap.add_argument("--measure-steps", type=int_flag("--measure-steps", 3), default=None,
                     help="steps per throughput window (default 16; 6 with --quick)")
-    ap.add_argument("--skip-steps", type=_positive_int("--skip-steps", 0), default=None,
+    ap.add_argument("--skip-steps", type=int_flag("--skip-steps", 0), default=None,
                     help="steps left out after a start, quota change or switch (default 3; 2)")
-    ap.add_argument("--dwell", type=_seconds("--dwell", 1.0, 600.0), default=None,
+    ap.add_argument("--dwell", type=seconds_flag("--dwell", 1.0, 600.0), default=None,
                     help="--hspmd-straggler-dwell of the replans-on jobs (default 10 s; 5)")
-    ap.add_argument("--flips", type=_positive_int("--flips", 0), default=None,
+    ap.add_argument("--flips", type=int_flag("--flips", 0), default=None,
                     help="quota flips of the noisy device (default 6; 4)")
-    ap.add_argument("--flip-steps", type=_positive_int("--flip-steps", 1), default=None,
+    ap.add_argument("--flip-steps", type=int_flag("--flip-steps", 1), default=None,
                     help="steps between two flips (default 16; 10)")
-    ap.add_argument("--global-batch", type=_positive_int("--global-batch", NPROC), default=64,
+    ap.add_argument("--global-batch", type=int_flag("--global-batch", NPROC), default=64,
                     help=f"rows per step (default 64, at least {NPROC})")
-    ap.add_argument("--phase-timeout", type=_seconds("--phase-timeout", 10.0, 3600.0),
+    ap.add_argument("--phase-timeout", type=seconds_flag("--phase-timeout", 10.0, 3600.0),
                     default=300.0, help="deadline of each job (default 300 s)")
+    ap.add_argument("--parts", default=",".join(PARTS), metavar="PART,...",
+                    help="which parts run: steady ((a) and the cost model), straggler ((b), "
+                    "(c)), mixes ((d): ours against the best baseline on each mix); default all")
+    ap.add_argument("--mixes", default=";".join(mix_name(m) for m in MIXES),
+                    metavar="S,S,...;...", help="(d): the mixes, each a share of a core per "
+                    "device; default " + "; ".join(mix_name(m) for m in MIXES))
+    ap.add_argument("--rounds", type=int_flag("--rounds", 1, 100), default=None,
+                    help="(d): rounds of every candidate on every mix (default 2; 1 with --quick)")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results here")
     ap.add_argument("--write-doc", default=None, metavar="PATH",
                     help=f"replace the '{SECTION[3:]}' section of this markdown file")
@@ -112,15 +108,25 @@ def parser(description: str = "") -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str], description: str = "") -> Settings:
-    a = parser(description).parse_args(list(argv))
+    ap = parser(description)
+    a = ap.parse_args(list(argv))
     q = a.quick
+    parts = tuple(p for p in a.parts.split(",") if p)
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        ap.error(f"--parts={a.parts!r}: use some of {','.join(PARTS)}")
+    try:
+        mixes = parse_mixes(a.mixes, os.cpu_count() or 1)
+    except ValueError as exc:
+        ap.error(str(exc))
     return Settings(measure=a.measure_steps or (6 if q else 16),
                     skip=a.skip_steps if a.skip_steps is not None else (2 if q else 3),
                     dwell_s=a.dwell or (5.0 if q else 10.0),
                     flips=a.flips if a.flips is not None else (4 if q else 6),
                     flip_steps=a.flip_steps or (10 if q else 16), global_batch=a.global_batch,
                     phase_timeout_s=a.phase_timeout, quick=q, json_path=a.json_path,
-                    write_doc=a.write_doc)
+                    write_doc=a.write_doc, parts=parts, mixes=mixes,
+                    rounds=a.rounds or (1 if q else 2))
 
 
 # ---- throughput from timelines ------------------------------------------------------------
@@ -281,9 +287,6 @@ def _tps(result: Mapping, *path: str) -> Optional[float]:
     return node if isinstance(node, (int, float)) else None
 
 
-def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return a / b if a is not None and b else None
-
 
 def min_gap(times: Sequence[float]) -> Optional[float]:
     """The shortest time between two consecutive events (None with fewer than two)."""
@@ -334,13 +337,6 @@ def targets(result: Mapping) -> list[Target]:
 
 # ---- the report -------------------------------------------------------------------------------
 
-def _f(v: Optional[float], fmt: str = "{:,.0f}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
-def cell(layout: Optional[str]) -> str:
-    """A layout line in a table cell (its ``|`` separators would split the cell)."""
-    return "-" if not layout else layout.replace(" | ", "; ")
 
 
 def straggler_rows(result: Mapping) -> str:
@@ -351,9 +347,6 @@ def straggler_rows(result: Mapping) -> str:
            for k, w in (("b", "before"), ("b", "after"), ("c", "after"))]
     return " -> ".join("-" if n is None else str(n) for n in got)
 
-
-def _ms(v: Optional[float]) -> str:
-    return "-" if v is None else f"{1000 * v:.0f}"
 
 
 def _pct(v: Optional[float]) -> str:
@@ -367,12 +360,29 @@ def _update(seconds) -> str:
 
 
 def report(result: Mapping, command: str, header: str) -> str:
-    """The markdown section body: setup line, the tables, the targets."""
-    lines = [header, "", f"Command: `{command}`", ""]
-    a = result.get("a", {})
-    lines += ["### (a) Steady state on the 4:1 mix (0.5, 0.5, 0.125, 0.125 of a core)", "",
-              "| plan | how it was chosen | layout | tokens/s | step (ms) |",
-              "|---|---|---|---|---|"]
+    """The markdown section body: setup line, the tables of the parts that ran, the targets.
+    (d), the mixes, is ``hetero_mixes.report``'s, appended by the bench."""
+    lines = [header, "", f"Command: `{command}`"]
+    if result.get("a"):
+        lines += [""] + steady_lines(result.get("a", {})) + [""] + model_lines(result)
+    if result.get("b") or result.get("b_off"):
+        lines += [""] + straggler_lines(result) + [""] + recovery_lines(result)
+    load = result.get("phase_load") or {}
+    if load:
+        lines += ["", "1-minute load average when each job started (the machine is shared; "
+                  "the workers' quotas cap them, they do not reserve the cores): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in load.items()) + "."]
+    if result.get("a") or result.get("b"):
+        lines += ["", "### Targets (ratios within this run)", "", "| target | measured | goal | |",
+                  "|---|---|---|---|"]
+        lines += [f"| {t.name} | {t.value} | {t.goal} | {t.verdict} |" for t in targets(result)]
+    return "\n".join(lines) + "\n"
+
+
+def steady_lines(a: Mapping) -> list[str]:
+    lines = ["### (a) Steady state on the 4:1 mix (0.5, 0.5, 0.125, 0.125 of a core)", "",
+             "| plan | how it was chosen | layout | tokens/s | step (ms) |",
+             "|---|---|---|---|---|"]
     for key, how in (("uniform", "`--hspmd-planner uniform`, replans off"),
                      ("nominal", "hetero, replans off (equal nominal speeds)"),
                      ("measured", "hetero, replans on, after its speed-driven switch"),
@@ -380,32 +390,39 @@ def report(result: Mapping, command: str, header: str) -> str:
         ph = a.get(key) or {}
         lines.append(f"| {key} | {how} | {cell(ph.get('layout'))} | "
                      f"{_f(ph.get('tokens_per_s'))} | {_ms(ph.get('step_s'))} |")
+    return lines
+
+
+def model_lines(result: Mapping) -> list[str]:
     m = result.get("model", {})
     fit = m.get("fit", {})
-    lines += ["", "### The cost model against the measured step times", "",
-              "| plan | layout | measured (ms) | built-in constants (ms) | error | calibrated (ms) "
-              "| error | fitted to the others (ms) | error |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["### The cost model against the measured step times", "",
+             "| plan | layout | measured (ms) | built-in constants (ms) | error | calibrated (ms) "
+             "| error | fitted to the others (ms) | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for p in m.get("plans", []):
         lines.append(f"| {p['plan']} | {cell(p['layout'])} | {_ms(p['measured_s'])} | "
                      f"{_ms(p['predicted_s'])} | {_pct(p['error'])} | {_ms(p['calibrated_s'])} | "
                      f"{_pct(p['calibrated_error'])} | {_ms(p['held_out_s'])} | "
                      f"{_pct(p['held_out_error'])} |")
     if "error" in fit:
-        lines += ["", f"Calibration: not determined ({fit['error']})."]
-    else:
-        cpu = fit.get("types", {}).get("CPU", {})
-        lines += ["", f"Calibration (`calibrate.fit_steps` over {fit.get('plans')} plans): CPU "
-                  f"{_f(cpu.get('rate_flops') and cpu['rate_flops'] / 1e9, '{:.2f}')} GFLOP/s per "
-                  f"core, {_f(cpu.get('overhead_s') and 1000 * cpu['overhead_s'], '{:.2f}')} ms "
-                  f"per micro-batch, "
-                  f"{_f(cpu.get('latency_s') and 1000 * cpu['latency_s'], '{:.2f}')}"
-                  f" ms per collective, {_update(cpu.get('update_s'))} per parameter element "
-                  f"per step; rms error {100 * fit.get('rms_rel_error', 0):.1f}%."]
+        return lines + ["", f"Calibration: not determined ({fit['error']})."]
+    cpu = fit.get("types", {}).get("CPU", {})
+    return lines + [
+        "", f"Calibration (`calibrate.fit_steps` over {fit.get('plans')} plans): CPU "
+        f"{_f(cpu.get('rate_flops') and cpu['rate_flops'] / 1e9, '{:.2f}')} GFLOP/s per "
+        f"core, {_f(cpu.get('overhead_s') and 1000 * cpu['overhead_s'], '{:.2f}')} ms "
+        f"per micro-batch, "
+        f"{_f(cpu.get('latency_s') and 1000 * cpu['latency_s'], '{:.2f}')}"
+        f" ms per collective, {_update(cpu.get('update_s'))} per parameter element "
+        f"per step; rms error {100 * fit.get('rms_rel_error', 0):.1f}%."]
+
+
+def straggler_lines(result: Mapping) -> list[str]:
     b = result.get("b", {})
     off = result.get("b_off", {})
-    lines += ["", "### (b) A straggler mid-run: one worker from 0.5 to 0.125 of a core", "",
-              "| | replans on | replans off |", "|---|---|---|"]
+    lines = ["### (b) A straggler mid-run: one worker from 0.5 to 0.125 of a core", "",
+             "| | replans on | replans off |", "|---|---|---|"]
     for label, key in (("detected (speeds event, replan true)", "detect_s"),
                        ("new plan published (replan event)", "replan_s"),
                        ("switch done (switch-done event)", "switch_done_s")):
@@ -424,28 +441,22 @@ def report(result: Mapping, command: str, header: str) -> str:
                  f"{versions[1]} |")
     lines.append(f"| layout after | {cell(b.get('layout_after'))} | "
                  f"{cell(off.get('layout_after'))} |")
-    c = result.get("c", {})
-    lines += ["", "### (c) Recovery: the worker back at 0.5 of a core", "",
-              f"`recover` switch done {_f(c.get('switch_done_s'), '{:.1f}')} s after the quota "
-              f"was lifted (never sooner than one dwell, "
-              f"{_f(result.get('switches', {}).get('dwell_s'), '{:g}')} s, after the last "
-              f"speed-driven switch); tokens/s after: "
-              f"{_f(_tps(c, 'after', 'tokens_per_s'))} (before the straggler: "
-              f"{_f(_tps(b, 'before', 'tokens_per_s'))}); layout {cell(c.get('layout_after'))}. "
-              f"Rows per step of the straggler: {straggler_rows(result)}."]
+    return lines
+
+
+def recovery_lines(result: Mapping) -> list[str]:
+    b, c = result.get("b", {}), result.get("c", {})
     sw = result.get("switches", {})
-    lines += ["", f"Noisy device: {sw.get('flips', 0)} quota flips of the straggler every "
-              f"{sw.get('flip_steps', '-')} steps after the recovery; speed-driven switches in "
-              f"the whole replans-on run: {sw.get('count', '-')} at "
-              f"{', '.join(f'{t:.1f}' for t in sw.get('at_s', [])) or '-'} s; shortest gap "
-              f"{_f(sw.get('min_gap_s'), '{:.1f}')} s (dwell {_f(sw.get('dwell_s'), '{:g}')} s)."]
-    load = result.get("phase_load") or {}
-    if load:
-        lines += ["", "1-minute load average when each job started (the machine is shared; "
-                  "the workers' quotas cap them, they do not reserve the cores): "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in load.items()) + "."]
-    lines += ["", "### Targets (ratios within this run)", "", "| target | measured | goal | |",
-              "|---|---|---|---|"]
-    for t in targets(result):
-        lines.append(f"| {t.name} | {t.value} | {t.goal} | {t.verdict} |")
-    return "\n".join(lines) + "\n"
+    return [
+        "### (c) Recovery: the worker back at 0.5 of a core", "",
+        f"`recover` switch done {_f(c.get('switch_done_s'), '{:.1f}')} s after the quota "
+        f"was lifted (never sooner than one dwell, {_f(sw.get('dwell_s'), '{:g}')} s, after the "
+        f"last speed-driven switch); tokens/s after: "
+        f"{_f(_tps(c, 'after', 'tokens_per_s'))} (before the straggler: "
+        f"{_f(_tps(b, 'before', 'tokens_per_s'))}); layout {cell(c.get('layout_after'))}. "
+        f"Rows per step of the straggler: {straggler_rows(result)}.", "",
+        f"Noisy device: {sw.get('flips', 0)} quota flips of the straggler every "
+        f"{sw.get('flip_steps', '-')} steps after the recovery; speed-driven switches in "
+        f"the whole replans-on run: {sw.get('count', '-')} at "
+        f"{', '.join(f'{t:.1f}' for t in sw.get('at_s', [])) or '-'} s; shortest gap "
+        f"{_f(sw.get('min_gap_s'), '{:.1f}')} s (dwell {_f(sw.get('dwell_s'), '{:g}')} s)."]

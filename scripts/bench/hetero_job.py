@@ -1,7 +1,7 @@
 """One job of ``scripts/bench_hetero``: an ``hspmd-launch --hspmd-elastic`` agent (one node,
-``NPROC`` workers training ``scripts/_bench_elastic_train.py`` with a per-step timeline) against
-the bench's etcd, its workers in CPU cgroups (``launcher.cgroups.CpuQuota``), and what the bench
-reads back: worker records, the journal, plan records, step completions.
+``nproc`` workers, default ``NPROC``, training ``scripts/bench/elastic_train.py`` with a per-step
+timeline) against the bench's etcd, its workers in CPU cgroups (``launcher.cgroups.CpuQuota``),
+and what the bench reads back: worker records, the journal, plan records, step completions.
 
 Promises:
 
@@ -25,12 +25,12 @@ import time
 import weakref
 from typing import Callable, Mapping, Optional, Sequence
 
-import _bench_timeline as timeline
-from _bench_hetero_pure import DATA_SEED, MODEL, NODE, NPROC, SEED, Settings, StepEnd, \
+from bench import timeline
+from bench.common import ROOT, SCRIPTS
+from bench.hetero_pure import DATA_SEED, MODEL, NODE, NPROC, SEED, Settings, StepEnd, \
     step_ends, window
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(ROOT, "scripts", "_bench_elastic_train.py")
+TRAIN = os.path.join(SCRIPTS, "bench", "elastic_train.py")
 STEPS = 1_000_000  # the job runs until the bench stops it
 STOP_S = 15.0
 POLL_S = 0.2  # the bench's own polls compete with the workers for the 2 cores
@@ -45,14 +45,15 @@ def device(local_rank: int) -> str:
 
 
 class HeteroJob:
-    def __init__(self, etcd, tmp: str, name: str, settings: Settings, flags: Sequence[str]):
+    def __init__(self, etcd, tmp: str, name: str, settings: Settings, flags: Sequence[str],
+                 nproc: int = NPROC):
         from hspmd_elastic.coord import EtcdClient
         from hspmd_elastic.files import atomic_write
         from hspmd_elastic.graph.config import ModelConfig
         from launcher.cgroups import CpuQuota
 
         self.etcd, self.tmp, self.name, self.settings = etcd, tmp, name, settings
-        self.flags = list(flags)
+        self.flags, self.nproc = list(flags), nproc
         self.config = os.path.join(tmp, "model.json")
         atomic_write(self.config, ModelConfig(**MODEL).to_json())
         self.tl_dir = os.path.join(tmp, "timeline")
@@ -62,15 +63,15 @@ class HeteroJob:
         self.quota = CpuQuota(name)
         self.fractions: dict[str, float] = {}  # device -> its cgroup's share of a core now
         self.agent: Optional[subprocess.Popen] = None
-        self._tl_pos = [0] * NPROC  # bytes of each worker's timeline read so far
-        self._tl_recs: list[list[dict]] = [[] for _ in range(NPROC)]
+        self._tl_pos = [0] * nproc  # bytes of each worker's timeline read so far
+        self._tl_recs: list[list[dict]] = [[] for _ in range(nproc)]
         self.deadline = time.monotonic() + settings.phase_timeout_s
-        self._finalizer = weakref.finalize(self, _stop, [None], self.tl_dir, self.quota)
+        self._finalizer = weakref.finalize(self, _stop, [None], self.tl_dir, self.quota, nproc)
 
     # ------------------------------------------------------------------ processes
     def start(self) -> None:
         s = self.settings
-        argv = ["--nnodes", "1", "--nproc-per-node", str(NPROC), "--rdzv-backend", "etcd",
+        argv = ["--nnodes", "1", "--nproc-per-node", str(self.nproc), "--rdzv-backend", "etcd",
                 "--rdzv-endpoint", self.etcd.endpoint_str, "--rdzv-id", self.name,
                 "--hspmd-node-id", NODE, "--shutdown-timeout", "5",
                 "--hspmd-elastic", "--hspmd-model", self.config,
@@ -84,7 +85,8 @@ class HeteroJob:
                                           env=env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True)
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _stop, [self.agent], self.tl_dir, self.quota)
+        self._finalizer = weakref.finalize(self, _stop, [self.agent], self.tl_dir, self.quota,
+                                          self.nproc)
 
     def close(self) -> None:
         self._finalizer()
@@ -133,9 +135,9 @@ class HeteroJob:
         core; returns when (wall clock) the last one was placed."""
         from launcher.cgroups import worker_cgroup
 
-        ws = self.wait_for(lambda: (lambda w: w if len(w) == NPROC and all(
+        ws = self.wait_for(lambda: (lambda w: w if len(w) == self.nproc and all(
             r.step >= 1 and self._job_pid(r.pid) for r in w.values()) else None)(self.workers()),
-            f"{NPROC} workers past their first step")
+            f"{self.nproc} workers past their first step")
         for lr, fraction in enumerate(fractions):
             self.quota.place(worker_cgroup(NODE, lr), ws[lr].pid, fraction)
             self.fractions[device(lr)] = fraction
@@ -154,7 +156,7 @@ class HeteroJob:
     # ------------------------------------------------------------------ steps
     def ends(self) -> list[StepEnd]:
         """Step completions so far; each timeline is read from where the last call stopped."""
-        for lr in range(NPROC):
+        for lr in range(self.nproc):
             path = os.path.join(self.tl_dir, f"{NODE}_{lr}.jsonl")
             try:
                 with open(path, "rb") as f:
@@ -201,6 +203,29 @@ class HeteroJob:
                 if any(c.kind in ("degrade", "recover") for c in d.changes):
                     out.append((ev, d))
         return out
+
+    def wait_speed_switch(self, after: float, within_s: float) -> Optional[dict]:
+        """The first speed-driven switch (a ``degrade`` or ``recover`` replan of any device)
+        journaled after ``after``, once its ``switch-done`` is: its version and times; None when
+        the leader published none within ``within_s`` (the plan it started with stands)."""
+        from hspmd_elastic.contract import schema
+
+        limit = time.monotonic() + within_s
+
+        def found():
+            switches = self.speed_switches(after)
+            if switches:
+                ev, detail = switches[0]
+                done = next((e for e in self.events() if e.type == "switch-done"
+                             and schema.event_detail(e).plan_version == detail.version), None)
+                if done is not None:
+                    return {"version": detail.version, "replan_at": ev.at, "done_at": done.at}
+            elif time.monotonic() > limit:
+                return {"version": None}
+            return None
+
+        got = self.wait_for(found, "a speed-driven switch")
+        return None if got["version"] is None else got
 
     def wait_switch(self, kind: str, dev: str, after: float) -> dict:
         """The first ``kind`` (degrade | recover) replan of ``dev`` after ``after``, the speeds
@@ -257,7 +282,7 @@ class HeteroJob:
         return plan_of(rec), inv
 
 
-def _stop(agent_box: list, tl_dir: str, quota) -> None:
+def _stop(agent_box: list, tl_dir: str, quota, nproc: int = NPROC) -> None:
     """Stop the agent's process group, kill the job's workers left, remove its cgroups."""
     import psutil
 
@@ -273,7 +298,7 @@ def _stop(agent_box: list, tl_dir: str, quota) -> None:
                 break
             except subprocess.TimeoutExpired:
                 continue
-    for lr in range(NPROC):
+    for lr in range(nproc):
         recs = timeline.read(os.path.join(tl_dir, f"{NODE}_{lr}.jsonl"))
         for pid in {r["pid"] for r in recs}:
             try:
@@ -285,8 +310,3 @@ def _stop(agent_box: list, tl_dir: str, quota) -> None:
                 pass
     quota.close()
 
-
-def dump(path: str, result: Mapping) -> None:
-    from hspmd_elastic.files import atomic_write  # temporary file, fsync, rename
-
-    atomic_write(path, json.dumps(result, indent=2, sort_keys=True, default=str))

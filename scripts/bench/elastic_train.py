@@ -1,6 +1,6 @@
 """The hspmd-aware side of ``scripts/bench_recovery``: ``hspmd_elastic.runtime.run`` training the
 decoder in ``--config`` on the synthetic global batches, with a timeline of every completed step
-(``scripts/_bench_timeline.py``): ``start`` (script entry), ``imported``, ``step`` (step index,
+(``scripts/bench/timeline.py``): ``start`` (script entry), ``imported``, ``step`` (step index,
 plan version) and ``switch`` (the runtime's switch timings), so the bench can tell when training
 resumed after a fault. Run by ``hspmd-launch --hspmd-elastic`` agents.
 """
@@ -15,9 +15,9 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _bench_timeline import Timeline, process_started_at  # noqa: E402
+from bench.timeline import Timeline, process_started_at  # noqa: E402
 
 
 def main() -> int:

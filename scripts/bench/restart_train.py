@@ -8,7 +8,7 @@ copy of ``runtime.synthetic_sampler``/``global_batch_at``, split evenly over ran
 full parameters and optimizer state with ``torch.save`` after every step (atomically:
 temporary file, fsync, rename, as the elastic side's checkpoints), and
 every rank loads the newest checkpoint when (re)started. A timeline
-(``scripts/_bench_timeline.py``) records ``spawned``, ``start``, ``imported``, ``pg`` (process
+(``scripts/bench/timeline.py``) records ``spawned``, ``start``, ``imported``, ``pg`` (process
 group ready), ``built`` (model and optimizer constructed), ``loaded`` (checkpoint step), every
 ``step`` and ``saved``.
 """
@@ -23,9 +23,9 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _bench_timeline import Timeline, process_started_at  # noqa: E402
+from bench.timeline import Timeline, process_started_at  # noqa: E402
 
 
 def synthetic_sampler(config, seed: int):

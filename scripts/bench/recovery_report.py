@@ -1,5 +1,6 @@
-"""The report of ``scripts/bench_recovery``: medians, the section's Markdown, and writing it
-into docs/benchmarks.md (only that section; the file is re-read right before writing)."""
+"""The report of ``scripts/bench_recovery``: medians and the section's Markdown, one small
+function per part (setup line, modes, recovery table, verdicts, breakdown, the state's share,
+the reading); ``bench.common.write_section`` writes it into docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -7,25 +8,39 @@ import datetime
 import json
 import os
 import platform
-import statistics
+import math
 
-from _bench_recovery_setup import AFTER_KILL_STEPS, LEASE_TTL_S
-
-from hspmd_elastic.files import atomic_write
-
-
-def med(rows, key) -> float:
-    vals = [r[key] for r in rows if r.get(key) is not None]
-    return statistics.median(vals) if vals else float("nan")
+from bench.common import md_table
+from bench.common import median_of as med
+from bench.recovery_setup import AFTER_KILL_STEPS, LEASE_TTL_S
 
 
 def runs(rows, key="total") -> str:
     return ", ".join(f"{r[key]:.2f}" for r in rows)
 
 
-def report(el, rs, nl, args, load, elapsed, debounce, setup) -> str:
-    """The section's body for one setup (``bench_recovery.Setup``)."""
-    ratio = med(rs, "total") / med(el, "total")
+def report(el, rs, nl, args, load, elapsed, debounce, setup, sharded=()) -> str:
+    """The section's body for one setup (``bench_recovery.Setup``); ``sharded``: the runs of
+    the sharded restart baseline (``--state-moves``), empty when not run."""
+    lines = [setup_line(args, load, elapsed, setup), ""]
+    lines += modes(setup, debounce, nl, sharded)
+    lines += ["", f"Plans (A): {el[0]['plan_before']} -> {el[0]['plan_after']}"
+              + (f"; (C): -> {nl[0]['plan_after']}" if nl else "") + ".", ""]
+    lines += recovery_table(el, rs, nl, sharded)
+    lines += ["", verdicts(el, rs, nl, sharded), ""]
+    lines += breakdown(el, rs)
+    if nl:
+        lines += ["", node_loss_line(nl)]
+    if setup.device_memory:
+        lines += bsr_share(el, rs, sharded)
+    lines += ["", steps_redone(el, rs), ""]
+    lines += [f"Step time before the fault (median gap between consecutive steps of one "
+              f"process): (A) {med(el, 'step_time'):.3f} s, (B) {med(rs, 'step_time'):.3f} s "
+              "(rank 0's checkpoint save included).", "", reading(el, rs, load, setup)]
+    return "\n".join(lines) + "\n"
+
+
+def command(args, setup) -> str:
     cmd = f".venv/bin/python scripts/bench_recovery --repeats {args.repeats}"
     if setup.device_memory:
         cmd += " --state-moves"
@@ -33,8 +48,12 @@ def report(el, rs, nl, args, load, elapsed, debounce, setup) -> str:
         cmd += f" --kill-at {args.kill_at}"
     if args.no_node_loss:
         cmd += " --no-node-loss"
-    lines = [
-        f"Command: `{cmd}` ({elapsed:.0f} s). Model {json.dumps(setup.model)} "
+    return cmd
+
+
+def setup_line(args, load, elapsed, setup) -> str:
+    return (
+        f"Command: `{command(args, setup)}` ({elapsed:.0f} s). Model {json.dumps(setup.model)} "
         f"({setup.params / 1e6:.1f} M parameters), global batch {setup.global_batch}, "
         "AdamW; 2 nodes x 2 workers (two `hspmd-launch` agents on this host, "
         f"`--hspmd-node-id node0/node1`) on one embedded etcd, gloo on loopback, "
@@ -43,62 +62,79 @@ def report(el, rs, nl, args, load, elapsed, debounce, setup) -> str:
         f"then trains {AFTER_KILL_STEPS} more. {os.cpu_count()} CPU cores "
         f"({platform.machine()}), measured {datetime.date.today().isoformat()} with a 1-minute "
         f"load average of {load:.1f} before the run (other work on the machine inflates every "
-        f"time). Medians of {args.repeats} runs per mode, modes alternating in one invocation.",
-        "",
+        f"time). Medians of {args.repeats} runs per mode, modes alternating in one invocation.")
+
+
+def modes(setup, debounce, nl, sharded) -> list[str]:
+    lines = [
         "- (A) elastic: `hspmd-launch --hspmd-elastic --hspmd-model <config.json> "
         f"--hspmd-global-batch {setup.global_batch}"
         + (f" --hspmd-device-memory {setup.device_memory}" if setup.device_memory else "")
         + f"` (default debounce, {debounce:g} s) running "
-        "`scripts/_bench_elastic_train.py` (`hspmd_elastic.runtime`); the victim is worker 1 of "
+        "`scripts/bench/elastic_train.py` (`hspmd_elastic.runtime`); the victim is worker 1 of "
         "the node that is not the leader. No checkpoints are written: the survivors keep their "
         "state in memory.",
         "- (B) restart, torchrun-style: the same agents in restart mode (`--max-restarts 1`) "
-        "running `scripts/_bench_restart_train.py`: DDP over a dense copy of the same model "
+        "running `scripts/bench/restart_train.py`: DDP over a dense copy of the same model "
         "(`hspmd_elastic.graph.reference`, same initial weights, same batches), rank 0 "
         "`torch.save`s parameters + AdamW state after every step, every rank reloads on start. "
         "Victim `node1:1`; the agents stop the 3 others, re-rendezvous and start 4 new workers "
-        "(`--node-rank 0/1`, so node0 hosts the workers' store in both rounds).",
-    ]
+        "(`--node-rank 0/1`, so node0 hosts the workers' store in both rounds)."]
+    if sharded:
+        lines.append(
+            "- (D) sharded restart, the baseline a practitioner tunes: one agent, 2 workers on "
+            "the 2 cores (one core per restarting worker), each declared with the same "
+            f"{setup.device_memory} as (A), so the model is sharded the same way (the "
+            "planner's plan for 2 such devices, `scripts/bench/sharded_restart_train.py`); "
+            "every rank saves its own shard of parameters + AdamW state after every step and "
+            "reads only its own shard on restart. Victim `node0:1`.")
     if nl:
         lines.append("- (C) node loss, elastic: SIGKILL of the non-leader agent (its 2 workers "
                      "die with it); the leader learns it when the node's lease expires.")
-    lines += [
-        "",
-        f"Plans (A): {el[0]['plan_before']} -> {el[0]['plan_after']}"
-        + (f"; (C): -> {nl[0]['plan_after']}" if nl else "") + ".",
-        "",
-        "Recovery = SIGKILL -> every surviving (A, C) or restarted (B) worker completed a "
-        "training step afterwards:",
-        "",
-        "| mode | recovery (s) | runs (s) | detection (s) | runs (s) |",
-        "|---|---|---|---|---|",
-        f"| (A) elastic, worker SIGKILL | {med(el, 'total'):.2f} | {runs(el)} | "
-        f"{med(el, 'detect'):.3f} | {runs(el, 'detect')} |",
-        f"| (B) restart + checkpoint reload, worker SIGKILL | {med(rs, 'total'):.2f} | {runs(rs)} "
-        f"| {med(rs, 'detect'):.3f} | {runs(rs, 'detect')} |",
-    ]
+    return lines
+
+
+def recovery_table(el, rs, nl, sharded) -> list[str]:
+    rows = [("(A) elastic, worker SIGKILL", el),
+            ("(B) restart + checkpoint reload, worker SIGKILL", rs)]
+    if sharded:
+        rows.append(("(D) sharded restart, 2 workers on 2 cores, own-shard reload", sharded))
     if nl:
-        lines.append(f"| (C) elastic, node loss (agent SIGKILL) | {med(nl, 'total'):.2f} | "
-                     f"{runs(nl)} | {med(nl, 'detect'):.3f} | {runs(nl, 'detect')} |")
-    ok_ratio = ratio >= 5
-    ok_det = med(el, "detect") < 1.5
-    lines += [
-        "",
-        f"Restart / elastic: **{ratio:.1f}x** (target: at least 5x: "
-        f"{'met' if ok_ratio else 'not met'}). Detection of a worker kill (SIGKILL -> the "
-        f"agent's `failure` event): **{med(el, 'detect'):.3f} s** (target: under 1.5 s: "
-        f"{'met' if ok_det else 'not met'})."
-        + (f" Detection of a node loss (SIGKILL -> the leader first sees the node gone): "
-           f"**{med(nl, 'detect'):.2f} s** against a target of TTL + 1 s = "
-           f"{LEASE_TTL_S + 1:g} s ({'met' if med(nl, 'detect') < LEASE_TTL_S + 1 else 'not met'})."
-           if nl else ""),
-        "",
-        "Breakdown, medians, seconds after the SIGKILL (cumulative), and phase durations; "
-        "switch phases are the slowest survivor's:",
-        "",
-        "| (A) elastic | s | (B) restart | s |",
-        "|---|---|---|---|",
-    ]
+        rows.append(("(C) elastic, node loss (agent SIGKILL)", nl))
+    return (["Recovery = SIGKILL -> every surviving (A, C) or restarted (B, D) worker completed "
+             "a training step afterwards:", ""]
+            + md_table(("mode", "recovery (s)", "runs (s)", "detection (s)", "runs (s)"),
+                       [(name, f"{med(r, 'total'):.2f}", runs(r), f"{med(r, 'detect'):.3f}",
+                         runs(r, "detect")) for name, r in rows]))
+
+
+def best_baseline(rs, sharded) -> tuple[str, float]:
+    """The fastest restart baseline's name and median recovery."""
+    options = [("(B)", med(rs, "total"))] + ([("(D)", med(sharded, "total"))] if sharded else [])
+    return min(options, key=lambda o: o[1] if math.isfinite(o[1]) else math.inf)
+
+
+def verdicts(el, rs, nl, sharded) -> str:
+    ratio = med(rs, "total") / med(el, "total")
+    name, base = best_baseline(rs, sharded)
+    det = med(el, "detect")
+    text = (f"Restart / elastic: **{ratio:.1f}x** (target: at least 5x: "
+            f"{'met' if ratio >= 5 else 'not met'}). Detection of a worker kill (SIGKILL -> "
+            f"the agent's `failure` event): **{det:.3f} s** (target: under 1.5 s: "
+            f"{'met' if det < 1.5 else 'not met'}).")
+    if sharded:
+        gain = base / med(el, "total")
+        text += (f" Best baseline {name}: ours (A) recovers **{gain:.2f}x** as fast (target: at "
+                 f"least 0.97x: {'met' if gain >= 0.97 else 'not met'}).")
+    if nl:
+        nd = med(nl, "detect")
+        text += (f" Detection of a node loss (SIGKILL -> the leader first sees the node gone): "
+                 f"**{nd:.2f} s** against a target of TTL + 1 s = {LEASE_TTL_S + 1:g} s "
+                 f"({'met' if nd < LEASE_TTL_S + 1 else 'not met'}).")
+    return text
+
+
+def breakdown(el, rs) -> list[str]:
     a = [("`failure` event (agent saw the exit)", f"{med(el, 'detect'):.3f}"),
          ("leader saw the change", f"{med(el, 'leader_saw'):.3f}"),
          ("plan published (after debounce "
@@ -123,38 +159,35 @@ def report(el, rs, nl, args, load, elapsed, debounce, setup) -> str:
          ("model + optimizer built (first torch ops)", f"{med(rs, 'built'):.3f}"),
          (f"checkpoint loaded ({rs[0]['ckpt_bytes'] / 1e6:.2f} MB)", f"{med(rs, 'loaded'):.3f}"),
          ("training resumed (every rank stepped)", f"**{med(rs, 'total'):.3f}**")]
-    for i in range(max(len(a), len(b))):
-        left = f"{a[i][0]} | {a[i][1]}" if i < len(a) else " | "
-        right = f"{b[i][0]} | {b[i][1]}" if i < len(b) else " | "
-        lines.append(f"| {left} | {right} |")
-    if nl:
-        lines += [
-            "",
-            f"(C) node loss, medians after the SIGKILL: leader saw the node gone "
+    rows = [(*(a[i] if i < len(a) else ("", "")), *(b[i] if i < len(b) else ("", "")))
+            for i in range(max(len(a), len(b)))]
+    return (["Breakdown, medians, seconds after the SIGKILL (cumulative), and phase durations; "
+             "switch phases are the slowest survivor's:", ""]
+            + md_table(("(A) elastic", "s", "(B) restart", "s"), rows))
+
+
+def node_loss_line(nl) -> str:
+    return (f"(C) node loss, medians after the SIGKILL: leader saw the node gone "
             f"{med(nl, 'detect'):.2f} s, plan published {med(nl, 'published'):.2f} s, every "
             f"survivor switched {med(nl, 'switched'):.2f} s, training resumed "
             f"{med(nl, 'total'):.2f} s (switch: regroup {med(nl, 'regroup_s'):.3f}, fused BSR "
             f"{med(nl, 'bsr_s'):.3f} s for {med(nl, 'bsr_bytes_total') / 1e6:.2f} MB, rebuild "
-            f"{med(nl, 'rebuild_s'):.3f}).",
-        ]
-    if setup.device_memory:
-        lines += bsr_share(el, rs)
-    lines += [
-        "",
-        f"Steps redone: elastic {med(el, 'lost_steps'):.0f} (state sources: "
-        f"{', '.join(sorted({s for r in el for s in r['sources']}))}; the survivors resume at the "
-        f"step they hold), restart {med(rs, 'lost_steps'):.0f} (it reloads the checkpoint saved "
-        "after the last completed step; a checkpoint after every step is the best case for "
-        "restart, and neither its save time in normal steps nor steps it would redo with a "
-        "sparser checkpoint are counted here).",
-    ]
+            f"{med(nl, 'rebuild_s'):.3f}).")
+
+
+def steps_redone(el, rs) -> str:
+    return (f"Steps redone: elastic {med(el, 'lost_steps'):.0f} (state sources: "
+            f"{', '.join(sorted({s for r in el for s in r['sources']}))}; the survivors resume "
+            f"at the step they hold), restart {med(rs, 'lost_steps'):.0f} (it reloads the "
+            "checkpoint saved after the last completed step; a checkpoint after every step is "
+            "the best case for restart, and neither its save time in normal steps nor steps it "
+            "would redo with a sparser checkpoint are counted here).")
+
+
+def reading(el, rs, load, setup) -> str:
     sw_total, det = med(el, "total_s"), med(el, "detect")
-    lines += [
-        "",
-        f"Step time before the fault (median gap between consecutive steps of one process): "
-        f"(A) {med(el, 'step_time'):.3f} s, (B) {med(rs, 'step_time'):.3f} s (rank 0's "
-        "checkpoint save included).",
-        "",
+    without_build = med(rs, "total") - med(rs, "built") + med(rs, "pg")
+    return (
         "Reading the numbers: (A)'s recovery is the agent noticing the exit (its monitor poll, "
         f"{det:.2f} s), the leader's debounce window ({med(el, 'debounce'):.2f} s), planning and "
         f"the fenced publication (~{med(el, 'plan') + med(el, 'publish'):.2f} s), and the switch "
@@ -175,19 +208,17 @@ def report(el, rs, nl, args, load, elapsed, debounce, setup) -> str:
         "read; its phases are CPU "
         f"contention between four starting processes more than the checkpoint's size "
         f"({rs[0]['ckpt_bytes'] / 1e6:.1f} MB). Even without the model and optimizer build "
-        f"(restart {med(rs, 'total') - med(rs, 'built') + med(rs, 'pg'):.2f} s) the ratio would "
-        f"be {(med(rs, 'total') - med(rs, 'built') + med(rs, 'pg')) / med(el, 'total'):.1f}x. "
+        f"(restart {without_build:.2f} s) the ratio would "
+        f"be {without_build / med(el, 'total'):.1f}x. "
         "Detection is the same mechanism in both modes "
         "(the agent's poll of its workers). (B) is measured in its best case: a checkpoint "
         "after every step (no steps redone) and a fixed node count (no rendezvous `last_call` "
         "wait). (C)'s detection is bounded by the lease: the node's records vanish when its "
         f"{LEASE_TTL_S:g} s lease expires, counted from the last keepalive (sent every TTL/3), "
         "so before the full TTL after the kill is possible; etcd checks expiry about every "
-        "0.5 s, then the leader's watch sees the deletion. Times vary run to run by tens of percent with the machine's "
-        f"load (1-minute load average {load:.1f} before the run, {os.getloadavg()[0]:.1f} "
-        "after).",
-    ]
-    return "\n".join(lines) + "\n"
+        "0.5 s, then the leader's watch sees the deletion. Times vary run to run by tens of "
+        f"percent with the machine's load (1-minute load average {load:.1f} before the run, "
+        f"{os.getloadavg()[0]:.1f} after).")
 
 
 def moving_note(el, setup) -> str:
@@ -198,7 +229,7 @@ def moving_note(el, setup) -> str:
             "fused BSR, and its share is in the table below. ")
 
 
-def bsr_share(el, rs) -> list[str]:
+def bsr_share(el, rs, sharded=()) -> list[str]:
     """The BSR's share of the elastic recovery, against the restart's checkpoint reload."""
     moved, bsr = med(el, "bsr_bytes_total"), med(el, "bsr_s")
     ckpt = rs[0]["ckpt_bytes"]
@@ -221,18 +252,11 @@ def bsr_share(el, rs) -> list[str]:
         f"| (B) checkpoint reload: every rank reads the whole checkpoint | {ckpt / 1e6:.1f} MB "
         f"each | {load:.3f} | {ckpt / 1e6 / load if load else float('nan'):.0f} | - | "
         f"{load / med(rs, 'total'):.0%} |",
-    ]
+    ] + ([shard_row(sharded)] if sharded else [])
 
 
-def write_section(path: str, section: str, body: str) -> None:
-    with open(path) as f:  # re-read right before writing: other sections belong to others
-        text = f.read()
-    start = text.find("\n" + section + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section + "\n\n" + body
-    else:
-        start += 1
-        nxt = text.find("\n## ", start + len(section))
-        tail = "" if nxt < 0 else text[nxt:]
-        text = text[:start] + section + "\n\n" + body.rstrip("\n") + "\n" + tail
-    atomic_write(path, text)  # temporary file, fsync, rename: a failure never truncates the doc
+def shard_row(sharded) -> str:
+    shard, load = sharded[0]["ckpt_bytes"], med(sharded, "load_s")
+    return (f"| (D) sharded reload: every rank reads only its own shard | {shard / 1e6:.1f} MB "
+            f"each | {load:.3f} | {shard / 1e6 / load if load else float('nan'):.0f} | - | "
+            f"{load / med(sharded, 'total'):.0%} |")
