@@ -31,6 +31,7 @@ the source line of each, how the elastic runtime handles it and the test that ho
   while the communicator's mutex is held: with ``TORCH_NCCL_USE_COMM_NONBLOCKING=1`` for
   ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` whole seconds (an integer; the check compares whole
   elapsed seconds with ``>``, so a bound of N fires after N+1 s), without it forever.
+  ``creations_waiting()`` counts the communicators of this process waiting so right now.
   ``abort()`` takes the same mutex, so it blocks while a first operation waits for readiness.
   (2.13 ``NCCLUtils.hpp:87-98, :225, :289, :304``; ``NCCLComm::getNcclComm``, 2.7
   ``NCCLUtils.cpp:121-151``.)
@@ -41,6 +42,13 @@ the source line of each, how the elastic runtime handles it and the test that ho
   kernel: pytorch#119797); aborts that run concurrently release each other. The thread that
   asked for each abort is recorded (``abort_threads``). (``ProcessGroupNCCL::abort``, 2.7
   ``:1389-1397``; 2.13 ``ProcessGroupNCCL.hpp:1468``.)
+* **a failed abort**: ``ncclCommAbort`` runs under ``C10D_NCCL_CHECK``, so an NCCL error there
+  is a ``DistBackendError`` "NCCL error in: ..." on the abort's thread, which
+  ``ProcessGroup.abort()`` raises in its caller once it has waited for that thread; the
+  communicator is left as it was (not aborted). ``fail_aborts(reason, times)`` makes the next
+  ``times`` aborts fail so, with NCCL's own words for ``reason`` (``ncclSystemError``:
+  "unhandled system error"); every failure raised is recorded (``abort_errors``).
+  (2.13 ``NCCLUtils.hpp:63-72``, ``C10D_NCCL_CHECK``; ``:304``, ``NCCLComm::abort``.)
 * **torch's watchdog** (one thread per group) keeps its own copy of each work: one older than the
   group's ``timeout`` (from its enqueue) is reported there only (the caller's work goes on
   spinning); an NCCL error also reaches the caller's work. Either way the watchdog then writes
@@ -66,7 +74,10 @@ the source line of each, how the elastic runtime handles it and the test that ho
   ``:4977-4980``; 2.13 ``distributed_c10d.py:2613``.)
 
 Only what the elastic paths use is implemented: all_reduce (sum, max), all_gather, barrier,
-send and recv.
+send and recv. Not a behaviour of NCCL but a probe for the tests: ``enqueue_hooks``, callables
+told the kind of each operation this process enqueues (``"recv"``, ...), on the enqueuing thread
+once the operation is in the stream's queue, so that a test acts after a given operation is
+posted (an event, not a sleep).
 """
 
 from __future__ import annotations
@@ -95,8 +106,12 @@ _live: "set[_Core]" = set()
 _live_lock = threading.Lock()
 _created = [0]  # groups made by this process (torch's process-wide uid counter)
 abort_threads: list[str] = []  # the threads every abort was asked from, in order
+abort_errors: list[str] = []  # every failed abort's error, in order
+_abort_failures: list[str] = []  # the reasons the next aborts fail with (fail_aborts)
+_waiting_ready = [0]  # communicators waiting for readiness at their first operation
 destructor_waits: list[tuple[str, float]] = []  # (thread, seconds) of every destructor's join
 watchdog_fired: list[str] = []  # why torch's watchdog failed a work, in order
+enqueue_hooks: list = []  # called with each operation's kind once it is enqueued (a probe)
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -184,20 +199,29 @@ class _Comm:
                 raise RuntimeError(f"NCCL communicator was aborted on rank {self.rank}.")
             if self.ready:
                 return
-            keys = [f"init/{r}" for r in range(self.size)]
-            start, delay = time.monotonic(), _POLL_FIRST_S
-            while not self.store.check(keys):
-                elapsed = int(time.monotonic() - start)  # whole seconds, compared with '>'
-                if self.nonblocking and elapsed > self.bound_s:
-                    # C10D_CHECK_TIMEOUT's message (torch 2.13 NCCLUtils.hpp:94)
-                    raise RuntimeError("NCCL timeout in: NCCLUtils.cpp (waitReady: the "
-                                       "communicator initialization)")
-                if elapsed > _HARD_CAP_S:
-                    raise RuntimeError("double: blocking communicator initialization hard cap")
-                time.sleep(delay)
-                delay = min(delay * 2, _POLL_MAX_S)
+            with _live_lock:
+                _waiting_ready[0] += 1
+            try:
+                self._wait_ready()
+            finally:
+                with _live_lock:
+                    _waiting_ready[0] -= 1
             self.pids = {r: int(self.store.get(f"init/{r}")) for r in range(self.size)}
             self.ready = True
+
+    def _wait_ready(self) -> None:
+        keys = [f"init/{r}" for r in range(self.size)]
+        start, delay = time.monotonic(), _POLL_FIRST_S
+        while not self.store.check(keys):
+            elapsed = int(time.monotonic() - start)  # whole seconds, compared with '>'
+            if self.nonblocking and elapsed > self.bound_s:
+                # C10D_CHECK_TIMEOUT's message (torch 2.13 NCCLUtils.hpp:94)
+                raise RuntimeError("NCCL timeout in: NCCLUtils.cpp (waitReady: the "
+                                   "communicator initialization)")
+            if elapsed > _HARD_CAP_S:
+                raise RuntimeError("double: blocking communicator initialization hard cap")
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
 
     def abort(self) -> None:
         with self.mutex:  # blocks while get() waits for readiness
@@ -260,6 +284,8 @@ class _Core:
             self.seq += 1
             self.queue.append((self.seq, kind, args, work))
             self.cond.notify_all()
+        for hook in list(enqueue_hooks):
+            hook(kind)
         return work
 
     # ------------------------------------------------------------------ the stream
@@ -451,9 +477,24 @@ class DoubleGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         abort_threads.append(threading.current_thread().name)
-        runner = threading.Thread(target=self._core.abort, name=f"{NAME}-abort", daemon=True)
-        runner.start()  # torch: abortComms on a std::async thread, waited for
+        failed: list[BaseException] = []
+
+        def abort_comms() -> None:  # ncclCommAbort under C10D_NCCL_CHECK
+            with _live_lock:
+                reason = _abort_failures.pop(0) if _abort_failures else None
+            if reason is not None:
+                error = dist.DistBackendError(f"NCCL error in: NCCLUtils.cpp, {reason} (double: "
+                                              "ncclCommAbort failed)")
+                abort_errors.append(str(error))
+                failed.append(error)
+                return
+            self._core.abort()
+
+        runner = threading.Thread(target=abort_comms, name=f"{NAME}-abort", daemon=True)
+        runner.start()  # torch: abortComms on a std::async thread, waited for ...
         runner.join(_HARD_CAP_S)
+        if failed:  # ... and its exception raised here
+            raise failed[0]
 
     def shutdown(self) -> None:
         self.abort()
@@ -496,6 +537,27 @@ def _create(store, rank: int, size: int, timeout) -> DoubleGroup:
     """Make this rank's communicator: lazily, as the docstring says."""
     store.set(f"init/{rank}", str(os.getpid()))
     return DoubleGroup(store, rank, size, timeout.total_seconds())
+
+
+def fail_aborts(reason: str = "unhandled system error", times: int = 1) -> None:
+    """The next ``times`` aborts fail as an NCCL error in ``ncclCommAbort`` (see the module
+    docstring); ``reset_aborts`` forgets what is still pending."""
+    with _live_lock:
+        _abort_failures.extend([reason] * times)
+
+
+def reset_aborts() -> None:
+    """Forget pending abort failures and the records of past aborts."""
+    with _live_lock:
+        _abort_failures.clear()
+    abort_threads.clear()
+    abort_errors.clear()
+
+
+def creations_waiting() -> int:
+    """How many communicators of this process wait for readiness at their first operation."""
+    with _live_lock:
+        return _waiting_ready[0]
 
 
 def register() -> None:

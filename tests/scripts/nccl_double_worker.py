@@ -6,17 +6,21 @@ plan whose group is formed on the NCCL double (``tests/_nccl_double.py``) by the
     nccl_double_worker.py ROLE SCENARIO STORE_ENDPOINT ETCD_ENDPOINT JOB LIMIT_S
 
 Lines on stdout: ``FORMING`` before the plan's group is formed, ``FORMED`` once it exists (the
-test then SIGKILLs the victim and answers ``GO`` on the survivor's stdin), and the survivor's
-(and a joiner's) last line ``RESULT {json}``.
+test then SIGKILLs the victim and answers ``GO`` on the survivor's stdin), ``SYNC`` before a
+host sync, ``POSTED`` once the double has the BSR's receive enqueued, and the survivor's (and a
+joiner's) last line ``RESULT {json}``. The survivor's next plan is a world of two with
+the joiner, whose all-reduce sums rank + 3 (``NEXT_PLAN``: 7 on every element): a group that
+did not work would leave a rank's own value.
 
 Scenarios: ``collective`` (the step's all_reduce, then its host sync, with a dead peer),
-``hostsync`` (a host sync blocked behind a collective whose wait said done at enqueue),
-``aborted`` (the armed monitor aborts while the watchdog still waits: the collective completes
-as NCCL's aborted works do), ``bsr`` (the same for a fused BSR receive), ``hung2`` (two groups
-hung on the dead peer when the plan is abandoned), ``dump`` (a host sync behind a dead peer,
-then the next plan formed with a ``joiner``), ``create`` (the victim dies between the plan's
-barrier and its communicator), ``creating`` (the same, and a newer plan is published meanwhile),
-``split`` (the victim dies between the groups' barrier and their first operation).
+``hostsync`` (a host sync blocked behind a collective whose wait said done at enqueue), ``aborted``
+(the armed monitor aborts while the watchdog still waits: the collective completes as NCCL's
+aborted works do), ``bsr`` (the same for a fused BSR's receive from the dead victim: the test
+publishes a newer plan once it is ``POSTED``, on which the monitor aborts), ``hung2`` (two groups
+hung on the dead peer when the plan is abandoned), ``dump`` (a host sync behind a dead peer, then
+the next plan formed with a ``joiner``), ``create`` (the victim dies between the plan's barrier and
+its communicator), ``creating`` (the same, and a newer plan is published meanwhile), ``split`` (the
+victim dies between the groups' barrier and their first operation).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from hspmd_elastic.elastic.watchdog import PlanWatcher, Watchdog  # noqa: E402
 from hspmd_elastic.graph.comm import Comm, CommTimeoutError, store_barrier  # noqa: E402
 
 ELASTIC_ERRORS = (CommTimeoutError, RuntimeError)
+NEXT_PLAN = [7.0, 7.0]  # rank 0's 3 + rank 1's 4: the next plan's all-reduce, computed
 WATCHDOG_S = 60.0  # "aborted", "bsr": the watchdog's own deadline, far beyond the armed limit
 
 
@@ -112,7 +117,7 @@ def main() -> int:
     try:
         with former.armed("step 0", limit_s, watchdog.superseded):  # as the runtime arms a step
             if scenario == "bsr":
-                result["received"] = bsr(former, newer)
+                result["received"] = bsr(former)
             elif scenario in ("collective", "aborted"):  # the step: through the watchdog ...
                 loss = Comm({(0, 1): dist.group.WORLD}, 0, watchdog).all_reduce(
                     torch.ones(3, dtype=torch.float64), [0, 1])
@@ -133,39 +138,39 @@ def main() -> int:
     result["elapsed"] = time.monotonic() - start
     result["fired"] = former.monitor.broken  # the reason, once the abort has begun
     second = None
-    return finish(former, endpoint, result, plans, client,
-                  with_joiner=scenario == "dump")
+    return finish(former, endpoint, result, plans, client)
 
 
-def bsr(former: GroupFormer, newer) -> list:
-    """A fused BSR in which the dead victim sends this rank a tensor: the armed monitor aborts
-    the communicators, the receive completes, and the executor must not return it."""
+def bsr(former: GroupFormer) -> list:
+    """A fused BSR in which the dead victim sends this rank a tensor: ``POSTED`` once the
+    receive is enqueued, then (the test publishes a newer plan) the armed monitor aborts the
+    communicators, the receive completes, and the executor must not return it. No
+    ``should_abort``: with it the executor could see the newer plan first and abandon the
+    exchange (``ReshardAborted``, right too, but not the case held here)."""
     from hspmd_elastic.annotations import TensorAnnotation as T
     from hspmd_elastic.reshard import TensorSpec, fused_bsr_schedule
     from hspmd_elastic.reshard.executor import execute_fused
 
     spec = TensorSpec("w", (2, 3), "float64", T.single_group([1], {}), T.single_group([0], {}))
     schedule = fused_bsr_schedule([spec], {1}, {})
+    double.enqueue_hooks.append(lambda kind: kind == "recv" and say("POSTED"))
     out, _stats = execute_fused(schedule, 0, {}, "cpu", timeout_s=WATCHDOG_S,
-                                should_abort=newer, comms_aborted=former.comms_aborted)
+                                comms_aborted=former.comms_aborted)
     return out["w"].tolist()
 
 
-def finish(former: GroupFormer, endpoint: str, result: dict, plans, client,
-           with_joiner: bool = False) -> int:
-    """The same process forms the next plan's group (alone, or with a joiner) and computes."""
+def finish(former: GroupFormer, endpoint: str, result: dict, plans, client) -> int:
+    """The same process forms the next plan's group with the joiner and computes."""
     plans.stop()
     client.close()
     result["abort_threads"] = list(double.abort_threads)
-    world = 2 if with_joiner else 1
-    start = time.monotonic()
     try:
-        former.form(2, endpoint, 0, world, aborted=lambda: False,
-                    deadline=time.monotonic() + 60)
-        result["next_plan"] = compute()
+        former.form(2, endpoint, 0, 2, aborted=lambda: False, deadline=time.monotonic() + 120)
+        result["next_plan"] = compute(0)
     except Exception as exc:  # noqa: BLE001 - reported
         result["next_plan"] = f"{type(exc).__name__}: {exc}"
-    result["next_plan_s"] = time.monotonic() - start
+    # an earlier communicator still waiting for readiness: the next plan did not wait for it
+    result["creations_waiting"] = double.creations_waiting()
     former.leave()
     result["destructor_waits"] = list(double.destructor_waits)
     result["watchdog_fired"] = list(double.watchdog_fired)
@@ -174,8 +179,8 @@ def finish(former: GroupFormer, endpoint: str, result: dict, plans, client,
     return 0
 
 
-def compute() -> list:
-    t = torch.full((2,), 3.0)
+def compute(rank: int) -> list:
+    t = torch.full((2,), 3.0 + rank)
     work = dist.all_reduce(t, async_op=True)
     deadline = time.monotonic() + 30
     while not work.is_completed() and time.monotonic() < deadline:
@@ -185,17 +190,18 @@ def compute() -> list:
 
 def joiner(endpoint: str, limit_s: float) -> int:
     """Rank 1 of the survivor's next plan: a process whose first group is made after the
-    failure. It computes once, then stays for the heartbeat window torch's monitor would end it
-    in (``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` plus its polls)."""
+    failure. It computes once; where ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` is set, it then stays
+    for the heartbeat window torch's monitor would end it in (that timeout plus its polls)."""
     former = GroupFormer(limit_s, connect_timeout_s=limit_s, backend=double.NAME)
     result: dict = {}
     try:
-        former.form(2, endpoint, 1, 2, aborted=lambda: False, deadline=time.monotonic() + 60)
-        result["next_plan"] = compute()
+        former.form(2, endpoint, 1, 2, aborted=lambda: False, deadline=time.monotonic() + 240)
+        result["next_plan"] = compute(1)
     except Exception as exc:  # noqa: BLE001 - reported
         result["next_plan"] = f"{type(exc).__name__}: {exc}"
     say("JOINED")
-    window = float(os.environ.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "480")) + 2.0
+    heartbeat = os.environ.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
+    window = float(heartbeat) + 2.0 if heartbeat is not None else 0.0
     time.sleep(window)  # the observation window: torch's monitor would act within it
     result["survived_s"] = window
     say("RESULT " + json.dumps(result))
