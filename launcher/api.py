@@ -142,6 +142,9 @@ class ElasticSettings:
     # --hspmd-lengths: length buckets as (longest sequence, share), shortest first; each plan
     # then runs each bucket's rows under the bucket's plan inside the step (graph.bucketed)
     lengths: tuple[tuple[int, float], ...] = ()
+    # --hspmd-optimizer-shards: every published plan's Plan.optimizer_shards, and the planner's
+    # cost model's (PlannerOptions.optimizer_shards)
+    optimizer_shards: str = "replicated"
 
     def __post_init__(self) -> None:
         seq_len = getattr(self.model_profile, "seq_len", None)

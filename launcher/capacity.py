@@ -9,7 +9,9 @@ workers; ``--hspmd-enforce-memory`` makes that memory a real limit of each worke
 (``launcher.cgroup_memory``; it needs ``--hspmd-device-memory``). ``--hspmd-redundancy N`` makes
 "every parameter slice on N nodes" a hard constraint of the planner; ``--hspmd-all-devices on``
 gives every usable worker a role (the planner otherwise leaves idle a worker that costs the step
-more than it adds). Bad values raise ``ConfigError`` with one line naming them.
+more than it adds); ``--hspmd-optimizer-shards uneven`` publishes every plan with uneven
+(ZeRO-1 style) optimizer shards (``Plan.optimizer_shards``) and plans for them. Bad values
+raise ``ConfigError`` with one line naming them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ CAPACITY_FLAGS = ("hspmd_device_memory", "hspmd_device_speed", "hspmd_redundancy
                   "hspmd_straggler_dwell", "hspmd_lengths", "hspmd_enforce_memory")  # CLI params
 PLANNERS = ("hetero", "uniform")  # --hspmd-planner
 SWITCHES = {"on": True, "off": False}  # --hspmd-straggler-replans
+OPTIMIZER_SHARDS = ("replicated", "uneven")  # --hspmd-optimizer-shards (Plan.optimizer_shards)
 
 
 def parse_device_memory(value: Optional[str]) -> int:
@@ -105,6 +108,18 @@ def all_devices(params: dict) -> bool:
                             tuple(SWITCHES), "off")]
 
 
+def optimizer_shards(params: dict, lengths: tuple) -> str:
+    """``--hspmd-optimizer-shards replicated|uneven`` (default replicated): where the plans'
+    AdamW moments live. Read in elastic mode only, like ``--hspmd-all-devices``. Not with
+    ``--hspmd-lengths``: a length bucket's plan keeps replicated moments."""
+    mode = _choice("--hspmd-optimizer-shards", params.get("hspmd_optimizer_shards"),
+                   OPTIMIZER_SHARDS, OPTIMIZER_SHARDS[0])
+    if mode != OPTIMIZER_SHARDS[0] and lengths:
+        raise ConfigError(f"--hspmd-optimizer-shards {mode} is not supported with "
+                          "--hspmd-lengths (length buckets keep replicated optimizer state)")
+    return mode
+
+
 def _choice(flag: str, value: Optional[str], choices, default: str) -> str:
     text = default if value is None else str(value).strip().lower()
     if text not in choices:
@@ -116,7 +131,9 @@ def capacity_settings(params: dict, max_nodes: int) -> dict:
     """The ``ElasticSettings`` fields of the planning flags (``params``: the CLI's values):
     declared memory and speed, the redundancy guarantee, ``--hspmd-planner`` (``hetero``, the
     default, or ``uniform``: one TP/PP everywhere, even layers and rows) and
-    ``--hspmd-straggler-replans`` (``on``, the default, or ``off``) and ``--hspmd-lengths``."""
+    ``--hspmd-straggler-replans`` (``on``, the default, or ``off``), ``--hspmd-lengths`` and
+    ``--hspmd-optimizer-shards``."""
+    lengths = parse_lengths_flag(params.get("hspmd_lengths"))
     return {"device_memory_bytes": parse_device_memory(params.get("hspmd_device_memory")),
             "device_speed": parse_device_speed(params.get("hspmd_device_speed")),
             "redundancy": parse_redundancy(params.get("hspmd_redundancy"), max_nodes),
@@ -125,7 +142,8 @@ def capacity_settings(params: dict, max_nodes: int) -> dict:
             "straggler_replans": SWITCHES[_choice("--hspmd-straggler-replans",
                                                   params.get("hspmd_straggler_replans"),
                                                   tuple(SWITCHES), "on")],
-            "lengths": parse_lengths_flag(params.get("hspmd_lengths")),
+            "lengths": lengths,
+            "optimizer_shards": optimizer_shards(params, lengths),
             "all_devices": all_devices(params),
             "enforce_memory": enforce_memory(params),
             **({} if params.get("hspmd_straggler_dwell") is None else

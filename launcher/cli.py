@@ -54,6 +54,7 @@ from launcher.etcd_security import launcher_options, launcher_security, server_t
 from launcher.logs import check_log_dir, parse_ranks_filter, parse_std
 from launcher.model_flag import parse_model
 from launcher.numbers import check, number, shutdown_timeout_from_env
+from launcher.planning_flags import planning_options
 from launcher.slurm import SETTINGS as SLURM_SETTINGS, fill_from_slurm
 
 log = logging.getLogger("launcher")
@@ -198,30 +199,7 @@ class _LaunchCommand(click.Command):
             help="Elastic mode: seconds the leader waits for the cluster to settle before it "
                  "replans (0..60, default 0.25): longer folds a burst of failures into one switch, "
                  "shorter recovers sooner.")
-@_opt("--hspmd-device-memory", default=None, help="Elastic mode: memory of each device of "
-      "this node as the planner sees it (24MiB, 1.5GiB): rehearse a cluster's layouts on CPUs.")
-@_opt("--hspmd-enforce-memory", is_flag=True, default=None, help="Elastic mode: limit each "
-      "worker to --hspmd-device-memory plus its measured baseline (a memory cgroup); a plan "
-      "that does not fit ends the job (the OOM killer's kill, reported as the plan's error).")
-@_opt("--hspmd-device-speed", default=None, help="Elastic mode: speed of this node's devices "
-      "relative to their type's nominal (default 1.0).")
-@_opt("--hspmd-device", default=None, help="Elastic mode: where workers compute: auto "
-      "(cuda:LOCAL_RANK when CUDA is available, else CPU; the default), cuda or cpu.")
-@_opt("--hspmd-redundancy", default=None, help="Elastic mode: every parameter slice on this "
-      "many nodes, a hard constraint; the job fails when no plan keeps it (default: none).")
-@_opt("--hspmd-planner", default=None, help="Elastic mode: hetero (the default: plans fitted to "
-      "each device's speed and memory) or uniform (one TP/PP everywhere, even layers and rows).")
-@_opt("--hspmd-all-devices", default=None, help="Elastic mode: on or off (the default): give "
-      "every usable worker a role, even one the planner predicts costs the step more than it "
-      "adds (left idle otherwise, and the leader's log says why).")
-@_opt("--hspmd-straggler-replans", default=None, help="Elastic mode: on (the default) or off: "
-      "replan when measured device speeds say a new plan gains more than the switch costs.")
-@_opt("--hspmd-straggler-dwell", type=number("--hspmd-straggler-dwell"), default=None,
-      help="Elastic mode: seconds at least between two switches driven by measured speeds "
-           "(0..3600, default 30), so a noisy device does not flap.")
-@_opt("--hspmd-lengths", default=None, help="Elastic mode: length buckets LEN:SHARE,... "
-      "(512:0.9,2048:0.1; the last LEN is the model's seq_len): each bucket's rows run under its "
-      "own plan inside every step (the script groups its batches the same way).")
+@planning_options(_opt)
 @_opt("--hspmd-slurm", type=click.Choice(SLURM_SETTINGS, case_sensitive=False), default="auto",
       show_default=True, help="auto: under srun (SLURM_JOB_ID, SLURM_STEP_ID, SLURM_PROCID "
       "set), flags not given come from Slurm: node id and rank, --nnodes, --nproc-per-node, "

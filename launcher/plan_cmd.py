@@ -40,6 +40,11 @@ Idle devices are listed with why (``Estimate.idle``): each one's speed relative 
 device and the predicted step time of the best plan that gives it work against the chosen
 plan's (``--json``: ``estimate.idle``). The planner leaves a device idle when it costs the step
 more than it adds; ``--all-devices`` asks for plans that give every device a role instead.
+
+``--optimizer-shards uneven`` asks what the leader of agents started with
+``--hspmd-optimizer-shards uneven`` would plan: the cost model charges each device's optimizer
+update and optimizer state at its pipeline's share of the rows (``planner.zero_cost``), so the
+step time and memory shown are those of uneven optimizer shards; not with ``--lengths``.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from typing import Iterator, Optional
 import click
 
 from hspmd_elastic.contract.ids import parse_device_id
-from hspmd_elastic.plan import Plan, PlanError
+from hspmd_elastic.plan import OPTIMIZER_SHARDS, Plan, PlanError
 from hspmd_elastic.planner import (Candidate, Inventory, LengthBucket, PlanInfeasibleError,
                                    PlannerError, PlannerOptions, PlanResult, estimate_plan,
                                    inventory_from_dict, inventory_from_nodes, parse_bytes,
@@ -265,14 +270,24 @@ def load_profile(model: str):
                    "and its share of the sequences, the shares summing to 1, e.g. "
                    "512:0.9,8192:0.1. Shows one plan per bucket and the estimated gain over "
                    "the best single plan that fits the longest bucket.")
+@click.option("--optimizer-shards", type=click.Choice(OPTIMIZER_SHARDS), default="replicated",
+              show_default=True,
+              help="Where the AdamW moments live, as --hspmd-optimizer-shards sets it: uneven "
+                   "charges each device's optimizer update and optimizer state at its "
+                   "pipeline's share of the rows (not with --lengths).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, ...],
                  degrade: tuple[str, ...], current: Optional[str], tp: Optional[str],
                  pp: Optional[str], cross_node_replicas: bool, redundancy: int,
                  device_memory: Optional[str], all_devices: bool, alternatives: int,
-                 uniform: bool, lengths: Optional[str], as_json: bool) -> None:
+                 uniform: bool, lengths: Optional[str], optimizer_shards: str,
+                 as_json: bool) -> None:
     """Show the plan the planner would choose for a (hypothetical) cluster."""
     buckets = _lengths(lengths, current)
+    if buckets is not None and optimizer_shards != OPTIMIZER_SHARDS[0]:
+        raise click.BadParameter(f"{optimizer_shards!r} is not supported with --lengths "
+                                 "(length buckets keep replicated optimizer state)",
+                                 param_hint="--optimizer-shards")
     try:
         inventory = load_inventory(devices)
     except PlannerError as exc:
@@ -292,7 +307,8 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
             raise click.BadParameter(str(exc), param_hint="--current") from None
     options = PlannerOptions(tp_degrees=_degrees(tp, "--tp"), pp_degrees=_degrees(pp, "--pp"),
                              cross_node_replicas=cross_node_replicas, redundancy=redundancy,
-                             use_all_devices=all_devices, alternatives=alternatives)
+                             use_all_devices=all_devices, alternatives=alternatives,
+                             optimizer_shards=optimizer_shards)
     if buckets is not None:
         _show_buckets(inventory, profile, global_batch, buckets, options, as_json, uniform)
         return
@@ -305,6 +321,7 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
             result = plan_for(inventory, profile, global_batch, current_plan, options)
     if as_json:
         doc = result.to_dict()
+        doc["optimizer_shards"] = optimizer_shards
         if uniform:
             est = result.estimate
             doc["uniform"] = {"step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s}
@@ -315,6 +332,9 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
                    "as --hspmd-planner uniform plans)\nuniform plan on these devices: step time "
                    "and memory estimated on them, as they are")
     click.echo(result.explain())
+    if optimizer_shards != OPTIMIZER_SHARDS[0]:
+        click.echo(f"optimizer shards: {optimizer_shards} (each device's optimizer update and "
+                   "optimizer state estimated at its pipeline's share of the rows)")
 
 
 def _told_on(result: PlanResult, inventory: Inventory, options: PlannerOptions,

@@ -15,7 +15,8 @@ gradient copies). A pipeline of stage times ``t_s`` running ``m`` micro-batches 
 delays the next step's fill). Gradients are then all-reduced
 across the pipelines (every pipeline holds every layer), ring cost per device over its shard,
 inter-node when a layer's holders span nodes; this sync is not overlapped. The step time is the
-slowest pipeline plus the slowest sync.
+slowest pipeline plus the slowest sync. Uneven optimizer shards charge ``u_s`` and the optimizer
+state at the pipeline's share of the rows (``zero_cost``; the fast pass charges them whole).
 
 Memory per device: its parameter shard x (weights + gradients + optimizer state) plus activations
 of the micro-batches 1F1B keeps in flight on that stage (``min(stages - s, m)``; with TP, 10/34 of
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hspmd_elastic.plan import Plan
+from hspmd_elastic.planner import zero_cost
 from hspmd_elastic.planner.api import (Device, Estimate, Inventory, ModelProfile,
                                        PlanInfeasibleError, PlannerOptions, fmt_bytes)
 
@@ -109,18 +111,19 @@ def stage_time(profile: ModelProfile, shape: StageShape, layers: int, last: bool
 
 
 def update_coeffs(profile: ModelProfile, shape: StageShape, first: bool,
-                  last: bool) -> tuple[float, float]:
+                  last: bool, share: float = 1.0) -> tuple[float, float]:
     """(fixed, per layer) seconds per step of the stage's work that does not depend on its
-    rows: each device's local parameter elements x ``shape.update_s``."""
+    rows: each device's local parameter elements x ``shape.update_s`` x ``share``, the part it
+    updates (``zero_cost.pipeline_share``: 1.0 unless the optimizer shards are uneven)."""
     if not shape.update_s:
         return 0.0, 0.0
-    per = shape.update_s / shape.tp
+    per = shape.update_s * share / shape.tp
     return per * stage_params(profile, 0, first, last), per * profile.layer_params
 
 
 def update_time(profile: ModelProfile, shape: StageShape, layers: int, first: bool,
-                last: bool) -> float:
-    fixed, per_layer = update_coeffs(profile, shape, first, last)
+                last: bool, share: float = 1.0) -> float:
+    fixed, per_layer = update_coeffs(profile, shape, first, last, share)
     return fixed + per_layer * layers
 
 
@@ -152,12 +155,13 @@ def stage_params(profile: ModelProfile, layers: int, first: bool, last: bool) ->
 
 
 def memory_coeffs(profile: ModelProfile, tp: int, first: bool, last: bool, b: int,
-                  inflight: int) -> tuple[float, float]:
-    """(fixed, per layer) bytes per device of a stage."""
-    state = profile.state_bytes_per_param / tp
+                  inflight: int, share: float = 1.0) -> tuple[float, float]:
+    """(fixed, per layer) bytes per device of a stage; ``share``: the part of its parameters
+    whose optimizer state it keeps (``zero_cost``)."""
+    state = zero_cost.state_bytes(profile, share) / tp
     act_share = (10.0 + 24.0 / tp) / 34.0
     per_layer = (profile.layer_params * state
-                 + profile.kv_replica_params(tp) * profile.state_bytes_per_param
+                 + profile.kv_replica_params(tp) * zero_cost.state_bytes(profile, share)
                  + inflight * b * profile.seq_len * profile.activation_bytes_per_token_layer
                  * act_share)
     fixed = stage_params(profile, 0, first, last) * state
@@ -167,8 +171,8 @@ def memory_coeffs(profile: ModelProfile, tp: int, first: bool, last: bool, b: in
 
 
 def stage_memory(profile: ModelProfile, tp: int, layers: int, first: bool, last: bool, b: int,
-                 inflight: int) -> int:
-    fixed, per_layer = memory_coeffs(profile, tp, first, last, b, inflight)
+                 inflight: int, share: float = 1.0) -> int:
+    fixed, per_layer = memory_coeffs(profile, tp, first, last, b, inflight, share)
     return int(math.ceil(fixed + per_layer * layers))
 
 
@@ -308,7 +312,7 @@ class _StageCosts:
         n, m, b = len(pipe.stages), pipe.num_microbatches, pipe.microbatch_size
         classes = [tuple(map(index.cls.__getitem__, g)) for g in groups]
         nodes = [tuple(map(index.node.__getitem__, g)) for g in groups]
-        times = []
+        times, share = [], zero_cost.pipeline_share(plan, pi, self.options)
         for si, stage in enumerate(pipe.stages):
             last = si == n - 1
             if last:
@@ -324,14 +328,15 @@ class _StageCosts:
                     None if last else [devs[d] for d in groups[si + 1]],
                     self.options.memory_fraction)
             layers = stage.layers[1] - stage.layers[0]
-            key = (shape_key, layers, si == 0, last, b, inflight(n, si, m))
+            key = (shape_key, layers, si == 0, last, b, inflight(n, si, m), share)
             found = self.stages.get(key)
             if found is None:
-                need = stage_memory(profile, shape.tp, layers, si == 0, last, b, key[5])
+                need = stage_memory(profile, shape.tp, layers, si == 0, last, b, key[5], share)
                 lims = tuple(self.limit[c] for c in dict.fromkeys(classes[si]))
                 found = self.stages[key] = (need, lims, min(lims),
                                             stage_time(profile, shape, layers, last, b),
-                                            update_time(profile, shape, layers, si == 0, last))
+                                            update_time(profile, shape, layers, si == 0, last,
+                                                        share))
             need, lims, lowest, elapsed, update = found
             if need > lowest:  # the reference names the device that is short
                 _pipeline_stage_times(plan, pi, index.devs, profile, self.options, {}, {})
@@ -447,7 +452,8 @@ def _pipeline_stage_times(plan: Plan, pi: int, devs: dict, profile: ModelProfile
         shape = group_shape(group, nxt, options.memory_fraction)
         layers = stage.layers[1] - stage.layers[0]
         first, last = si == 0, si == n - 1
-        need = stage_memory(profile, shape.tp, layers, first, last, b, inflight(n, si, m))
+        need = stage_memory(profile, shape.tp, layers, first, last, b, inflight(n, si, m),
+                            zero_cost.pipeline_share(plan, pi, options))
         for dev in group:
             limit = int(dev.spec.memory_bytes * options.memory_fraction)
             if need > limit:

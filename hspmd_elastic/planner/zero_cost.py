@@ -17,13 +17,15 @@ Replicated mode is share 1.0. Pure arithmetic.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from hspmd_elastic.plan import OPTIMIZER_SHARDS, Plan
 from hspmd_elastic.planner.api import ModelProfile, PlannerOptions
 
 UNEVEN = OPTIMIZER_SHARDS[1]
 
 
-def uneven(options: PlannerOptions, plan: Plan = None) -> bool:
+def uneven(options: PlannerOptions, plan: Optional[Plan] = None) -> bool:
     """True when the options (or the plan itself) say the moments are sharded unevenly."""
     return options.optimizer_shards == UNEVEN or \
         (plan is not None and plan.optimizer_shards == UNEVEN)

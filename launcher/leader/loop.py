@@ -160,7 +160,8 @@ class Leader:
                  wall_clock: Clock = time.time, election_recheck_s: float = 1.0,
                  hold: Optional[Callable[[], bool]] = None, view: Optional[WatchedJob] = None,
                  stragglers: Optional["StragglerWatch"] = None,
-                 lengths: tuple[tuple[int, float], ...] = ()):
+                 lengths: tuple[tuple[int, float], ...] = (),
+                 optimizer_shards: str = "replicated"):
         if debounce_s < 0 or max_debounce_s < debounce_s:
             raise ValueError(f"need 0 <= debounce_s ({debounce_s}) <= max_debounce_s "
                              f"({max_debounce_s})")
@@ -172,6 +173,8 @@ class Leader:
         self.planner_fn, self.profile, self.global_batch = planner_fn, model_profile, global_batch
         self.planner_options = planner_options
         self.lengths = tuple(lengths)  # --hspmd-lengths: each plan's length buckets
+        # --hspmd-optimizer-shards: every plan planned for and published with this mode
+        self.optimizer_shards = optimizer_shards
         self.debounce_s, self.max_debounce_s, self.min_nodes = debounce_s, max_debounce_s, min_nodes
         self.max_nodes = max_nodes
         # ``hold()`` true: a due replan waits (the agent's etcd-outage policy while records
@@ -422,7 +425,8 @@ class Leader:
             self._retries = (step, done + 1)
         try:
             layout = make_layout(decision, current, self.planner_fn, self.profile,
-                                 self.global_batch, self.planner_options, self.lengths)
+                                 self.global_batch, self.planner_options, self.lengths,
+                                 optimizer_shards=self.optimizer_shards)
         except PlanningFailed as exc:
             whole = largest_cluster(snap, self.max_nodes)
             if whole:
@@ -438,8 +442,10 @@ class Leader:
         # The furthest step known: a worker's record goes with it, so a plan made after every
         # holder died still says how far the job had got (carried from the previous plan).
         step = max(snap.step or 0, current.step if current else 0)
-        # the sequence length planned for: a worker whose model has another refuses the plan
-        layout = replace(layout, plan=layout.plan.at_seq_len(self.profile.seq_len))
+        # the sequence length planned for (a worker whose model has another refuses the plan)
+        # and the job's optimizer shards
+        layout = replace(layout, plan=layout.plan.at_seq_len(self.profile.seq_len)
+                         .with_optimizer_shards(self.optimizer_shards))
         record = plan_record(decision, layout, self._wall(), step=step)
         self._transition(LeaderState.PUBLISHING, f"v{decision.version}: {decision.reason}")
         try:

@@ -177,7 +177,8 @@ class UniformPlanner:
             self.planner_fn.shortfall = text
 
 
-def default_planner_options(devices: Sequence[DeviceView]) -> PlannerOptions:
+def default_planner_options(devices: Sequence[DeviceView],
+                            optimizer_shards: str = "replicated") -> PlannerOptions:
     """The planner's options for this cluster.
 
     When the devices span two nodes or more, rank plans that keep every parameter slice on two
@@ -186,30 +187,39 @@ def default_planner_options(devices: Sequence[DeviceView]) -> PlannerOptions:
     ``use_all_devices`` stays off for every job, CPU workers included: a device that costs the
     step more than it adds (a slow worker's per-step fixed costs) is left idle, and the plan's
     ``Estimate.idle`` says why; a caller that needs every worker busy passes options with
-    ``use_all_devices=True``."""
+    ``use_all_devices=True``. ``optimizer_shards``: the job's ``--hspmd-optimizer-shards``,
+    which the cost model charges the update and optimizer memory by."""
     from hspmd_elastic.planner import PlannerOptions
 
-    return PlannerOptions(cross_node_replicas=len({d.node for d in devices}) >= 2)
+    return PlannerOptions(cross_node_replicas=len({d.node for d in devices}) >= 2,
+                          optimizer_shards=optimizer_shards)
 
 
 def make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
                 planner_fn: Optional[PlannerFn], profile: ModelProfile, global_batch: int,
                 options: Optional[PlannerOptions] = None,
-                lengths: Sequence[tuple[int, float]] = ()) -> PlannedLayout:
+                lengths: Sequence[tuple[int, float]] = (), *,
+                optimizer_shards: str = "replicated") -> PlannedLayout:
     """Pure (given a pure ``planner_fn``): the plan for ``decision`` (see the module docstring).
     Raises ``PlanningFailed`` when the planner finds no plan. The cyclic garbage collector is
-    paused meanwhile (``planner.search.paused_gc``: the objects made here have no cycles)."""
+    paused meanwhile (``planner.search.paused_gc``: the objects made here have no cycles).
+    ``optimizer_shards``: the job's mode, set on the planner's options (given or default) so
+    the cost model charges every plan, the current one included, alike; the caller stamps it
+    on the published plan."""
     from hspmd_elastic.planner.search import paused_gc
 
+    if options is not None and options.optimizer_shards != optimizer_shards:
+        options = replace(options, optimizer_shards=optimizer_shards)
     with paused_gc():
         return _make_layout(decision, current, planner_fn, profile, global_batch, options,
-                            lengths)
+                            lengths, optimizer_shards)
 
 
 def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
                  planner_fn: Optional[PlannerFn], profile: ModelProfile, global_batch: int,
                  options: Optional[PlannerOptions],
-                 lengths: Sequence[tuple[int, float]] = ()) -> PlannedLayout:
+                 lengths: Sequence[tuple[int, float]] = (),
+                 optimizer_shards: str = "replicated") -> PlannedLayout:
     from hspmd_elastic.planner import PlanInfeasibleError, fallback_dp_plan
 
     usable = {d.id: d for d in decision.devices}
@@ -222,7 +232,8 @@ def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
     if planner_fn is not None:
         try:
             inventory = device_inventory(universe, usable, ids, decision.devices[0].type)
-            opts = options if options is not None else default_planner_options(decision.devices)
+            opts = options if options is not None else \
+                default_planner_options(decision.devices, optimizer_shards)
             now = _current_in(current, ids)
             before, home = None, opts  # the bucket plans hold no parameters: no copies kept
             if now is not None and speed_only(decision, current):

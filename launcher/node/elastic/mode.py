@@ -285,13 +285,16 @@ class ElasticMode:
             predict = UniformPlanner(predict) if settings.planner == "uniform" else predict
             predict = AllDevicesPlanner(predict) if settings.all_devices else predict
             stragglers = StragglerWatch(settings.model_profile, settings.global_batch, predict,
-                                        default_planner_options,
+                                        functools.partial(
+                                            default_planner_options,
+                                            optimizer_shards=settings.optimizer_shards),
                                         StragglerPolicy(dwell_s=settings.straggler_dwell_s))
         leader = Leader(self.client, self.session, self.job, self.node_id, planner,
                         self.settings.model_profile, self.settings.global_batch,
                         debounce_s=self.settings.debounce_s, min_nodes=cfg.rdzv.min_nodes,
                         max_nodes=cfg.rdzv.max_nodes, hold=ctx.outage.reconciling,
-                        view=self.view, stragglers=stragglers, lengths=settings.lengths)
+                        view=self.view, stragglers=stragglers, lengths=settings.lengths,
+                        optimizer_shards=settings.optimizer_shards)
         store_host = cfg.local_addr or ("localhost" if cfg.rdzv.standalone else ctx.host)
         try:
             monitor = ProgressMonitor(hang_detector_from_env(os.environ))
