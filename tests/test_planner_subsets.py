@@ -234,3 +234,17 @@ def test_the_leader_leaves_a_cpu_worker_idle_and_logs_why(caplog):
     lines = [r.getMessage() for r in caplog.records if " idle: at " in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith(f"plan v{decision.version}: device"), lines
     assert all(name in lines[0] for name in idle) and "s/step vs" in lines[0], lines
+
+
+def test_with_uneven_optimizer_shards_the_slow_devices_pay_for_their_rows_and_stay():
+    """The same mix: a slow device left out for its whole-replica update is worth its rows once
+    it updates only its rows' share (``--hspmd-optimizer-shards uneven``, ``zero_cost``)."""
+    inv = _inventory(MIX)
+    replicated = plan_for(inv, PROFILE, BATCH)
+    uneven = plan_for(inv, PROFILE, BATCH,
+                      options=PlannerOptions(optimizer_shards="uneven"))
+    assert set(replicated.plan.devices) == {0, 1}
+    assert set(uneven.plan.devices) == {0, 1, 2, 3}, uneven.plan
+    rows = {p.stages[0].devices[0]: p.rows for p in uneven.plan.pipelines}
+    assert min(rows[0], rows[1]) > max(rows[2], rows[3]) >= 1
+    assert uneven.estimate.step_time_s < replicated.estimate.step_time_s

@@ -16,7 +16,8 @@ delays the next step's fill). Gradients are then all-reduced
 across the pipelines (every pipeline holds every layer), ring cost per device over its shard,
 inter-node when a layer's holders span nodes; this sync is not overlapped. The step time is the
 slowest pipeline plus the slowest sync. Uneven optimizer shards charge ``u_s`` and the optimizer
-state at the pipeline's share of the rows (``zero_cost``; the fast pass charges them whole).
+state at the pipeline's share of the rows (``zero_cost``; the fast pass charges the update so
+too, as a cost per row, and the optimizer state's memory whole).
 
 Memory per device: its parameter shard x (weights + gradients + optimizer state) plus activations
 of the micro-batches 1F1B keeps in flight on that stage (``min(stages - s, m)``; with TP, 10/34 of

@@ -9,7 +9,9 @@ keeps state across calls.
 
 Both passes see each stage's per-step update (``cost.update_coeffs``): the fast pass spreads
 it over the estimated micro-batches in its water-filling and adds the slowest stage's to a
-pipeline's fixed time; the exact pass solves the layer split with it.
+pipeline's fixed time (with uneven optimizer shards, ``planner.zero_cost``, a pipeline of ``r``
+rows updates ``r / B`` of its parameters: the update is then a cost per row, ``update / B``);
+the exact pass solves the layer split with it.
 
 A group is any object with ``devices``, ``node``, ``tp``, ``key`` (its ``StageShape`` fields
 without the link: tp, FLOP/s, memory, intra-node GB/s, overhead, latency, update), ``inter`` and
@@ -27,6 +29,7 @@ from hspmd_elastic.plan import Pipeline, Plan, Stage
 from hspmd_elastic.planner import cost
 from hspmd_elastic.planner.api import ModelProfile, PlannerOptions
 from hspmd_elastic.planner.solve import minmax_layers, pipeline_layers, split_rows
+from hspmd_elastic.planner.zero_cost import UNEVEN
 
 
 @dataclass
@@ -156,6 +159,9 @@ class Solver:
             return None
         _, b, times = best
         slowest = max(times)
+        if self.options.optimizer_shards == UNEVEN:  # the update of r rows' share: r / B of it
+            return PipeModel(shapes, split, b, sum(times) - slowest,
+                             slowest / b + update / self.batch)
         return PipeModel(shapes, split, b, sum(times) - slowest + update, slowest / b)
 
     def fast(self, pipelines: Sequence[tuple],
