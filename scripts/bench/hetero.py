@@ -84,6 +84,10 @@ def say(msg: str) -> None:
 
 
 REPLANS_OFF = ["--hspmd-straggler-replans", "off"]
+# (d): every candidate shards the optimizer state over its DP replicas (ZeRO-1, as a practitioner
+# would): even shares for the uniform baselines, each pipeline's rows' share for ours, so a slow
+# device updates only its part and can pay for its place in the plan
+SHARDED = ["--hspmd-optimizer-shards", "uneven"]
 SETTLE_S = 20.0  # (d): beyond two dwells, how long ours may take to make its speed-driven switch
 
 
@@ -242,7 +246,7 @@ class Run:
         switch, or as started when the leader made none within the settle window)."""
         s = self.s
         flags = (["--hspmd-planner", "uniform", *REPLANS_OFF] if cand.planner == "uniform"
-                 else ["--hspmd-planner", "hetero", *replans_on(s)])
+                 else ["--hspmd-planner", "hetero", *replans_on(s)]) + SHARDED
         job = self.job(label, flags, cand.nproc)
         try:
             job.start()

@@ -2,7 +2,9 @@
 the candidate plans a practitioner would try on each, their interleaved order, the medians, the
 ratio ours / best baseline, the targets and the tables. No processes, no etcd, no clock.
 
-On each mix (one share of a core per device, the devices in rank order) the candidates are:
+On each mix (one share of a core per device, the devices in rank order) the candidates are (each
+with its optimizer state sharded over its data-parallel replicas, ``--hspmd-optimizer-shards
+uneven``: even shares under the uniform planner, the rows' shares under ours):
 
 * ``uniform-all``: ``--hspmd-planner uniform`` over every device (one TP/PP degree, even
   layers and rows);
