@@ -423,9 +423,10 @@ class _Worker:
                 if self.on_step:
                     self.on_step(StepInfo(self.step - 1, loss, self.rank, self.version, held))
         except Exception as exc:  # noqa: BLE001 - re-raised unless the step was abandoned
-            # a newer plan (SwitchRequested) or a dead peer (CommTimeoutError); after the
+            # a newer plan (SwitchRequested) or a dead peer (CommTimeoutError, or a bucket's
+            # in-step BSR whose transfer the peer's death broke: ReshardCommError); after the
             # monitor aborted the communicators, whatever the released thread ran into
-            if not isinstance(exc, CommTimeoutError) and not self._aborted():
+            if not isinstance(exc, (CommTimeoutError, ReshardCommError)) and not self._aborted():
                 raise
             self.log.warning("step %d abandoned: %s", self.step, exc)
             if self.watchdog.first_failure_at is not None:

@@ -158,7 +158,8 @@ class Held:
 
     def comms(self) -> list[Comm]:
         """Every set of process groups this rank holds: the plan's, then the buckets'."""
-        extra = [m.comm for m in self.bucketed.models] if self.bucketed is not None else []
+        extra = [m.comm for m in self.bucketed.models if m is not None] \
+            if self.bucketed is not None else []  # None: a bucket whose plan leaves us out
         out: list[Comm] = [self.model.comm]
         for c in extra:
             if all(c is not o for o in out):

@@ -32,7 +32,8 @@ def planning_options(opt: Callable) -> Callable:
             "layers and rows)."),
         opt("--hspmd-all-devices", default=None, help="Elastic mode: on or off (the default): "
             "give every usable worker a role, even one the planner predicts costs the step more "
-            "than it adds (left idle otherwise, and the leader's log says why)."),
+            "than it adds (left idle otherwise, and the leader's log says why), in the length "
+            "buckets' plans too."),
         opt("--hspmd-optimizer-shards", default=None, help="Elastic mode: replicated (the "
             "default: every holder of a parameter keeps its AdamW moments and updates it) or "
             "uneven (ZeRO-1 style: each row's moments and update on one holder, each pipeline's "

@@ -145,6 +145,13 @@ class ElasticJob:
                           returncode=self.procs[d].returncode)
         return out
 
+    def join_ok(self, devices, timeout: float = 60.0) -> dict[str, dict]:
+        """``join``, then each device must have ended ok (else its traceback and log)."""
+        results = self.join(devices, timeout)
+        for d, r in results.items():
+            assert r["ok"], f"{d}: {r.get('traceback')}\n{self.log(d)}"
+        return results
+
     def log(self, device: str) -> str:
         try:
             with open(self._path(device, "log.txt")) as f:

@@ -24,11 +24,14 @@ known state. What the tests of a file do differently is a parameter: the job-nam
 training flags per agent.
 
 ``TINY``, ``write_tiny`` and ``elastic_argv`` serve the other elastic tests too (the netns and
-security ones), which build their agents' argv around their own launcher.
+security ones), which build their agents' argv around their own launcher. The one-node jobs
+(``one_node_kill_run``; ``straggler_agent`` and ``throttled_job`` for the speed replans) and
+``worker_results`` (what the workers saved) serve the tests of one node's job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,13 +40,13 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import pytest
 
 import _elastic
 from _wait import Recorder, wait_for
-from launch_harness import SCRIPTS, Launcher, base_env
+from launch_harness import SCRIPTS, Launcher, assert_agents_running, base_env
 
 from hspmd_elastic.coord import PrefixWatch, read_events
 from hspmd_elastic.contract import schema
@@ -51,6 +54,7 @@ from hspmd_elastic.coord.api import EventType
 from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.graph.config import ModelConfig
+from launcher.cgroups import CpuQuota
 
 # The tiny model of the elastic tests: two layers, float64 (exact comparisons at 1e-9).
 TINY = ModelConfig(vocab_size=32, hidden_size=16, num_heads=2, num_layers=2, ffn_size=32,
@@ -204,10 +208,7 @@ class ElasticLaunchJob(JobFacts):
 
     def check_agents(self) -> None:
         """AssertionError, with its stderr, if an agent has exited."""
-        for node, agent in self.agents.items():
-            if agent.proc.poll() is not None:
-                raise AssertionError(f"agent {node} exited {agent.proc.returncode} early:\n"
-                                     + agent.stderr()[-4000:])
+        assert_agents_running(self.agents)
 
     def finish(self, timeout: float = 60.0, code: int = 0) -> None:
         """Wait for every agent to exit (``timeout`` each); each must exit with ``code``."""
@@ -273,10 +274,7 @@ class ElasticLaunchJob(JobFacts):
     # ------------------------------------------------------------------ the workers' files
     def results(self) -> dict[str, dict]:
         """Every worker's result: device -> what ``elastic_train.py`` saved."""
-        import torch
-
-        return {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
-                for p in sorted(self.out.glob("*.pt"))}
+        return worker_results(self.out)
 
     def sample_log(self) -> list[dict]:
         """Every worker's per-step lines (``log_samples``); a line cut short by a kill is
@@ -467,13 +465,21 @@ def one_node_kill_run(tmp_path: Path, marker: str, etcd_server, model: Path, *, 
         for kv in client.get_prefix(schema.plan_history_prefix(job)):
             record = schema.decode(kv.key, kv.value)
             plans[record.version] = record
-        results = {p.stem.replace("_", ":"): _load(p) for p in sorted(out.glob("*.pt"))}
-        return events, results, pids, plans
+        return events, worker_results(out), pids, plans
     finally:
         if agent.proc.poll() is None:
             agent.proc.kill()
             agent.proc.wait(10)
         client.close()
+
+
+def assert_switched_once_in_memory(events: list) -> None:
+    """The journal (``events``) of a ``one_node_kill_run``: a failure, two replans (the start
+    and the one after the kill), and one switch, into plan 2, from the survivors' memory."""
+    types = [e.type for e in events]
+    assert "failure" in types and types.count("replan") == 2, types
+    done = [schema.event_detail(e) for e in events if e.type == "switch-done"]
+    assert [(d.plan_version, d.source) for d in done] == [(2, "bsr")], done
 
 
 def job_workers(client: EtcdClient, job: str) -> dict:
@@ -482,27 +488,62 @@ def job_workers(client: EtcdClient, job: str) -> dict:
             for rec in [schema.decode(kv.key, kv.value)]}
 
 
+def measuring_pids(client: EtcdClient, job: str, agent, timeout: float) -> dict[int, int]:
+    """Wait (``timeout``; fails at once if ``agent`` exits) until both workers of a
+    ``straggler_agent`` job measure their busy time; their pids, by local rank."""
+    def measuring():
+        workers = job_workers(client, job)
+        return len(workers) == 2 and all(w.busy_s > 0 for w in workers.values()) and workers
+
+    workers = wait_for(measuring, timeout, "both workers measuring their busy time",
+                       proc=agent.proc)
+    return {lr: w.pid for lr, w in workers.items()}
+
+
 def straggler_agent(tmp_path: Path, marker: str, etcd_server, config, job: str, node: str, *,
-                    batch: int, steps: int, adam_eps: float) -> tuple:
+                    batch: int, steps: int, adam_eps: float, flags: Sequence[str] = ()) -> tuple:
     """A one-node agent of two ``elastic_train.py`` workers on ``config`` for the speed-replan
-    tests: replans driven by measured speeds at most every second, AdamW's ``adam_eps``.
-    Returns the agent and the folder its workers write their results to."""
+    tests: replans driven by measured speeds at most every second, AdamW's ``adam_eps``, more
+    launcher ``flags``. Returns the agent and the folder its workers write their results to."""
     model, out = tmp_path / "model.json", tmp_path / "out"
     model.write_text(config.to_json())
     agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
                       "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
                       "--hspmd-node-id", node, "--shutdown-timeout", "5",
-                      *elastic_argv(model, batch, "--hspmd-straggler-dwell", "1",
+                      *elastic_argv(model, batch, "--hspmd-straggler-dwell", "1", *flags,
                                     steps=steps, out=out,
                                     train=("--timeout", "60", "--adam-eps", f"{adam_eps:g}"))],
                      base_env(marker), tmp_path, node)
     return agent, out
 
 
-def _load(path: Path) -> dict:
+@contextlib.contextmanager
+def throttled_job(tmp_path: Path, marker: str, etcd_server, config, job: str, node: str, *,
+                  batch: int, steps: int, adam_eps: float,
+                  flags: Sequence[str] = ()) -> Iterator[tuple]:
+    """``straggler_agent`` with what the speed tests throttle and watch it by: yields the agent,
+    its results folder, an etcd client and the job's ``CpuQuota`` (``launcher.cgroups``). On the
+    way out the quota is closed, the agent killed if it still runs and the client closed."""
+    agent, out = straggler_agent(tmp_path, marker, etcd_server, config, job, node, batch=batch,
+                                 steps=steps, adam_eps=adam_eps, flags=flags)
+    client = EtcdClient(etcd_server.endpoints, timeout=5.0)
+    quota = CpuQuota(job)
+    try:
+        yield agent, out, client, quota
+    finally:
+        quota.close()
+        if agent.proc.poll() is None:
+            agent.proc.kill()
+            agent.proc.wait(10)
+        client.close()
+
+
+def worker_results(out: Path) -> dict[str, dict]:
+    """What each ``elastic_train.py`` worker saved in ``out``, by device (``node:local_rank``)."""
     import torch
 
-    return torch.load(path, weights_only=False)
+    return {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
+            for p in sorted(out.glob("*.pt"))}
 
 
 def write_corpus(prefix: Path, longest: int, count: int = 120, seed: int = 11) -> str:
@@ -518,3 +559,15 @@ def write_corpus(prefix: Path, longest: int, count: int = 120, seed: int = 11) -
                           generator=gen).numpy() for _ in range(count)]
     write_indexed(str(prefix), docs)
     return str(prefix)
+
+
+def documents_job_files(tmp_path: Path, longest: int, *, steps: int, batch: int,
+                        **reference) -> tuple[Path, str, dict]:
+    """The files of a job training ``TINY`` on documents: its model config, a corpus of
+    documents of 2 to ``longest`` tokens (``write_corpus``) and the fault-free reference payload
+    on that corpus (``steps`` steps of ``batch`` rows; ``reference``: more of
+    ``_elastic.reference_payload``'s arguments)."""
+    model, docs = write_tiny(tmp_path / "model.json"), write_corpus(tmp_path / "docs", longest)
+    payload = _elastic.reference_payload(TINY, steps=steps, global_batch=batch, seed=SEED,
+                                         data_seed=DATA_SEED, documents=docs, **reference)
+    return model, docs, payload

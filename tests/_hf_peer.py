@@ -4,7 +4,8 @@ transformers computes RMSNorm and the RoPE angles in float32 whatever the model'
 float64 comparisons run a copy (``float64_peer``) whose RMSNorm computes in float64 with the same
 formula and whose RoPE runs transformers' own frequency functions (``ROPE_INIT_FUNCTIONS``, any
 kind) with their float32 dtype read as float64; everything else is transformers' own. Also the
-small helpers those tests share: logits, the mean token loss, AdamW training of the peer.
+small helpers those tests share: logits, the mean token loss, AdamW training of the peer, a
+checkpoint loaded on one device (``loaded_on_one_device``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import types
 import torch
 import torch.nn.functional as F
 
+from hspmd_elastic.graph.config import param_specs
 from hspmd_elastic.graph.optim import AdamWConfig
+from hspmd_elastic.hf import initial_state_from_hf
+from hspmd_elastic.plan import simple_plan
 
 
 class _Float64Torch:
@@ -97,6 +101,25 @@ def train_peer(model, steps, optim: AdamWConfig):
         mean_ce(model(input_ids=batch[:, :-1]).logits, batch).backward()
         opt.step()
     return model.eval()
+
+
+def loaded_on_one_device(saved, steps, optim: AdamWConfig, tol: float) -> types.SimpleNamespace:
+    """A saved checkpoint (``saved``: its directory ``path``, its ``ModelConfig`` ``config``, its
+    float64 ``peer``) loaded on one device: the one-device ``plan`` (a step's rows its global
+    batch), the loaded ``state`` and its ``params``, the ``SpecializedModel`` (``model``) built
+    from it with ``optim``, and the peer's logits of ``steps[0]`` (``want``). Asserts first that
+    the dense reference's loss of the loaded parameters is the peer's, within ``tol``."""
+    from hspmd_elastic.graph.reference import reference_loss
+    from hspmd_elastic.graph.specialize import SpecializedModel
+
+    want = hf_logits(saved.peer, steps[0])
+    plan = simple_plan(num_layers=saved.config.num_layers, global_batch=len(steps[0]))
+    state = initial_state_from_hf(saved.path, saved.config, plan, 0)
+    params = {n: state[n] for n in param_specs(saved.config)}
+    assert abs(reference_loss(params, steps[0], saved.config).item()
+               - mean_ce(want, steps[0]).item()) <= tol
+    model = SpecializedModel.build(saved.config, plan, 0, state=state, optim=optim)
+    return types.SimpleNamespace(plan=plan, state=state, params=params, model=model, want=want)
 
 
 def max_diff(a, b) -> float:

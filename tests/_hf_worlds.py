@@ -14,6 +14,7 @@ processes, and each test still fails alone:
 * test side, ``run_results``: a run's per-rank results, or the test fails with the tracebacks of
   the ranks where that run raised.
 
+``checkpoints_world`` is ``shared_world`` for the modules whose workers load saved checkpoints.
 ``once_per_session`` is the sharing itself (a file lock, the value saved once): the elastic
 tests' one worker-kill run (``tests/_elastic_job.py``) is shared the same way.
 """
@@ -100,3 +101,13 @@ def shared_world(tmp_path_factory, name: str, fn: Callable, world: int, args: tu
     (``<name>-world*``)."""
     return once_per_session(tmp_path_factory, f"{name}-world",
                             lambda tmp: run_world(fn, world, args, tmp_dir=tmp, **kwargs))
+
+
+def checkpoints_world(tmp_path_factory, name: str, fn: Callable, world: int, saved: dict,
+                      **kwargs) -> list:
+    """``shared_world`` on saved checkpoints: ``saved`` maps a variant to its checkpoint (with
+    its directory ``path`` and its ``ModelConfig`` ``config``), and the workers run
+    ``fn(rank, world, paths, config_jsons)``, both by variant."""
+    return shared_world(tmp_path_factory, name, fn, world,
+                        ({v: s.path for v, s in saved.items()},
+                         {v: s.config.to_json() for v, s in saved.items()}), **kwargs)

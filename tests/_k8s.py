@@ -11,7 +11,8 @@ takes it. The ``check_*`` functions then hold the fields the launcher depends on
 environment variables the CLI knows, etcd endpoints, ports and certificate names, volumes and
 the secrets and config maps behind them, node identity, the Job's failure policy against
 ``--nnodes``, the grace period against ``--shutdown-timeout``, the script's flags against the
-script; each raises an ``AssertionError`` naming what disagrees.
+script; each raises an ``AssertionError`` naming what disagrees. The fixtures ``docs`` and
+``readme`` (the manifests' documents, the README's text) serve every Kubernetes test module.
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ def load_docs() -> list[dict]:
     for name in MANIFESTS:
         docs.extend(d for d in yaml.safe_load_all((K8S / name).read_text()) if d is not None)
     return docs
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[dict]:
+    """The manifests' documents (``load_docs``): a fixture the ``test_k8s_*.py`` modules import."""
+    return load_docs()
+
+
+@pytest.fixture(scope="module")
+def readme() -> str:
+    """examples/kubernetes/README.md's text: a fixture the ``test_k8s_*.py`` modules import."""
+    return README.read_text()
 
 
 def ident(doc: dict) -> str:

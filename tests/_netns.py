@@ -48,7 +48,7 @@ from typing import Iterator, Optional, Sequence
 import psutil
 import pytest
 
-from launch_harness import LAUNCH, REPO
+from launch_harness import LAUNCH, REPO, assert_agents_running
 
 from launcher.inject.topology import PARTITION_MODES, cut_link
 from launcher.standalone import EtcdCluster
@@ -446,10 +446,8 @@ class NetnsJob:
         return self.agents[node]
 
     def check_agents(self) -> None:
-        for node, agent in self.agents.items():
-            if agent.proc.poll() is not None:
-                raise AssertionError(f"agent {node} exited {agent.proc.returncode} early:\n"
-                                     + agent.stderr()[-4000:])
+        """AssertionError, with its stderr, if an agent has exited."""
+        assert_agents_running(self.agents)
 
     def workers(self) -> dict:
         from hspmd_elastic.contract import schema

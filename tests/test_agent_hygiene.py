@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from launch_harness import SCRIPTS, Launcher, base_env, pid_alive
+from launch_harness import SCRIPTS, Launcher, base_env, pid_alive, sleeper_agent
 from _wait import wait_for
 
 from launcher.node import reaper
@@ -30,12 +30,10 @@ def _pids(pids_dir, ranks: int, per_rank: int) -> list[int]:
 
 def test_a_sigkilled_agent_takes_its_workers_children_and_its_etcd_directory_along(tmp_path,
                                                                                      marker):
-    pids_dir, tmp = tmp_path / "pids", tmp_path / "tmp"
-    pids_dir.mkdir()
+    tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = base_env(marker, PID_DIR=str(pids_dir), SPAWN_CHILD="1", TMPDIR=str(tmp))
-    launcher = Launcher(["--standalone", "--nproc-per-node", "2", str(SCRIPTS / "sleeper.py")],
-                        env, tmp_path)
+    launcher, pids_dir = sleeper_agent(tmp_path, marker, 2, "--standalone", SPAWN_CHILD="1",
+                                       TMPDIR=str(tmp))
     pids = _pids(pids_dir, 2, 2)  # each worker and the child it started
     assert list(tmp.glob("hspmd-etcd-agent-*"))  # the embedded etcd's, while it runs
     launcher.proc.send_signal(signal.SIGKILL)
@@ -70,11 +68,8 @@ def test_the_next_agent_sweeps_directories_of_dead_agents_only(tmp_path, marker)
 
 
 def test_a_second_ctrl_c_kills_workers_that_ignore_the_first(tmp_path, marker):
-    pids_dir = tmp_path / "pids"
-    pids_dir.mkdir()
-    env = base_env(marker, PID_DIR=str(pids_dir), IGNORE_TERM="1", IGNORE_INT="1")
-    launcher = Launcher(["--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "300",
-                         str(SCRIPTS / "sleeper.py")], env, tmp_path)
+    launcher, pids_dir = sleeper_agent(tmp_path, marker, 2, "--standalone", "--shutdown-timeout",
+                                       "300", IGNORE_TERM="1", IGNORE_INT="1")
     pids = _pids(pids_dir, 2, 1)
     launcher.proc.send_signal(signal.SIGINT)
     wait_for(lambda: "stopping 2 worker(s)" in launcher.stderr(), 30,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 import _elastic
-from _elastic_job import DATA_SEED, SEED, TINY, one_node_kill_run, write_corpus, write_tiny
+from _elastic_job import (TINY, assert_switched_once_in_memory, documents_job_files,
+                          one_node_kill_run)
 
-from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.graph.bucketed import buckets_from, layout_key
 
@@ -26,28 +26,18 @@ MEMORY = "340KiB"  # per device: a replica fits, beside a short row's activation
 NODE = "bn"
 
 
-def corpus(prefix) -> None:
-    """Documents of 2 to 14 tokens: short ones (up to 4) and long ones, cut to 9."""
-    write_corpus(prefix, 14)
-
-
 def test_a_bucketed_job_loses_a_worker_and_ends_equal_to_the_fault_free_run(tmp_path, marker,
                                                                             etcd_server):
-    model = write_tiny(tmp_path / "model.json")
-    corpus(tmp_path / "docs")
-    payload = _elastic.reference_payload(TINY, steps=STEPS, global_batch=BATCH, seed=SEED,
-                                         data_seed=DATA_SEED, documents=str(tmp_path / "docs"),
-                                         lengths=LENGTHS)
+    # documents of 2 to 14 tokens: short ones (up to 4) and long ones, cut to 9
+    model, docs, payload = documents_job_files(tmp_path, 14, steps=STEPS, batch=BATCH,
+                                               lengths=LENGTHS)
     events, results, pids, plans = one_node_kill_run(
         tmp_path, marker, etcd_server, model, nproc=4, batch=BATCH, steps=STEPS, pause=PAUSE,
         victim=3, node=NODE, prefix="bj",
         flags=("--hspmd-lengths", LENGTHS, "--hspmd-device-memory", MEMORY,
                "--hspmd-straggler-replans", "off"),
-        train=("--documents", str(tmp_path / "docs"), "--lengths", LENGTHS))
-    types = [e.type for e in events]
-    assert "failure" in types and types.count("replan") == 2, types
-    done = [schema.event_detail(e) for e in events if e.type == "switch-done"]
-    assert [(d.plan_version, d.source) for d in done] == [(2, "bsr")], done
+        train=("--documents", docs, "--lengths", LENGTHS))
+    assert_switched_once_in_memory(events)
     for version, devices in ((1, 4), (2, 3)):
         record = plans[version]
         buckets = buckets_from(record.buckets, len(record.devices))

@@ -27,9 +27,10 @@ import numpy as np
 import pytest
 import torch
 
-from _hf_peer import (cut, float64_peer, hf_logits, max_diff, mean_ce, seeded_llama,
-                      train_peer)
-from _hf_worlds import each_run, run_results, shared_world
+from _graph import annotated_module
+from _hf_peer import (cut, float64_peer, hf_logits, loaded_on_one_device, max_diff, mean_ce,
+                      seeded_llama, train_peer)
+from _hf_worlds import checkpoints_world, each_run, run_results
 from hspmd_elastic.graph.config import ModelConfig, ModelConfigError, param_specs, tp_problem
 from hspmd_elastic.graph.gradsync import sync_group_members, sync_ops
 from hspmd_elastic.graph.optim import AdamWConfig
@@ -329,10 +330,8 @@ def gqa_world(rank: int, world: int, paths: dict, config_jsons: dict) -> dict:
 @pytest.fixture(scope="module")
 def world(saved, tmp_path_factory):
     """The runs' results, per rank (the world runs once per session)."""
-    return shared_world(tmp_path_factory, "gqa", gqa_world, 8,
-                        ({kv: s.path for kv, s in saved.items()},
-                         {kv: s.config.to_json() for kv, s in saved.items()}),
-                        timeout_s=WORLD_TIMEOUT_S)
+    return checkpoints_world(tmp_path_factory, "gqa", gqa_world, 8, saved,
+                             timeout_s=WORLD_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -374,10 +373,16 @@ def _check_run(world, saved, expected, kv, key, start):
             assert max_diff(value, cut(full, ranges)) <= TOL, (key, start, rank, name)
 
 
+def each_kv_and_plan(keys):
+    """Parametrizes a test's ``kv, key`` over both key/value head counts and the plans ``keys``
+    (ids such as ``kv2-tp4``)."""
+    runs = [(kv, k) for kv in (2, 1) for k in keys]
+    return pytest.mark.parametrize("kv, key", runs, ids=[f"kv{kv}-{k}" for kv, k in runs])
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(WORLD_TEST_TIMEOUT_S)
-@pytest.mark.parametrize("kv, key", [(kv, k) for kv in (2, 1) for k in PLANS],
-                         ids=[f"kv{kv}-{k}" for kv in (2, 1) for k in PLANS])
+@each_kv_and_plan(PLANS)
 def test_every_layout_equals_transformers_with_gqa(world, saved, expected, kv, key):
     """Loaded from the checkpoint: transformers' logits and loss, then its AdamW training."""
     _check_run(world, saved, expected, kv, key, "hf")
@@ -385,8 +390,7 @@ def test_every_layout_equals_transformers_with_gqa(world, saved, expected, kv, k
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(WORLD_TEST_TIMEOUT_S)
-@pytest.mark.parametrize("kv, key", [(kv, k) for kv in (2, 1) for k in SEEDED],
-                         ids=[f"kv{kv}-{k}" for kv in (2, 1) for k in SEEDED])
+@each_kv_and_plan(SEEDED)
 def test_training_from_the_seed_equals_the_reference_with_gqa(world, saved, expected, kv, key):
     _check_run(world, saved, expected, kv, key, "seed")
 
@@ -413,19 +417,11 @@ def test_export_of_replicated_kv_pieces_equals_transformers(world, saved, expect
 
 
 def test_one_device_equals_transformers_with_gqa(saved):
-    from hspmd_elastic.graph.reference import reference_loss
-    from hspmd_elastic.graph.specialize import SpecializedModel
-
     for kv in (2, 1):
         s = saved[kv]
         steps, optim = batches(2, seed=7), AdamWConfig()
-        want = hf_logits(s.peer, steps[0])
-        plan = simple_plan(num_layers=2, global_batch=ROWS)
-        state = initial_state_from_hf(s.path, s.config, plan, 0)
-        params = {n: state[n] for n in param_specs(s.config)}
-        assert abs(reference_loss(params, steps[0], s.config).item()
-                   - mean_ce(want, steps[0]).item()) <= TOL
-        model = SpecializedModel.build(s.config, plan, 0, state=state, optim=optim)
+        one = loaded_on_one_device(s, steps, optim, TOL)
+        model, want, params = one.model, one.want, one.params
         with torch.no_grad():
             assert max_diff(model.module(steps[0][:, :-1]), want) <= TOL
         losses = [model.step(b) for b in steps]
@@ -455,21 +451,10 @@ def test_one_device_equals_transformers_with_gqa(saved):
 
 @pytest.mark.parametrize("kv", [2, 1])
 def test_modules_allocate_the_shards_their_annotations_name(kv):
-    from hspmd_elastic.graph.layers import TPGroup
-    from hspmd_elastic.graph.model import StageModule
-    from hspmd_elastic.graph.state import local_shapes
-
     config = config_of(kv)
     for plan in PLANS.values():
         for d in plan.devices:
-            where = plan.locate(d)
-            pipe = plan.pipelines[where.pipeline]
-            stage = pipe.stages[where.stage]
-            module = StageModule(config, stage.layers, TPGroup(stage.devices, where.tp_rank, None),
-                                 first=where.stage == 0, last=where.stage == len(pipe.stages) - 1)
-            held = {n: s for n, s in local_shapes(config, plan, d).items()
-                    if n in param_specs(config)}
-            assert {n: tuple(p.shape) for n, p in module.named_parameters()} == held
+            module, stage = annotated_module(config, plan, d)
             assert module.layers[str(stage.layers[0])].attn.kv_heads == max(kv // stage.tp, 1)
 
 

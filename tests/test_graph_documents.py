@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _graph import train_each_plan
 from _world import run_world
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.init import full_params
@@ -79,22 +80,9 @@ def test_a_packed_row_computes_what_its_documents_compute_one_at_a_time():
 
 # ------------------------------------------------------------------------------ every plan
 def train_packed(rank: int, world: int, payload: dict) -> list:
-    from hspmd_elastic.graph.comm import Comm
-    from hspmd_elastic.graph.specialize import SpecializedModel
-
-    config = ModelConfig.from_json(payload["config"])
-    out = []
-    for text in payload["plans"]:
-        plan = Plan.from_json(text)
-        comm = Comm.create(plan, config, rank, timeout_s=30)
-        if rank not in plan.devices:
-            out.append(None)
-            continue
-        model = SpecializedModel.build(config, plan, rank, seed=payload["seed"], comm=comm)
-        losses = [model.step(tokens, segments=seg, real_tokens=real_tokens(seg))
-                  for tokens, seg in batches()]
-        out.append({"params": model.local_params(), "losses": losses})
-    return out
+    return train_each_plan(rank, payload, lambda model: [
+        model.step(tokens, segments=seg, real_tokens=real_tokens(seg))
+        for tokens, seg in batches()])
 
 
 def test_every_plan_trains_packed_documents_as_the_reference_does():

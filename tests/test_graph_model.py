@@ -7,14 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hspmd_elastic.graph.config import ModelConfig, param_specs
+from _graph import annotated_module
+from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.gradsync import sync_group_members, sync_ops
 from hspmd_elastic.graph.init import full_params
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.graph.pipeline import BACKWARD, FORWARD, StageLinks, one_f_one_b
 from hspmd_elastic.graph.reference import reference_loss, reference_train
-from hspmd_elastic.graph.layers import TPGroup
-from hspmd_elastic.graph.model import StageModule
 from hspmd_elastic.graph.specialize import SpecializedModel, StateError
 from hspmd_elastic.graph.state import EXP_AVG, STEP, local_shapes, state_specs
 from hspmd_elastic.plan import Pipeline, Plan, Stage, simple_plan
@@ -131,13 +130,7 @@ def test_random_plans_sync_layouts_and_json(plan):
 def _modules_match_annotations(plan: Plan) -> None:
     """The shards each rank's StageModule allocates are the ones its annotations name."""
     for d in plan.devices:
-        where = plan.locate(d)
-        pipe = plan.pipelines[where.pipeline]
-        stage = pipe.stages[where.stage]
-        module = StageModule(CONFIG, stage.layers, TPGroup(stage.devices, where.tp_rank, None),
-                             first=where.stage == 0, last=where.stage == len(pipe.stages) - 1)
-        held = {n: s for n, s in local_shapes(CONFIG, plan, d).items() if n in param_specs(CONFIG)}
-        assert {n: tuple(p.shape) for n, p in module.named_parameters()} == held
+        annotated_module(CONFIG, plan, d)
 
 
 def test_split_all_reduce_groups_of_tp_4_2_2():

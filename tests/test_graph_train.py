@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from _graph import train_each_plan
 from _world import run_world
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
@@ -42,22 +43,8 @@ def plan_of(pipelines) -> Plan:
 # ---- workers (run inside the spawned processes) ----------------------------------------------
 
 def train_plans(rank: int, world: int, payload: dict) -> list:
-    from hspmd_elastic.graph.comm import Comm
-    from hspmd_elastic.graph.specialize import SpecializedModel
-
-    config = ModelConfig.from_json(payload["config"])
-    batches = make_batches(config, payload["steps"])
-    results = []
-    for text in payload["plans"]:
-        plan = Plan.from_json(text)
-        comm = Comm.create(plan, config, rank, timeout_s=30)
-        if rank not in plan.devices:
-            results.append(None)
-            continue
-        model = SpecializedModel.build(config, plan, rank, seed=payload["seed"], comm=comm)
-        losses = [model.step(b) for b in batches]
-        results.append({"params": model.local_params(), "losses": losses})
-    return results
+    batches = make_batches(ModelConfig.from_json(payload["config"]), payload["steps"])
+    return train_each_plan(rank, payload, lambda model: [model.step(b) for b in batches])
 
 
 def _barrier(timeout_s: float = 30.0) -> None:

@@ -35,9 +35,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from _hf_peer import (cut, float64_peer, hf_logits, max_diff, mean_ce, seeded_llama,
-                      train_peer)
-from _hf_worlds import each_run, run_results, shared_world
+from _hf_peer import (cut, float64_peer, hf_logits, loaded_on_one_device, max_diff, mean_ce,
+                      seeded_llama, train_peer)
+from _hf_worlds import checkpoints_world, each_run, run_results
 from hspmd_elastic.graph.config import ModelConfig, ModelConfigError, param_specs
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.graph.state import state_specs
@@ -217,18 +217,12 @@ def test_bad_hf_rope_and_tie_fields_are_one_line_errors(saved, change, message):
 # ---------------------------------------------------------------------------- one device
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_reference_and_one_device_equal_transformers(saved, variant):
-    from hspmd_elastic.graph.reference import reference_loss
     from hspmd_elastic.graph.specialize import SpecializedModel
 
     s = saved[variant]
     steps, optim = batches(2, seed=3), AdamWConfig()
-    want = hf_logits(s.peer, steps[0])
-    plan = simple_plan(num_layers=2, global_batch=ROWS)
-    state = initial_state_from_hf(s.path, s.config, plan, 0)
-    params = {n: state[n] for n in param_specs(s.config)}
-    assert abs(reference_loss(params, steps[0], s.config).item()
-               - mean_ce(want, steps[0]).item()) <= TOL
-    model = SpecializedModel.build(s.config, plan, 0, state=state, optim=optim)
+    one = loaded_on_one_device(s, steps, optim, TOL)
+    model, want, plan, state = one.model, one.want, one.plan, one.state
     with torch.no_grad():
         got = model.module(steps[0][:, :-1])
     assert max_diff(got, want) <= TOL
@@ -347,10 +341,8 @@ def rope_world(rank: int, world: int, paths: dict, config_jsons: dict) -> dict:
 @pytest.fixture(scope="module")
 def world(saved, tmp_path_factory):
     """The runs' results, per rank (the world runs once per session)."""
-    return shared_world(tmp_path_factory, "hf-rope-tied", rope_world, 4,
-                        ({v: s.path for v, s in saved.items()},
-                         {v: s.config.to_json() for v, s in saved.items()}),
-                        timeout_s=WORLD_TIMEOUT_S)
+    return checkpoints_world(tmp_path_factory, "hf-rope-tied", rope_world, 4, saved,
+                             timeout_s=WORLD_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

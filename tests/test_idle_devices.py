@@ -70,19 +70,18 @@ def test_a_throttled_idle_device_is_measured_by_its_probes_and_named_in_a_speeds
     import uuid
 
     import _elastic
-    from _elastic_job import DATA_SEED, SEED, TINY, job_workers
+    from _elastic_job import DATA_SEED, SEED, TINY, job_workers, throttled_job, worker_results
 
     from hspmd_elastic.contract import schema
     from hspmd_elastic.coord import read_events
-    from launcher.cgroups import CpuQuota, worker_cgroup
+    from launcher.cgroups import worker_cgroup
 
     job, steps, batch = f"ix-{uuid.uuid4().hex[:8]}", 3000, 4  # long enough to measure
     payload = _elastic.reference_payload(TINY, steps=steps, global_batch=batch, seed=SEED,
                                          data_seed=DATA_SEED, adam_eps=1.0)
-    agent, out = idle_agent(tmp_path, marker, etcd_server, job, batch=batch, steps=steps)
-    client = job_client(etcd_server)
-    quota = CpuQuota(job)
-    try:
+    # AdamW's eps 1.0, as the straggler tests; a planner that may leave a device idle
+    with throttled_job(tmp_path, marker, etcd_server, TINY, job, NODE, batch=batch, steps=steps,
+                       adam_eps=1.0, flags=PLANNER_IDLES) as (agent, out, client, quota):
         idle = wait_for(lambda: (r := job_workers(client, job).get(1)) is not None
                         and r.probes >= 1 and r, 60, f"{IDLE}'s worker probing",
                         proc=agent.proc)
@@ -106,39 +105,6 @@ def test_a_throttled_idle_device_is_measured_by_its_probes_and_named_in_a_speeds
         devices = {d.id: d for n in view.nodes for d in n.devices}
         assert devices[IDLE].idle == why.reason
         assert agent.wait(180) == 0, agent.stderr()[-4000:]
-        import torch
-
-        results = {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
-                   for p in sorted(out.glob("*.pt"))}
+        results = worker_results(out)
         assert set(results) == {USED}
         _elastic.assert_recovered_in_memory(results, {USED: used.pid}, payload)
-    finally:
-        quota.close()
-        if agent.proc.poll() is None:
-            agent.proc.kill()
-            agent.proc.wait(10)
-        client.close()
-
-
-def job_client(etcd_server):
-    from hspmd_elastic.coord.client import EtcdClient
-
-    return EtcdClient(etcd_server.endpoints, timeout=5.0)
-
-
-def idle_agent(tmp_path, marker, etcd_server, job: str, *, batch: int, steps: int):
-    """``_elastic_job.straggler_agent`` on ``TINY`` (AdamW eps 1.0), with a planner that may
-    leave a device idle; the agent and its workers' results folder."""
-    from _elastic_job import TINY, elastic_argv
-    from launch_harness import Launcher, base_env
-
-    model, out = tmp_path / "model.json", tmp_path / "out"
-    model.write_text(TINY.to_json())
-    agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
-                      "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
-                      "--hspmd-node-id", NODE, "--shutdown-timeout", "5",
-                      *elastic_argv(model, batch, "--hspmd-straggler-dwell", "1", *PLANNER_IDLES,
-                                    steps=steps, out=out,
-                                    train=("--timeout", "60", "--adam-eps", "1"))],
-                     base_env(marker), tmp_path, NODE)
-    return agent, out

@@ -11,20 +11,11 @@ import copy
 
 import pytest
 
-from _k8s import (README, check_all, check_dashboard, check_documents, check_etcd, check_job,
-                  check_volumes, check_wiring, launches, load_docs, of_kind)
+from _k8s import (check_all, check_dashboard, check_documents, check_etcd, check_job,
+                  check_volumes, check_wiring, launches, of_kind)
+from _k8s import docs, readme  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def docs() -> list[dict]:
-    return load_docs()
-
-
-@pytest.fixture(scope="module")
-def readme() -> str:
-    return README.read_text()
 
 
 def test_every_document_is_a_known_kind_with_its_fields(docs):

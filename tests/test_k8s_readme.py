@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from _k8s import (MANIFESTS, README, SAMPLE_FIELDS, PodFiles, agents, check_env_names,
+from _k8s import (MANIFESTS, SAMPLE_FIELDS, PodFiles, agents, check_env_names,
                   check_script_flags, command_of, containers, expand, image_path, launches,
-                  load_docs, made_secrets, parse, pod_env, readme_commands)
+                  made_secrets, parse, pod_env, readme_commands)
+from _k8s import docs, readme  # noqa: F401  (fixtures)
 
 from launcher import cli
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def docs() -> list[dict]:
-    return load_docs()
-
-
-@pytest.fixture(scope="module")
-def readme() -> str:
-    return README.read_text()
 
 
 def test_readme_commands_are_accepted_by_the_cli(docs, readme, tmp_path):

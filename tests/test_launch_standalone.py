@@ -18,6 +18,7 @@ from launch_harness import (
     pid_alive,
     read_json_files,
     run_launch,
+    sleeper_agent,
 )
 from _wait import wait_for
 
@@ -94,11 +95,8 @@ def test_failure_without_restarts_prints_summary(tmp_path, marker):
 
 
 def test_sigterm_stops_every_worker_within_the_grace(tmp_path, marker):
-    pids_dir = tmp_path / "pids"
-    pids_dir.mkdir()
-    env = base_env(marker, PID_DIR=str(pids_dir), IGNORE_TERM="1", SPAWN_CHILD="1")
-    launcher = Launcher(["--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "2",
-                         str(SCRIPTS / "sleeper.py")], env, tmp_path)
+    launcher, pids_dir = sleeper_agent(tmp_path, marker, 2, "--standalone", "--shutdown-timeout",
+                                       "2", IGNORE_TERM="1", SPAWN_CHILD="1")
     wait_for(lambda: len(list(pids_dir.glob("*.pids"))) == 2, 60, "both workers' pids",
              proc=launcher.proc)
     pids = [int(p) for f in pids_dir.glob("*.pids") for p in f.read_text().split()]
@@ -116,10 +114,7 @@ def test_sigterm_stops_every_worker_within_the_grace(tmp_path, marker):
 
 
 def test_sigint_is_forwarded_and_workers_exit(tmp_path, marker):
-    pids_dir = tmp_path / "pids"
-    pids_dir.mkdir()
-    env = base_env(marker, PID_DIR=str(pids_dir))
-    launcher = Launcher(["--nproc-per-node", "2", str(SCRIPTS / "sleeper.py")], env, tmp_path)
+    launcher, pids_dir = sleeper_agent(tmp_path, marker, 2)
     wait_for(lambda: len(list(pids_dir.glob("*.pids"))) == 2, 60, "both workers' pids",
              proc=launcher.proc)
     pids = [int(f.read_text()) for f in pids_dir.glob("*.pids")]
@@ -151,11 +146,7 @@ def test_tee_redirects_and_log_dir_layout(tmp_path, marker):
 
 
 def test_sigkilled_agent_leaves_no_worker_and_no_etcd(tmp_path, marker):
-    pids_dir = tmp_path / "pids"
-    pids_dir.mkdir()
-    env = base_env(marker, PID_DIR=str(pids_dir))
-    launcher = Launcher(["--standalone", "--nproc-per-node", "2", str(SCRIPTS / "sleeper.py")],
-                        env, tmp_path)
+    launcher, pids_dir = sleeper_agent(tmp_path, marker, 2, "--standalone")
     wait_for(lambda: len(list(pids_dir.glob("*.pids"))) == 2, 60, "both workers' pids",
              proc=launcher.proc)
     launcher.proc.kill()

@@ -20,16 +20,15 @@ import uuid
 import pytest
 
 import _elastic
-from _elastic_job import DATA_SEED, SEED, job_workers, straggler_agent
+from _elastic_job import DATA_SEED, SEED, measuring_pids, throttled_job, worker_results
 from _wait import wait_for
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord import read_events
-from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.coord.plans import read_plan
 from hspmd_elastic.graph.config import ModelConfig
-from launcher.cgroups import CpuQuota, available, worker_cgroup
+from launcher.cgroups import available, worker_cgroup
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -82,18 +81,10 @@ def test_a_speed_replan_keeps_both_replicas_and_the_job_survives_the_next_kill(
     job = f"rr-{uuid.uuid4().hex[:8]}"
     payload = _elastic.reference_payload(MODEL, steps=STEPS, global_batch=BATCH, seed=SEED,
                                          data_seed=DATA_SEED, adam_eps=ADAM_EPS)
-    agent, out = straggler_agent(tmp_path, marker, etcd_server, MODEL, job, NODE, batch=BATCH,
-                                 steps=STEPS, adam_eps=ADAM_EPS)
-    client = EtcdClient(etcd_server.endpoints, timeout=5.0)
-    quota = CpuQuota(job)
     fast_dev, slow_dev = f"{NODE}:0", f"{NODE}:1"
-    try:
-        def workers() -> dict:
-            return job_workers(client, job)
-
-        wait_for(lambda: len(workers()) == 2 and all(w.busy_s > 0 for w in workers().values()),
-                 120, "both workers measuring their busy time", proc=agent.proc)
-        pids = {lr: w.pid for lr, w in workers().items()}
+    with throttled_job(tmp_path, marker, etcd_server, MODEL, job, NODE, batch=BATCH, steps=STEPS,
+                       adam_eps=ADAM_EPS) as (agent, out, client, quota):
+        pids = measuring_pids(client, job, agent, 120)
         first = plan_of(read_plan(client, job)[0])
         assert len(first.pipelines) == 2  # DP2: a full replica on each worker
         quota.place(worker_cgroup(NODE, 0), pids[0], FAST)
@@ -135,14 +126,4 @@ def test_a_speed_replan_keeps_both_replicas_and_the_job_survives_the_next_kill(
         assert agent.wait(120) == 0, agent.stderr()[-4000:]
         failed = [d for _, d in _events(client, job, "switch-failed")]
         assert not failed, failed
-        import torch
-
-        results = {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
-                   for p in sorted(out.glob("*.pt"))}
-        _elastic.assert_recovered_in_memory(results, {slow_dev: pids[1]}, payload)
-    finally:
-        quota.close()
-        if agent.proc.poll() is None:
-            agent.proc.kill()
-            agent.proc.wait(10)
-        client.close()
+        _elastic.assert_recovered_in_memory(worker_results(out), {slow_dev: pids[1]}, payload)

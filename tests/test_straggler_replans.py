@@ -21,15 +21,15 @@ import uuid
 import pytest
 
 import _elastic
-from _elastic_job import DATA_SEED, SEED, job_workers, straggler_agent
+from _elastic_job import (DATA_SEED, SEED, job_workers, measuring_pids, throttled_job,
+                          worker_results)
 from _wait import wait_for
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord import read_events
-from hspmd_elastic.coord.client import EtcdClient
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.graph.config import ModelConfig
-from launcher.cgroups import CpuQuota, worker_cgroup
+from launcher.cgroups import worker_cgroup
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -61,18 +61,10 @@ def test_a_throttled_worker_is_replanned_to_less_work_in_memory_and_gets_it_back
     # last-bit differences grow (as the chaos soak does)
     payload = _elastic.reference_payload(MID, steps=STEPS, global_batch=BATCH, seed=SEED,
                                          data_seed=DATA_SEED, adam_eps=ADAM_EPS)
-    agent, out = straggler_agent(tmp_path, marker, etcd_server, MID, job, NODE, batch=BATCH,
-                                 steps=STEPS, adam_eps=ADAM_EPS)
-    client = EtcdClient(etcd_server.endpoints, timeout=5.0)
-    quota = CpuQuota(job)
     slow_dev = f"{NODE}:1"
-    try:
-        def workers() -> dict:
-            return job_workers(client, job)
-
-        wait_for(lambda: len(workers()) == 2 and all(w.busy_s > 0 for w in workers().values()),
-                 60, "both workers measuring their busy time", proc=agent.proc)
-        pids = {lr: w.pid for lr, w in workers().items()}
+    with throttled_job(tmp_path, marker, etcd_server, MID, job, NODE, batch=BATCH, steps=STEPS,
+                       adam_eps=ADAM_EPS) as (agent, out, client, quota):
+        pids = measuring_pids(client, job, agent, 60)
         first, _ = read_plan_of(client, job)
         assert _rows(first, 0) == _rows(first, 1) == BATCH // 2  # equal devices, equal rows
         for lr, fraction in ((0, FAST), (1, FAST)):
@@ -87,7 +79,8 @@ def test_a_throttled_worker_is_replanned_to_less_work_in_memory_and_gets_it_back
         chosen = [d for d in speeds if d.replan]
         assert chosen and chosen[0].measured[slow_dev] <= 0.75 < chosen[0].measured[f"{NODE}:0"]
         assert chosen[0].gain_s > chosen[0].cost_s, chosen[0]
-        assert {lr: w.pid for lr, w in workers().items()} == pids  # switched in memory
+        now = {lr: w.pid for lr, w in job_workers(client, job).items()}
+        assert now == pids  # switched in memory
 
         quota.set(worker_cgroup(NODE, 1), FAST)  # it recovers
         wait_for(lambda: _replans(client, job, "recover", slow_dev), 90,
@@ -101,18 +94,9 @@ def test_a_throttled_worker_is_replanned_to_less_work_in_memory_and_gets_it_back
               f"step {up.step}); decision: {chosen[0].reason}")
 
         assert agent.wait(180) == 0, agent.stderr()[-4000:]
-        import torch
-
-        results = {p.stem.replace("_", ":"): torch.load(p, weights_only=False)
-                   for p in sorted(out.glob("*.pt"))}
-        _elastic.assert_recovered_in_memory(results, {f"{NODE}:{lr}": pid
-                                                      for lr, pid in pids.items()}, payload)
-    finally:
-        quota.close()
-        if agent.proc.poll() is None:
-            agent.proc.kill()
-            agent.proc.wait(10)
-        client.close()
+        _elastic.assert_recovered_in_memory(worker_results(out), {f"{NODE}:{lr}": pid
+                                                                  for lr, pid in pids.items()},
+                                            payload)
 
 
 def read_plan_of(client, job: str):

@@ -32,10 +32,9 @@ def test_sigkill_survivors_switch_in_process(elastic_job, undo):
     survivors = ["n0:0", "n1:0"]
     job.publish(simple_plan(dp=2, num_layers=2, global_batch=4), survivors, reason="failure")
     job.release()
-    results = job.join(survivors, timeout=60)
+    results = job.join_ok(survivors, timeout=60)
     for d in survivors:
         r = results[d]
-        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
         assert r["pid"] == procs[d].pid  # the same process trained through the switch
         assert r["steps_done"] == 5 and r["plan_version"] == 2
         last = r["switches"][-1]
@@ -59,10 +58,9 @@ def test_failure_noticed_mid_step_then_plan(elastic_job):
     wait_for(lambda: any((job.progress(d) or {}).get("state") == "waiting_plan"
                          for d in survivors), 40, "a survivor to notice the dead peer")
     job.publish(simple_plan(dp=2, num_layers=2, global_batch=6), survivors, reason="failure")
-    results = job.join(survivors, timeout=60)
+    results = job.join_ok(survivors, timeout=60)
     for d in survivors:
         r = results[d]
-        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
         assert r["pid"] == procs[d].pid and r["steps_done"] == 5
         assert r["switches"][-1]["source"] == "bsr"
     assert_matches_reference(results.values(), pl)
@@ -79,10 +77,9 @@ def test_join_receives_state_through_bsr(elastic_job):
     devices = first + ["n2:0"]
     job.publish(hetero_plan(), devices, reason="join")
     job.release()
-    results = job.join(devices, timeout=60)
+    results = job.join_ok(devices, timeout=60)
     for d in devices:
         r = results[d]
-        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
         assert r["steps_done"] == 5 and r["plan_version"] == 2
     joined = results["n2:0"]["switches"]
     assert len(joined) == 1 and joined[0]["source"] == "bsr" and joined[0]["resume_step"] == 2
@@ -113,8 +110,7 @@ def test_lost_stage_falls_back_to_checkpoint(elastic_job, tmp_path):
     job.kill("n1:0")  # the only holder of layer 1 and the head
     job.publish(simple_plan(num_layers=2, global_batch=4), ["n0:0"], reason="failure")
     job.release()
-    r = job.join(["n0:0"], timeout=60)["n0:0"]
-    assert r["ok"], f"{r.get('traceback')}\n{job.log('n0:0')}"
+    r = job.join_ok(["n0:0"], timeout=60)["n0:0"]
     last = r["switches"][-1]
     assert last["source"] == "checkpoint" and last["resume_step"] == 2
     assert r["steps_done"] == 5
@@ -134,9 +130,7 @@ def test_drained_stage_sends_its_state_then_leaves(elastic_job):
     job.publish(simple_plan(num_layers=2, global_batch=4), ["n0:0"], reason="drain n1:0",
                 drain=("n1:0",))
     job.release()
-    results = job.join(["n0:0", "n1:0"], timeout=60)
-    for d, r in results.items():
-        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
+    results = job.join_ok(["n0:0", "n1:0"], timeout=60)
     kept, gone = results["n0:0"], results["n1:0"]
     assert gone["state"] == "excluded" and gone["drained"]["to_version"] == 2
     sent = gone["drained"]["bsr_bytes_sent"]
@@ -170,10 +164,9 @@ def test_double_failure_goes_back_to_the_checkpoint_each_rank_reading_its_own_sh
     job.spawn("n2:0")
     job.publish(pp2_plan(), ["n0:0", "n2:0"], reason="double failure")
     job.release()
-    results = job.join(["n0:0", "n2:0"], timeout=60)
+    results = job.join_ok(["n0:0", "n2:0"], timeout=60)
     shares = {}
     for d, r in results.items():
-        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
         last = r["switches"][-1]
         assert last["source"] == "checkpoint" and last["resume_step"] == 2, last
         shares[d] = last["checkpoint_bytes_read"]
@@ -251,9 +244,8 @@ def _one_step_ahead(elastic_job, undo: str):
     job.kill("n1:0")
     survivors = ["n0:0", "n0:1"]
     job.publish(simple_plan(dp=2, num_layers=2, global_batch=6), survivors, reason="failure")
-    results = job.join(survivors, timeout=60)
+    results = job.join_ok(survivors, timeout=60)
     for d in survivors:
-        assert results[d]["ok"], f"{d}: {results[d].get('traceback')}\n{job.log(d)}"
         assert results[d]["switches"][-1]["resume_step"] == 3
     assert_matches_reference(results.values(), pl)
     return {d: results[d]["switches"][-1] for d in survivors}

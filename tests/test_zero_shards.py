@@ -392,10 +392,9 @@ def test_elastic_switch_from_uneven_to_uneven_moves_the_moments_in_memory(elasti
                    Pipeline(first.pipelines[1].stages, 1, 1)), 4, 2, optimizer_shards="uneven")
     job.publish(second, devices, reason="speeds")
     job.release()
-    results = job.join(devices, timeout=60)
+    results = job.join_ok(devices, timeout=60)
     for d in devices:
         r = results[d]
-        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
         assert r["steps_done"] == 5 and r["plan_version"] == 2
         assert r["switches"][-1]["source"] == "bsr"
     # replicated, a change of rows alone moves nothing; uneven, the owners change
@@ -429,10 +428,9 @@ def test_elastic_loss_of_a_moment_owner_reads_the_checkpoint(elastic_job, tmp_pa
     tp2 = Plan((Pipeline((Stage((0, 1), (0, 2)),), 1, 4),), 4, 2, optimizer_shards="uneven")
     job.publish(tp2, survivors, reason="failure")
     job.release()
-    results = job.join(survivors, timeout=60)
+    results = job.join_ok(survivors, timeout=60)
     for d in survivors:
         r = results[d]
-        assert r["ok"], f"{d}: {r.get('traceback')}\n{job.log(d)}"
         assert r["switches"][-1]["source"] == "checkpoint" and r["steps_done"] == 5
     events = [e for e in read_events(job.client, JOB) if e.type == "fallback"]
     assert events and "no live owner" in events[0].detail["error"]

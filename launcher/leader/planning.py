@@ -140,6 +140,15 @@ class AllDevicesPlanner:
                                options=opts)
 
 
+def _all_devices(planner_fn: Optional[PlannerFn]) -> bool:
+    """Whether ``planner_fn`` is, or wraps (``.planner_fn``), an ``AllDevicesPlanner``."""
+    while planner_fn is not None:
+        if isinstance(planner_fn, AllDevicesPlanner):
+            return True
+        planner_fn = getattr(planner_fn, "planner_fn", None)
+    return False
+
+
 class UniformPlanner:
     """A ``PlannerFn`` that plans uniform SPMD (``--hspmd-planner uniform``): the best of
     ``planner_fn`` over ``planner.uniform_inventory`` of each prefix of the devices by speed
@@ -260,6 +269,8 @@ def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
     compact = {u: k for k, u in enumerate(used)}
     buckets: tuple[dict, ...] = ()
     if lengths and inventory is not None and planner == PLANNER_SEARCH:
+        if _all_devices(planner_fn):  # the buckets' plans too give every device a role
+            opts = replace(opts, use_all_devices=True)
         buckets = _buckets(decision.version, inventory, profile, plan, lengths, opts, compact)
     return PlannedLayout(_relabel(plan, compact), tuple(universe[u] for u in used), planner,
                          buckets)

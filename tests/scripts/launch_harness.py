@@ -78,6 +78,27 @@ class Launcher:
         return self.stderr_path.read_text(errors="replace")
 
 
+def sleeper_agent(tmp_path: Path, marker: str, nproc: int, *flags: str,
+                  **env: str) -> tuple[Launcher, Path]:
+    """A launcher of ``nproc`` ``sleeper.py`` workers (launcher ``flags`` before the script),
+    ``env`` in their environment (``IGNORE_TERM``, ``SPAWN_CHILD`` ...). Each worker writes its
+    pid (and its child's) to a file in the returned folder, ``tmp_path/pids``."""
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    launcher = Launcher(["--nproc-per-node", str(nproc), *flags, str(SCRIPTS / "sleeper.py")],
+                        base_env(marker, PID_DIR=str(pids_dir), **env), tmp_path)
+    return launcher, pids_dir
+
+
+def assert_agents_running(agents: dict) -> None:
+    """AssertionError, with its stderr, if an agent (by name; each with ``proc`` and
+    ``stderr()``) has exited."""
+    for name, agent in agents.items():
+        if agent.proc.poll() is not None:
+            raise AssertionError(f"agent {name} exited {agent.proc.returncode} early:\n"
+                                 + agent.stderr()[-4000:])
+
+
 def run_launch(args: list[str], env: dict[str, str], out_dir: Path, timeout: float,
                name: str = "launch") -> tuple[int, str, str]:
     launcher = Launcher(args, env, out_dir, name)
