@@ -20,8 +20,8 @@ Promises:
   proved are the job's (the inject harness proves workers: ``inject.targets.find_worker``);
 * ``place`` validates first: a fraction of a core outside ``(0, cores]``, not finite, or below
   the kernel's 1 ms quota raises ``ValueError`` (one line naming it) and touches nothing; the
-  period is always ``PERIOD_US``; writing the pid to ``cgroup.procs`` moves its whole thread
-  group, and the processes it forks later stay with it;
+  period is ``PERIOD_US`` unless the ``CpuQuota`` names another; writing the pid to
+  ``cgroup.procs`` moves its whole thread group, and the processes it forks later stay with it;
 * ``close`` moves every process found in the job's cgroups back to the cgroup it came from (a
   forked child goes where its worker came from; the root when that is gone), then removes the
   children and the parent; it is idempotent, a process that already exited is no error, and a
@@ -294,14 +294,15 @@ def _unlink(path: str, remove=os.unlink) -> None:
         pass  # gone already, or (a directory) still holding another owner's records
 
 
-def _set_cap(version: int, child: str, fraction: Optional[float]) -> None:
+def _set_cap(version: int, child: str, fraction: Optional[float],
+             period_us: int = PERIOD_US) -> None:
     if version == 1:
-        _write(os.path.join(child, "cpu.cfs_period_us"), str(PERIOD_US))
+        _write(os.path.join(child, "cpu.cfs_period_us"), str(period_us))
         _write(os.path.join(child, "cpu.cfs_quota_us"),
-               "-1" if fraction is None else str(quota_us(fraction)))
+               "-1" if fraction is None else str(quota_us(fraction, period_us)))
     else:
         _write(os.path.join(child, "cpu.max"),
-               f"{'max' if fraction is None else quota_us(fraction)} {PERIOD_US}")
+               f"{'max' if fraction is None else quota_us(fraction, period_us)} {period_us}")
 
 
 # ------------------------------------------------------------------------------------ the quota
@@ -455,18 +456,25 @@ class JobCgroups:
 class CpuQuota(JobCgroups):
     """The CPU cgroups of one job on this machine (one ``CpuQuota`` per job and machine):
     ``place`` a proven process of the job under a quota, ``set`` or lift it, read ``stat``, and
-    ``close`` (``JobCgroups``)."""
+    ``close`` (``JobCgroups``). ``period_us``: the CFS period (``PERIOD_US`` unless given); a
+    shorter one makes a capped process wait less at a time between its runs, closer to a device
+    that is slow all along than to a fast one that stops (its messages then wait up to
+    ``(1 - fraction) x period`` for it)."""
 
     def __init__(self, job: str, hierarchy: Optional[Hierarchy] = None,
-                 cores: Optional[int] = None, owners: Optional[str] = None):
+                 cores: Optional[int] = None, owners: Optional[str] = None,
+                 period_us: int = PERIOD_US):
         super().__init__(job, hierarchy if hierarchy is not None else detect(),
                          owners or owners_root())
         self.cores = cores if cores is not None else (os.cpu_count() or 1)
+        if not 1000 <= period_us <= 1_000_000:
+            raise ValueError(f"period_us={period_us!r} must be in [1000, 1000000]")
+        self.period_us = period_us
 
     def place(self, name: str, pid: int, fraction: float) -> str:
         """Cap process ``pid`` (one the caller proved is the job's) at ``fraction`` of a core in
         the worker cgroup ``name``; returns its directory. ``ProcessGone`` when it exited."""
-        fraction = check_fraction(fraction, self.cores)
+        fraction = check_fraction(fraction, self.cores, self.period_us)
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
             raise ValueError(f"pid {pid!r} is not a process a job can own")
         child = self.path(name)
@@ -495,7 +503,7 @@ class CpuQuota(JobCgroups):
         """Change the cap of the worker cgroup ``name`` (a fraction of a core), or lift it
         (None)."""
         if fraction is not None:
-            fraction = check_fraction(fraction, self.cores)
+            fraction = check_fraction(fraction, self.cores, self.period_us)
         child = self.path(name)
         with self._state.lock:
             if not os.path.isdir(child):
@@ -528,7 +536,7 @@ class CpuQuota(JobCgroups):
         make_dir(path)
 
     def _limit(self, child: str, fraction: Optional[float]) -> None:
-        _set_cap(self.hierarchy.version, child, fraction)
+        _set_cap(self.hierarchy.version, child, fraction, self.period_us)
 
 
 def home_of(hierarchy: Hierarchy, parent: str, pid: int) -> str:

@@ -102,6 +102,28 @@ def read(path: str, name: str) -> str:
 
 
 # --------------------------------------------------------------------------------- real cgroups
+def test_a_shorter_cfs_period_keeps_the_share_and_bounds_the_fraction_by_it(spawn, hierarchy):
+    """``CpuQuota(period_us=...)``: the quota is the share of that period; the kernel's 1 ms
+    minimum then refuses smaller shares, in one line; a period out of range is refused."""
+    q = CpuQuota(f"test-{uuid.uuid4().hex[:10]}", hierarchy, period_us=20_000)
+    try:
+        sleeper = spawn([sys.executable, "-c", "import time; time.sleep(60)"])
+        path = q.place("node-a-0", sleeper.pid, 0.125)
+        if hierarchy.version == 1:
+            assert (read(path, "cpu.cfs_quota_us"), read(path, "cpu.cfs_period_us")) == \
+                ("2500", "20000")
+        else:
+            assert read(path, "cpu.max") == "2500 20000"
+        assert q.quota("node-a-0") == pytest.approx(0.125, rel=1e-12)
+        with pytest.raises(ValueError, match="per 20000 us period"):
+            q.set("node-a-0", 0.04)
+        with pytest.raises(ValueError, match="period_us=500"):
+            CpuQuota("test-x", hierarchy, period_us=500)
+    finally:
+        q.close()
+    assert not os.path.exists(q.parent)
+
+
 def test_a_busy_loop_capped_at_a_tenth_of_a_core_is_throttled(quota, spawn, hierarchy):
     busy = spawn(BUSY)
     home = home_of(busy.pid, hierarchy)

@@ -60,7 +60,7 @@ class HeteroJob:
         os.makedirs(self.tl_dir)
         self.log_path = os.path.join(tmp, "agent.log")
         self.client = EtcdClient(etcd.endpoint_str, timeout=5.0)
-        self.quota = CpuQuota(name)
+        self.quota = CpuQuota(name, period_us=settings.period_ms * 1000)
         self.fractions: dict[str, float] = {}  # device -> its cgroup's share of a core now
         self.agent: Optional[subprocess.Popen] = None
         self._tl_pos = [0] * nproc  # bytes of each worker's timeline read so far

@@ -67,6 +67,7 @@ class Settings:
     parts: tuple[str, ...] = PARTS  # which parts run: steady (a), straggler (b, c), mixes (d)
     mixes: tuple[tuple[float, ...], ...] = MIXES
     rounds: int = 2  # (d): rounds of every candidate on every mix
+    period_ms: int = 100  # the CFS period of the workers' CPU quotas
 
     @property
     def tokens_per_step(self) -> int:
@@ -101,6 +102,10 @@ def parser(description: str = "") -> argparse.ArgumentParser:
                     "device; default " + "; ".join(mix_name(m) for m in MIXES))
     ap.add_argument("--rounds", type=int_flag("--rounds", 1, 100), default=None,
                     help="(d): rounds of every candidate on every mix (default 2; 1 with --quick)")
+    ap.add_argument("--cfs-period-ms", type=int_flag("--cfs-period-ms", 2, 1000), default=100,
+                    help="CFS period of the workers' CPU quotas (default 100 ms); a shorter one "
+                    "keeps a capped worker from stopping for long: each of its messages waits up "
+                    "to (1 - share) x period for it to run again")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results here")
     ap.add_argument("--write-doc", default=None, metavar="PATH",
                     help=f"replace the '{SECTION[3:]}' section of this markdown file")
@@ -126,7 +131,7 @@ def parse_args(argv: Sequence[str], description: str = "") -> Settings:
                     flip_steps=a.flip_steps or (10 if q else 16), global_batch=a.global_batch,
                     phase_timeout_s=a.phase_timeout, quick=q, json_path=a.json_path,
                     write_doc=a.write_doc, parts=parts, mixes=mixes,
-                    rounds=a.rounds or (1 if q else 2))
+                    rounds=a.rounds or (1 if q else 2), period_ms=a.cfs_period_ms)
 
 
 # ---- throughput from timelines ------------------------------------------------------------
