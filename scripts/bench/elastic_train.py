@@ -11,35 +11,22 @@ import time
 
 T0 = time.time()
 
-import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timeline import Timeline, process_started_at  # noqa: E402
+from bench.timeline import read_config, training_start  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--global-batch", type=int, required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data-seed", type=int, default=0)
-    ap.add_argument("--timeline", required=True)
-    ap.add_argument("--timeout", type=float, default=30.0, help="each runtime wait (s)")
-    args = ap.parse_args()
-    tl = Timeline(args.timeline)
-    tl.mark("spawned", process_started_at())
-    tl.mark("start", T0)
+    args, tl = training_start(__doc__, T0, lambda ap: ap.add_argument(
+        "--timeout", type=float, default=30.0, help="each runtime wait (s)"))
 
-    from hspmd_elastic.graph.config import ModelConfig
     from hspmd_elastic.runtime import RuntimeTimeouts, run, synthetic_sampler
 
     tl.mark("imported")
-    with open(args.config, encoding="utf-8") as f:
-        config = ModelConfig.from_json(f.read())
+    config = read_config(args.config)
     t = args.timeout
     result = run(config, sample=synthetic_sampler(config, args.data_seed),
                  global_batch=args.global_batch, steps=args.steps, seed=args.seed,

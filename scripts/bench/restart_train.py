@@ -19,13 +19,12 @@ import time
 
 T0 = time.time()
 
-import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timeline import Timeline, process_started_at  # noqa: E402
+from bench.timeline import read_config, training_start  # noqa: E402
 
 
 def synthetic_sampler(config, seed: int):
@@ -47,32 +46,20 @@ def global_batch_at(sample, step: int, global_batch: int):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--global-batch", type=int, required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data-seed", type=int, default=0)
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--timeline", required=True)
-    args = ap.parse_args()
-    tl = Timeline(args.timeline)
-    tl.mark("spawned", process_started_at())
-    tl.mark("start", T0)
+    args, tl = training_start(__doc__, T0,
+                              lambda ap: ap.add_argument("--checkpoint", required=True))
 
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hspmd_elastic.files import atomic_path
-    from hspmd_elastic.graph.config import ModelConfig
     from hspmd_elastic.graph.init import full_params
     from hspmd_elastic.graph.optim import AdamWConfig
     from hspmd_elastic.graph.reference import reference_loss
 
     tl.mark("imported")
-    with open(args.config, encoding="utf-8") as f:
-        config = ModelConfig.from_json(f.read())
+    config = read_config(args.config)
 
     class DenseLlama(torch.nn.Module):
         def __init__(self) -> None:

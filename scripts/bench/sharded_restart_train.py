@@ -19,13 +19,12 @@ import time
 
 T0 = time.time()
 
-import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timeline import Timeline, process_started_at  # noqa: E402
+from bench.timeline import read_config, training_start  # noqa: E402
 
 
 def plan_for_world(config, world: int, memory: str, global_batch: int):
@@ -81,31 +80,21 @@ def save_shard(model, prefix: str, rank: int, step: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--global-batch", type=int, required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data-seed", type=int, default=0)
-    ap.add_argument("--device-memory", required=True)
-    ap.add_argument("--checkpoint", required=True, help="prefix: <prefix>.<rank>.s<0|1>.pt")
-    ap.add_argument("--timeline", required=True)
-    args = ap.parse_args()
-    tl = Timeline(args.timeline)
-    tl.mark("spawned", process_started_at())
-    tl.mark("start", T0)
+    def more(ap) -> None:
+        ap.add_argument("--device-memory", required=True)
+        ap.add_argument("--checkpoint", required=True, help="prefix: <prefix>.<rank>.s<0|1>.pt")
+
+    args, tl = training_start(__doc__, T0, more)
 
     import torch
     import torch.distributed as dist
 
-    from hspmd_elastic.graph.config import ModelConfig
     from hspmd_elastic.graph.specialize import SpecializedModel
     from hspmd_elastic.runtime import global_batch_at, synthetic_sampler
 
     tl.mark("imported")
     torch.set_num_threads(1)
-    with open(args.config, encoding="utf-8") as f:
-        config = ModelConfig.from_json(f.read())
+    config = read_config(args.config)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tl.mark("pg", rank=rank, world=world)

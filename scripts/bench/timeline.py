@@ -7,9 +7,11 @@ event), ``t`` (wall clock, ``time.time()``), ``pid`` and, in restart mode, ``res
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
+from typing import Callable, Optional
 
 
 class Timeline:
@@ -34,6 +36,37 @@ def process_started_at() -> float | None:
         return psutil.Process(os.getpid()).create_time()
     except Exception:  # noqa: BLE001 - optional detail
         return None
+
+
+def training_start(doc: str, t0: float,
+                   more: Optional[Callable[[argparse.ArgumentParser], None]] = None
+                   ) -> tuple[argparse.Namespace, Timeline]:
+    """The command line every training script of ``bench_recovery`` shares (``--config``,
+    ``--steps``, ``--global-batch``, ``--seed``, ``--data-seed``, ``--timeline``; ``more`` adds
+    a script's own), parsed, and its timeline with ``spawned`` and ``start`` (``t0``: when the
+    script began) marked."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--global-batch", type=int, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-seed", type=int, default=0)
+    ap.add_argument("--timeline", required=True)
+    if more is not None:
+        more(ap)
+    args = ap.parse_args()
+    tl = Timeline(args.timeline)
+    tl.mark("spawned", process_started_at())
+    tl.mark("start", t0)
+    return args, tl
+
+
+def read_config(path: str):
+    """The ``ModelConfig`` in ``path`` (imports the library: mark ``imported`` before)."""
+    from hspmd_elastic.graph.config import ModelConfig
+
+    with open(path, encoding="utf-8") as f:
+        return ModelConfig.from_json(f.read())
 
 
 def read(path: str) -> list[dict]:
