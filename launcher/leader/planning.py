@@ -118,10 +118,8 @@ class RedundantPlanner:
         return result
 
 
-class AllDevicesPlanner:
-    """A ``PlannerFn`` that calls ``planner_fn`` with ``use_all_devices`` set on whatever options
-    it is given (``--hspmd-all-devices on``): every usable device gets a role, even one the
-    planner would leave idle. ``shortfall`` is ``planner_fn``'s (none: "")."""
+class _Wrapper:
+    """A ``PlannerFn`` around ``planner_fn``, whose ``shortfall`` it passes on (none: "")."""
 
     def __init__(self, planner_fn: PlannerFn):
         self.planner_fn = planner_fn
@@ -129,6 +127,12 @@ class AllDevicesPlanner:
     @property
     def shortfall(self) -> str:
         return getattr(self.planner_fn, "shortfall", "")
+
+
+class AllDevicesPlanner(_Wrapper):
+    """A ``PlannerFn`` that calls ``planner_fn`` with ``use_all_devices`` set on whatever options
+    it is given (``--hspmd-all-devices on``): every usable device gets a role, even one the
+    planner would leave idle. ``shortfall`` is ``planner_fn``'s (none: "")."""
 
     def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
                  current_plan: Optional[Plan] = None,
@@ -149,7 +153,7 @@ def _all_devices(planner_fn: Optional[PlannerFn]) -> bool:
     return False
 
 
-class UniformPlanner:
+class UniformPlanner(_Wrapper):
     """A ``PlannerFn`` that plans uniform SPMD (``--hspmd-planner uniform``): the best of
     ``planner_fn`` over ``planner.uniform_inventory`` of each prefix of the devices by speed
     (fastest first, every device of it taken for its weakest, the others idle:
@@ -158,13 +162,6 @@ class UniformPlanner:
     pace it. The conservative mode, and the baseline heterogeneous plans are measured against.
     A ``planner_fn`` with a ``shortfall`` (``RedundantPlanner``) keeps the whole inventory's
     after a failure, and "" once some prefix has a plan."""
-
-    def __init__(self, planner_fn: PlannerFn):
-        self.planner_fn = planner_fn
-
-    @property
-    def shortfall(self) -> str:
-        return getattr(self.planner_fn, "shortfall", "")
 
     def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
                  current_plan: Optional[Plan] = None,
