@@ -145,6 +145,9 @@ class ElasticSettings:
     # --hspmd-optimizer-shards: every published plan's Plan.optimizer_shards, and the planner's
     # cost model's (PlannerOptions.optimizer_shards)
     optimizer_shards: str = "replicated"
+    # --hspmd-device-types: device types (planner.DeviceSpec) measured on the job's machines,
+    # registered in the agent before its leader plans (planner.register_device_type)
+    device_types: tuple = ()
 
     def __post_init__(self) -> None:
         seq_len = getattr(self.model_profile, "seq_len", None)

@@ -10,8 +10,10 @@ workers; ``--hspmd-enforce-memory`` makes that memory a real limit of each worke
 "every parameter slice on N nodes" a hard constraint of the planner; ``--hspmd-all-devices on``
 gives every usable worker a role (the planner otherwise leaves idle a worker that costs the step
 more than it adds); ``--hspmd-optimizer-shards uneven`` publishes every plan with uneven
-(ZeRO-1 style) optimizer shards (``Plan.optimizer_shards``) and plans for them. Bad values
-raise ``ConfigError`` with one line naming them.
+(ZeRO-1 style) optimizer shards (``Plan.optimizer_shards``) and plans for them;
+``--hspmd-device-types FILE`` gives the planner device-type constants measured on the job's
+machines (``planner.device_types_from_dict``). Bad values raise ``ConfigError`` with one line
+naming them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from launcher.api import ConfigError
 
 CAPACITY_FLAGS = ("hspmd_device_memory", "hspmd_device_speed", "hspmd_redundancy",
                   "hspmd_planner", "hspmd_straggler_replans",
-                  "hspmd_straggler_dwell", "hspmd_lengths", "hspmd_enforce_memory")  # CLI params
+                  "hspmd_straggler_dwell", "hspmd_lengths", "hspmd_enforce_memory",
+                  "hspmd_device_types")  # CLI params
 PLANNERS = ("hetero", "uniform")  # --hspmd-planner
 SWITCHES = {"on": True, "off": False}  # --hspmd-straggler-replans
 OPTIMIZER_SHARDS = ("replicated", "uneven")  # --hspmd-optimizer-shards (Plan.optimizer_shards)
@@ -54,6 +57,27 @@ def parse_device_speed(value: Optional[str]) -> float:
         raise ConfigError(f"invalid --hspmd-device-speed value {value!r}: must be a number > 0 "
                           "(relative to the device type's nominal speed, e.g. 0.5)")
     return speed
+
+
+def parse_device_types(path: Optional[str]) -> tuple:
+    """``--hspmd-device-types FILE``: a JSON object ``{NAME: {field: value}}``
+    (``planner.device_types_from_dict``: a known type keeps the fields not given), as a tuple of
+    ``DeviceSpec`` (empty when not given)."""
+    if path is None:
+        return ()
+    import json
+
+    from hspmd_elastic.planner import PlannerError, device_types_from_dict
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return tuple(device_types_from_dict(data).values())
+    except OSError as exc:
+        raise ConfigError(f"invalid --hspmd-device-types value {path!r}: {exc.strerror}") \
+            from None
+    except ValueError as exc:  # json.JSONDecodeError and PlannerError
+        raise ConfigError(f"invalid --hspmd-device-types value {path!r}: {exc}") from None
 
 
 def parse_redundancy(value: Optional[str], max_nodes: int) -> int:
@@ -146,5 +170,6 @@ def capacity_settings(params: dict, max_nodes: int) -> dict:
             "optimizer_shards": optimizer_shards(params, lengths),
             "all_devices": all_devices(params),
             "enforce_memory": enforce_memory(params),
+            "device_types": parse_device_types(params.get("hspmd_device_types")),
             **({} if params.get("hspmd_straggler_dwell") is None else
                {"straggler_dwell_s": params["hspmd_straggler_dwell"]})}

@@ -39,6 +39,10 @@ def planning_options(opt: Callable) -> Callable:
             "uneven (ZeRO-1 style: each row's moments and update on one holder, each pipeline's "
             "share by its rows, so a slow device updates less; the planner plans for it). Not "
             "with --hspmd-lengths."),
+        opt("--hspmd-device-types", default=None, help="Elastic mode: a JSON file of device-type "
+            "constants measured on these machines, {NAME: {field: value}} (peak_tflops, mfu, "
+            "microbatch_overhead_s, link_latency_s, update_s_per_param, intra_node_gbps, ...); "
+            "a known type (CPU, H100) keeps the fields not given. The planner plans with them."),
         opt("--hspmd-straggler-replans", default=None, help="Elastic mode: on (the default) or "
             "off: replan when measured device speeds say a new plan gains more than the switch "
             "costs."),

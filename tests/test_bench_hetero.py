@@ -131,10 +131,15 @@ def test_measurements_the_model_made_with_other_constants_are_fitted_back():
         records.append((name, "-", plan, inv, truth(plan, inv)))
     rows, fit = bench.predictions(records, profile)
     assert "error" not in fit and fit["plans"] == 4, fit
+    errors = []
     for row in rows:
         d = row.as_dict()
         assert abs(d["calibrated_error"]) < 0.01, d
-        assert abs(d["error"]) > 0.2, d  # the built-in constants are not this machine's
+        assert abs(d["error"]) > 0.05, d  # the built-in constants are not this machine's
+        errors.append(abs(d["error"]))
+    # far off where compute and fixed costs pace the step; least on the plan a worker at 0.125
+    # of a core paces through its all-reduce, whose bytes both constants move at one rate
+    assert sum(e > 0.2 for e in errors) >= 3, errors
 
 
 def test_an_undetermined_fit_is_reported_not_raised():

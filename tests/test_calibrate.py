@@ -417,9 +417,13 @@ def test_a_slow_device_with_few_rows_and_a_large_cost_per_step_is_fitted_from_th
                                               num_layers=2, ffn_size=1024, seq_len=32,
                                               dtype="float32"))
 
+    # collectives at the link's speed, not on the host's CPU share (``host_links``): the
+    # fixed costs the fit must find are the per-step ones
+    cpu = replace(spec_for_device("CPU", None), host_links=False)
+
     def inv(speeds, truth: bool):
         def spec(s):
-            base = spec_for_device("CPU", None, speed=s)
+            base = spec_for_device("CPU", None, types={"CPU": cpu}, speed=s)
             return replace(base, mfu=base.mfu * 0.8, microbatch_overhead_s=0.04 / s,
                            link_latency_s=0.0) if truth else base
         return Inventory(tuple(Device(i, "n", spec(s), Health.HEALTHY)

@@ -120,7 +120,8 @@ def test_profile_from_config_counts_the_real_parameters():
 def test_degraded_cpu_worker_gets_proportionally_fewer_rows():
     inv = cpu_inventory({"node0": [0, 1, 2, 3]}).with_health(slowdown={2: 2.0})
     result = plan_for(inv, profile_from_config(SMALL), 28,
-                      options=PlannerOptions(tp_degrees=(1,), pp_degrees=(1,)))
+                      options=PlannerOptions(tp_degrees=(1,), pp_degrees=(1,),
+                                             use_all_devices=True))
     rows = {p.stages[0].devices[0]: p.rows for p in result.plan.pipelines}
     assert set(rows) == {0, 1, 2, 3}
     assert rows[2] < min(rows[d] for d in (0, 1, 3))

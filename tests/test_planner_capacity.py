@@ -85,6 +85,39 @@ def test_capacity_flags_reach_the_elastic_settings(tmp_path):
     assert (plain.device_memory_bytes, plain.device_speed, plain.redundancy) == (0, 1.0, 0)
     buckets = _build(["--hspmd-lengths", f"4:0.75,{CONFIG.seq_len}:0.25"], tmp_path).elastic
     assert buckets.lengths == ((4, 0.75), (CONFIG.seq_len, 0.25)) and plain.lengths == ()
+    types = tmp_path / "types.json"
+    types.write_text('{"CPU": {"peak_tflops": 0.075, "microbatch_overhead_s": 0.08}}')
+    measured = _build(["--hspmd-device-types", str(types)], tmp_path).elastic
+    (cpu,) = measured.device_types
+    builtin = BUILTIN_SPECS["CPU"]
+    assert (cpu.name, cpu.peak_tflops, cpu.microbatch_overhead_s) == ("CPU", 0.075, 0.08)
+    # a known type keeps the fields the file does not give, host-bound links included
+    assert replace(cpu, peak_tflops=builtin.peak_tflops,
+                   microbatch_overhead_s=builtin.microbatch_overhead_s) == builtin
+    assert plain.device_types == ()
+
+
+def test_measured_device_types_change_what_the_leader_plans(tmp_path):
+    """The constants a job measured (``--hspmd-device-types``) are the ones its planner uses:
+    with this machine's fixed cost per step at 80 ms a core, two workers at 0.125 of a core
+    cost the step more than their rows return and are left idle; with the built-in 4 ms they
+    get rows."""
+    from hspmd_elastic.planner import device_types_from_dict
+
+    from hspmd_elastic.graph.config import ModelConfig
+
+    profile = profile_from_config(ModelConfig(vocab_size=64, hidden_size=256, num_heads=4,
+                                              num_layers=2, ffn_size=1024, seq_len=32))
+
+    def plan(types):
+        inv = Inventory(tuple(Device(i, "n", spec_for_device("CPU", None, types=types, speed=s))
+                              for i, s in enumerate((0.5, 0.5, 0.125, 0.125))))
+        return plan_for(inv, profile, 64).plan
+
+    measured = device_types_from_dict({"CPU": {"peak_tflops": 0.075,
+                                               "microbatch_overhead_s": 0.08}})
+    assert set(plan(measured).devices) == {0, 1}
+    assert set(plan(None).devices) == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -98,6 +131,8 @@ def test_capacity_flags_reach_the_elastic_settings(tmp_path):
     (["--hspmd-lengths", "64:0.9,16:0.1"], "invalid --hspmd-lengths value '64:0.9,16:0.1'"),
     (["--hspmd-lengths", "8:0.5,16:0.4"], "invalid --hspmd-lengths value '8:0.5,16:0.4': "
                                           "the shares sum to 0.9, not 1"),
+    (["--hspmd-device-types", "/nonexistent/types.json"],
+     "invalid --hspmd-device-types value '/nonexistent/types.json': No such file or directory"),
     (["--hspmd-lengths", f"4:0.5,{CONFIG.seq_len * 2}:0.5"],
      f"the longest bucket ({CONFIG.seq_len * 2} tokens) must be the model's sequence length "
      f"{CONFIG.seq_len}"),

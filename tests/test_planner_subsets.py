@@ -30,10 +30,12 @@ MIX = (0.5, 0.5, 0.125, 0.125)  # of a core: the measured case of two fast, two 
 EVERY = PlannerOptions(use_all_devices=True)
 
 
-def _inventory(speeds, update: float = 1e-7) -> Inventory:
+def _inventory(speeds, update: float = 1e-7, host_links: bool = True) -> Inventory:
     """CPU workers at ``speeds`` of a core, one per node; ``update``: seconds per parameter
-    element per step at full speed (the optimizer update of the whole replica)."""
-    cpu = replace(BUILTIN_SPECS["CPU"], update_s_per_param=update)
+    element per step at full speed (the optimizer update of the whole replica);
+    ``host_links``: collectives on the worker's own CPU share (gloo), else at the link's
+    speed whatever the device's (a GPU's NCCL)."""
+    cpu = replace(BUILTIN_SPECS["CPU"], update_s_per_param=update, host_links=host_links)
     return Inventory(tuple(
         Device(i, f"n{i}", spec_for_device("CPU", 256 << 20, types={"CPU": cpu}, speed=s))
         for i, s in enumerate(speeds)))
@@ -80,14 +82,15 @@ def test_the_idle_reason_has_consistent_numbers():
     for dev in est.idle:
         assert dev.speed == pytest.approx(0.25)  # 0.125 of a core against 0.5
         assert dev.step_time_without_s == est.step_time_s
-        # the best plan giving it work is the best plan giving every device work here
-        assert dev.step_time_with_s == pytest.approx(every.estimate.step_time_s, rel=1e-12)
+        # the best plan giving it work is no slower than the best giving every device work
+        assert dev.step_time_with_s <= every.estimate.step_time_s * (1 + 1e-12)
         assert dev.step_time_with_s > dev.step_time_without_s
         assert dev.reason == (f"device {dev.id} idle: at 0.25x the fastest device's speed the "
                               f"best plan using it takes {dev.step_time_with_s:.4g} s/step vs "
                               f"{dev.step_time_without_s:.4g} s without")
     text = result.explain()
-    assert "devices 2-3 idle: at 0.25x the fastest device's speed the best plan using it" in text
+    for dev in est.idle:
+        assert dev.reason in text
     doc = result.to_dict()["chosen"]["estimate"]["idle"]
     assert [d["id"] for d in doc] == [2, 3] and doc[0]["reason"] == est.idle[0].reason
 
@@ -237,9 +240,10 @@ def test_the_leader_leaves_a_cpu_worker_idle_and_logs_why(caplog):
 
 
 def test_with_uneven_optimizer_shards_the_slow_devices_pay_for_their_rows_and_stay():
-    """The same mix: a slow device left out for its whole-replica update is worth its rows once
-    it updates only its rows' share (``--hspmd-optimizer-shards uneven``, ``zero_cost``)."""
-    inv = _inventory(MIX)
+    """The same mix, collectives at the link's speed: a slow device left out for its
+    whole-replica update is worth its rows once it updates only its rows' share
+    (``--hspmd-optimizer-shards uneven``, ``zero_cost``)."""
+    inv = _inventory(MIX, host_links=False)
     replicated = plan_for(inv, PROFILE, BATCH)
     uneven = plan_for(inv, PROFILE, BATCH,
                       options=PlannerOptions(optimizer_shards="uneven"))
@@ -248,3 +252,19 @@ def test_with_uneven_optimizer_shards_the_slow_devices_pay_for_their_rows_and_st
     rows = {p.stages[0].devices[0]: p.rows for p in uneven.plan.pipelines}
     assert min(rows[0], rows[1]) > max(rows[2], rows[3]) >= 1
     assert uneven.estimate.step_time_s < replicated.estimate.step_time_s
+
+
+def test_on_host_bound_links_the_slow_devices_stay_idle_even_with_uneven_shards():
+    """The same mix on CPU workers (``DeviceSpec.host_links``): their gradient collectives run
+    on their own CPU share, so a worker at 0.125 of a core slows every all-reduce it joins by
+    its speed, whatever its rows; the uneven shards do not pay for that, and the plan keeps
+    the two fast workers (what ``scripts/bench_hetero`` (d) measured)."""
+    inv = _inventory(MIX)
+    uneven = plan_for(inv, PROFILE, BATCH, options=PlannerOptions(optimizer_shards="uneven"))
+    assert set(uneven.plan.devices) == {0, 1}, uneven.plan
+    off_host = plan_for(_inventory(MIX, host_links=False), PROFILE, BATCH,
+                        options=PlannerOptions(optimizer_shards="uneven"))
+    assert set(off_host.plan.devices) == {0, 1, 2, 3}, off_host.plan
+    every = plan_for(inv, PROFILE, BATCH,
+                     options=PlannerOptions(optimizer_shards="uneven", use_all_devices=True))
+    assert uneven.estimate.step_time_s < every.estimate.step_time_s

@@ -43,7 +43,8 @@ def test_uniform_inventory_makes_every_live_device_the_weakest():
 def test_the_uniform_plan_splits_evenly_where_the_hetero_plan_follows_speed():
     profile = profile_from_config(TINY)
     inv = _inventory([1.0, 1.0, 0.25, 0.25])
-    every = PlannerOptions(use_all_devices=True)  # what the leader asks for on CPU workers
+    # every device, data parallel only (``--hspmd-all-devices on``): the rows are what differs
+    every = PlannerOptions(use_all_devices=True, tp_degrees=(1,), pp_degrees=(1,))
     hetero = plan_for(inv, profile, BATCH, options=every).plan
     uniform = UniformPlanner(plan_for)(inv, profile, BATCH, options=every).plan
     assert len(set(_rows(uniform))) == 1 and sum(_rows(uniform)) == BATCH, _rows(uniform)
@@ -98,3 +99,20 @@ def test_planner_flags_reach_the_settings(tmp_path):
         *base, "--hspmd-planner", "uniform", "--hspmd-straggler-replans", "off",
         str(script)]).params)
     assert (cfg.elastic.planner, cfg.elastic.straggler_replans) == ("uniform", False)
+
+
+def test_the_uniform_plan_keeps_one_tp_and_pp_degree_where_the_search_would_mix_them():
+    """Three equal devices: the search over them may lay out TP 2 beside TP 1 (what it did
+    for the bench's model), which uniform SPMD cannot run; the uniform planner plans each
+    degree pair alone and keeps one (``subsets.degrees``)."""
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.planner.subsets import degrees
+
+    profile = profile_from_config(ModelConfig(vocab_size=64, hidden_size=256, num_heads=4,
+                                              num_layers=2, ffn_size=1024, seq_len=32))
+    inv = Inventory(tuple(Device(i, "n", spec_for_device("CPU", None)) for i in range(3)))
+    every = PlannerOptions(use_all_devices=True, optimizer_shards="uneven")
+    mixed = plan_for(inv, profile, 64, options=every).plan
+    assert len(degrees(mixed)) > 1, mixed  # the search alone mixes them here
+    uniform = UniformPlanner(plan_for)(inv, profile, 64, options=every).plan
+    assert degrees(uniform) == {(1, 1)} and sorted(_rows(uniform)) == [21, 21, 22], uniform

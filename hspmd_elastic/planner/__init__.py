@@ -13,8 +13,8 @@ from hspmd_elastic.planner.api import (Candidate, Device, DeviceSpec, Estimate, 
 from hspmd_elastic.planner.buckets import (BucketPlan, BucketPlans, LengthBucket, SinglePlan,
                                            bucket_rows, parse_lengths, plan_buckets)
 from hspmd_elastic.planner.cost import estimate_plan, switch_bytes
-from hspmd_elastic.planner.devices import (BUILTIN_SPECS, cpu_inventory, inventory_from_dict,
-                                           inventory_from_nodes, lookup_spec,
+from hspmd_elastic.planner.devices import (BUILTIN_SPECS, cpu_inventory, device_types_from_dict,
+                                           inventory_from_dict, inventory_from_nodes, lookup_spec,
                                            register_device_type, spec_for_device,
                                            uniform_inventory)
 from hspmd_elastic.planner.explain import layout_line
@@ -26,7 +26,7 @@ __all__ = [
     "BUILTIN_SPECS", "BucketPlan", "BucketPlans", "Candidate", "Device", "DeviceSpec", "Estimate",
     "Health", "Inventory", "LengthBucket", "ModelProfile", "PRESETS", "PlanInfeasibleError",
     "PlanResult", "PlannerError", "PlannerOptions", "RedundancyError", "SinglePlan", "bucket_rows",
-    "cpu_inventory", "estimate_plan", "fallback_dp_plan", "fmt_bytes", "inventory_from_dict",
+    "cpu_inventory", "device_types_from_dict", "estimate_plan", "fallback_dp_plan", "fmt_bytes", "inventory_from_dict",
     "inventory_from_nodes", "layout_line", "lookup_spec", "parse_bytes", "parse_lengths",
     "plan_buckets", "plan_for", "preset", "profile_from_config", "profile_from_dict",
     "register_device_type", "spec_for_device", "switch_bytes", "uniform_inventory",

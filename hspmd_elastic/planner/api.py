@@ -105,6 +105,10 @@ class DeviceSpec:
     link_latency_s: float = 1e-5  # start-up cost of one collective or send/receive
     # per local parameter element per step, whatever the rows (optimizer update, gradient copies)
     update_s_per_param: float = 0.0
+    # True: the device's collectives and sends run on its own host CPU (gloo on a CPU worker):
+    # a slower device moves bytes and starts collectives slower by the same factor
+    # (``Device.link_gbps``), so a group's collective runs at its slowest member's speed
+    host_links: bool = False
 
     def __post_init__(self) -> None:
         for name in ("peak_tflops", "memory_bytes", "intra_node_gbps", "inter_node_gbps", "mfu"):
@@ -147,6 +151,19 @@ class Device:
     def flops(self) -> float:
         """Effective FLOP/s this device sustains now (peak x mfu / slowdown)."""
         return self.spec.peak_tflops * 1e12 * self.spec.mfu / self.slowdown
+
+    def link_gbps(self, across_nodes: bool) -> float:
+        """GB/s this device moves to a peer (``inter_node_gbps`` across nodes); on host-bound
+        links (``DeviceSpec.host_links``) divided by the slowdown."""
+        gbps = self.spec.inter_node_gbps if across_nodes else self.spec.intra_node_gbps
+        return gbps / self.slowdown if self.spec.host_links else gbps
+
+    @property
+    def link_latency_s(self) -> float:
+        """Start-up cost of one collective step on this device; on host-bound links times the
+        slowdown."""
+        latency = self.spec.link_latency_s
+        return latency * self.slowdown if self.spec.host_links else latency
 
 
 @dataclass(frozen=True)

@@ -82,8 +82,7 @@ def switch_seconds(inventory: Inventory, profile: ModelProfile, plan: Plan) -> f
     """Parameters out and gradients back over the slowest link of ``plan``'s devices."""
     devs = [inventory.devices_by_id[d] for d in plan.devices]
     nodes = {d.node for d in devs}
-    gbps = min((d.spec.inter_node_gbps if len(nodes) > 1 else d.spec.intra_node_gbps)
-               for d in devs)
+    gbps = min(d.link_gbps(len(nodes) > 1) for d in devs)
     return 2.0 * profile.total_params * profile.param_bytes / (gbps * GB)
 
 

@@ -12,8 +12,9 @@ one constant of one device type ``k``, plus a part the constants do not scale::
 ``M_k``: micro-batches; ``C_k``: collective and send/receive start-ups; ``P_k``: parameter
 elements updated (a device's local share; in a step, the slowest update of the pipeline's
 stages); ``K``: bytes over bandwidth. A device of declared speed ``s`` (spec ``<type>@<s>``,
-``spec_for_device``) and slowdown ``d`` counts ``F d / s``, ``M d / s`` and ``P d / s``, so one
-constant serves every declared speed and health of a type. Step times follow
+``spec_for_device``) and slowdown ``d`` counts ``F d / s``, ``M d / s`` and ``P d / s`` (and on
+host-bound links, ``DeviceSpec.host_links``, ``C d / s``, with its bytes over ``s / d`` of the
+bandwidth), so one constant serves every declared speed and health of a type. Step times follow
 ``estimate_plan``: the slowest pipeline (1F1B: every stage once plus the slowest stage ``m - 1``
 more times, plus the slowest stage's update) plus the slowest gradient sync, the slowest stage
 and members chosen as the constants in use say; given those, ``t`` is linear in ``1/R_k``,
@@ -225,7 +226,9 @@ class _Lin:
         """``amount`` of ``param`` on ``spec``'s type; ``constant``: ``spec``'s own value of it
         (for ``rate``: its FLOP/s, divided by; else multiplied by)."""
         name, declared = type_of(spec)
-        scaled = amount / declared if param in ("rate", "overhead", "update") else amount
+        per_speed = param in ("rate", "overhead", "update") or (param == "latency"
+                                                                  and spec.host_links)
+        scaled = amount / declared if per_speed else amount
         key = (param, name)
         self.coef[key] = self.coef.get(key, 0.0) + scaled
         self.value += amount / constant if param == "rate" else amount * constant
@@ -249,6 +252,17 @@ class _Lin:
             self.fixed, self.value)
 
 
+def _as(d: Device, spec: DeviceSpec) -> Device:
+    """``d`` with ``spec`` (its links, ``Device.link_gbps``, under the constants in use)."""
+    return d if d.spec is spec else replace(d, spec=spec)
+
+
+def _latency_times(d: Device, spec: DeviceSpec) -> float:
+    """How many of its type's latencies one start-up costs ``d`` (host-bound links: its
+    slowdown)."""
+    return d.slowdown if spec.host_links else 1.0
+
+
 def _stage_lin(profile: ModelProfile, group: Sequence[Device], nxt: Optional[Sequence[Device]],
                layers: int, last: bool, b: int, spec_of: Optional[SpecOf]) -> _Lin:
     """One micro-batch on one stage, as ``cost.stage_time`` computes it (``group_shape``)."""
@@ -262,18 +276,19 @@ def _stage_lin(profile: ModelProfile, group: Sequence[Device], nxt: Optional[Seq
     costs = [s.microbatch_overhead_s * d.slowdown for d, s in zip(group, specs)]
     worst = max(range(tp), key=costs.__getitem__)
     lin.add("overhead", specs[worst], group[worst].slowdown, specs[worst].microbatch_overhead_s)
-    lat = max(range(tp), key=lambda i: specs[i].link_latency_s)
+    devs = [_as(d, s) for d, s in zip(group, specs)]
+    lat = max(range(tp), key=lambda i: devs[i].link_latency_s)
+    times = _latency_times(group[lat], specs[lat])
     act = b * profile.seq_len * profile.hidden_size * profile.activation_bytes
     if tp > 1:
-        intra = min(s.intra_node_gbps for s in specs)
-        lin.add("latency", specs[lat], 4.0 * layers, specs[lat].link_latency_s)
+        intra = min(d.link_gbps(False) for d in devs)
+        lin.add("latency", specs[lat], 4.0 * layers * times, specs[lat].link_latency_s)
         lin.add_fixed(4.0 * layers * 2.0 * (tp - 1) / tp * act / (intra * 1e9))
     if nxt is not None:
         both = list(group) + list(nxt)
         one_node = len({d.node for d in both}) == 1
-        link = min(_spec(d, spec_of).intra_node_gbps if one_node
-                   else _spec(d, spec_of).inter_node_gbps for d in both)
-        lin.add("latency", specs[lat], 2.0, specs[lat].link_latency_s)
+        link = min(_as(d, _spec(d, spec_of)).link_gbps(not one_node) for d in both)
+        lin.add("latency", specs[lat], 2.0 * times, specs[lat].link_latency_s)
         lin.add_fixed(2.0 * act / (link * 1e9))
     return lin
 
@@ -306,13 +321,15 @@ def _sync_lin(plan: Plan, profile: ModelProfile, devs: Mapping[int, Device],
             group = [devs[d] for d in stage.devices]
             specs = [_spec(d, spec_of) for d in group]
             spans = any(len(nodes[layer]) > 1 for layer in range(*stage.layers))
-            gbps = min(s.inter_node_gbps if spans else s.intra_node_gbps for s in specs)
+            links = [_as(d, s) for d, s in zip(group, specs)]
+            gbps = min(d.link_gbps(spans) for d in links)
             params = stage_params(profile, stage.layers[1] - stage.layers[0], si == 0,
                                   si == n - 1) / len(group)
-            lat = max(range(len(group)), key=lambda i: specs[i].link_latency_s)
+            lat = max(range(len(group)), key=lambda i: links[i].link_latency_s)
             lin = _Lin()
             steps = 2.0 * (replicas - 1)
-            lin.add("latency", specs[lat], steps, specs[lat].link_latency_s)
+            lin.add("latency", specs[lat], steps * _latency_times(group[lat], specs[lat]),
+                    specs[lat].link_latency_s)
             lin.add_fixed(steps * params * profile.grad_bytes / replicas / (gbps * 1e9))
             if lin.value > best.value:
                 best = lin
@@ -554,7 +571,7 @@ def apply(calibration: Calibration, spec: DeviceSpec) -> DeviceSpec:
     if fit_.overhead_s is not None:
         changes["microbatch_overhead_s"] = fit_.overhead_s / declared
     if fit_.latency_s is not None:
-        changes["link_latency_s"] = fit_.latency_s
+        changes["link_latency_s"] = fit_.latency_s / (declared if spec.host_links else 1.0)
     if fit_.update_s is not None:
         changes["update_s_per_param"] = fit_.update_s / declared
     return replace(spec, **changes)

@@ -62,24 +62,24 @@ def group_shape(devices: Sequence[Device], nxt: Optional[Sequence[Device]],
     if nxt is not None:
         both = list(devices) + list(nxt)
         one_node = len({d.node for d in both}) == 1
-        link = min(d.spec.intra_node_gbps if one_node else d.spec.inter_node_gbps for d in both)
+        link = min(d.link_gbps(not one_node) for d in both)
     # One pass over the group (this runs for every stage of every candidate: thousands of
     # times for a plan over thousands of devices); the same minima and maxima as min()/max().
     if not devices:
         raise ValueError("group_shape: a TP group needs at least one device")
     first = devices[0]
     spec = first.spec
-    flops, memory, intra = first.flops, spec.memory_bytes, spec.intra_node_gbps
-    overhead, latency = spec.microbatch_overhead_s * first.slowdown, spec.link_latency_s
+    flops, memory, intra = first.flops, spec.memory_bytes, first.link_gbps(False)
+    overhead, latency = spec.microbatch_overhead_s * first.slowdown, first.link_latency_s
     update = spec.update_s_per_param * first.slowdown
     for d in devices[1:]:
         spec = d.spec
         if spec is not first.spec or d.slowdown != first.slowdown:
             flops = min(flops, d.flops)
             memory = min(memory, spec.memory_bytes)
-            intra = min(intra, spec.intra_node_gbps)
+            intra = min(intra, d.link_gbps(False))
             overhead = max(overhead, spec.microbatch_overhead_s * d.slowdown)
-            latency = max(latency, spec.link_latency_s)
+            latency = max(latency, d.link_latency_s)
             update = max(update, spec.update_s_per_param * d.slowdown)
     return StageShape(tp=len(devices), flops=flops, memory=int(memory * memory_fraction),
                       intra_gbps=intra, next_gbps=link, overhead_s=overhead, latency_s=latency,
@@ -366,9 +366,9 @@ class _StageCosts:
                 continue
             seen.add(key)
             group = [devs[self.index.one_of[c]] for c in classes]  # the same specs
-            gbps = min(d.spec.inter_node_gbps if spans else d.spec.intra_node_gbps for d in group)
+            gbps = min(d.link_gbps(spans) for d in group)
             params = stage_params(profile, span[1] - span[0], first, last) / len(group)
-            latency = max(d.spec.link_latency_s for d in group)
+            latency = max(d.link_latency_s for d in group)
             worst = max(worst, grad_sync_time(profile, params, replicas, gbps, latency))
         return worst
 
@@ -526,10 +526,10 @@ def _grad_sync(plan: Plan, devs: dict, profile: ModelProfile) -> float:
         for si, stage in enumerate(pipe.stages):
             group = [devs[d] for d in stage.devices]
             spans = any(len(nodes[layer]) > 1 for layer in range(*stage.layers))
-            gbps = min(d.spec.inter_node_gbps if spans else d.spec.intra_node_gbps for d in group)
+            gbps = min(d.link_gbps(spans) for d in group)
             params = stage_params(profile, stage.layers[1] - stage.layers[0], si == 0,
                                   si == n - 1) / len(group)
-            latency = max(d.spec.link_latency_s for d in group)
+            latency = max(d.link_latency_s for d in group)
             worst = max(worst, grad_sync_time(profile, params, replicas, gbps, latency))
     return worst
 

@@ -51,10 +51,14 @@ BUILTIN_SPECS: dict[str, DeviceSpec] = {
     "L40S": DeviceSpec("L40S", 362.0, 48 * GiB, 32.0, 12.5, mfu=0.4),
     # One CPU training process (one thread): about 10 GFLOP/s on small matmuls, gloo over
     # loopback or TCP, a large fixed cost per micro-batch (Python, autograd) and per collective.
-# No type has a built-in cost per parameter element per step (``update_s_per_param``, the
-# optimizer update of a device's whole shard whatever its rows): calibration fits it.
+    # The collectives run on the worker's own CPU share (``host_links``): a worker at a quarter
+    # core moves bytes and starts collectives at a quarter of the rate. Round numbers, not a
+    # fit: ``--hspmd-device-types`` gives a job the constants measured on its machines
+    # (``calibrate.fit_steps``). No type has a built-in cost per parameter element per step
+    # (``update_s_per_param``, the optimizer update of a device's whole shard whatever its
+    # rows): calibration fits it.
     "CPU": DeviceSpec("CPU", 0.01, 8 * GiB, 2.0, 0.5, mfu=1.0, microbatch_overhead_s=0.004,
-                      link_latency_s=0.002),
+                      link_latency_s=0.002, host_links=True),
 }
 
 _registered: dict[str, DeviceSpec] = {}
@@ -115,7 +119,9 @@ def spec_for_device(type_name: str, memory_bytes: Optional[int] = None,
     name, with a warning naming it (once per name). Memory is taken from the device when given
     (NVML's measured total). ``speed`` (declared by the node, relative to the type's nominal)
     scales the peak FLOP/s and divides the fixed cost per micro-batch and the cost per
-    parameter element per step (``update_s_per_param``); the spec is then named
+    parameter element per step (``update_s_per_param``), and on host-bound links
+    (``DeviceSpec.host_links``) scales the link bandwidths and divides the latency; the spec
+    is then named
     ``<type>@<speed>`` (``CPU@0.5``) so layouts tell the two kinds apart."""
     if not (isinstance(speed, (int, float)) and 0 < speed < float("inf")):
         raise PlannerError(f"device speed={speed!r} must be a number > 0")
@@ -134,9 +140,14 @@ def spec_for_device(type_name: str, memory_bytes: Optional[int] = None,
     if memory_bytes:
         spec = replace(spec, memory_bytes=int(memory_bytes))
     if speed != 1.0:
+        links = {}
+        if spec.host_links:  # the device's host moves its bytes: its links slow down with it
+            links = dict(intra_node_gbps=spec.intra_node_gbps * speed,
+                         inter_node_gbps=spec.inter_node_gbps * speed,
+                         link_latency_s=spec.link_latency_s / speed)
         spec = replace(spec, name=f"{spec.name}@{speed:g}", peak_tflops=spec.peak_tflops * speed,
                        microbatch_overhead_s=spec.microbatch_overhead_s / speed,
-                       update_s_per_param=spec.update_s_per_param / speed)
+                       update_s_per_param=spec.update_s_per_param / speed, **links)
     return spec
 
 
@@ -169,11 +180,11 @@ def inventory_from_nodes(text: str, types: Optional[Mapping[str, DeviceSpec]] = 
 
 def spec_from_dict(name: str, data: Mapping[str, Any]) -> DeviceSpec:
     """A device type from JSON: peak_tflops, memory_gib, intra_node_gbps, inter_node_gbps[, mfu,
-    microbatch_overhead_s, link_latency_s, update_s_per_param]."""
+    microbatch_overhead_s, link_latency_s, update_s_per_param, host_links]."""
     if not isinstance(data, Mapping):
         raise PlannerError(f"device type {name!r} must be a JSON object, got {data!r}")
     known = {"peak_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "mfu",
-             "microbatch_overhead_s", "link_latency_s", "update_s_per_param"}
+             "microbatch_overhead_s", "link_latency_s", "update_s_per_param", "host_links"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlannerError(f"device type {name!r}: unknown keys {unknown}; known: {sorted(known)}")
@@ -183,11 +194,61 @@ def spec_from_dict(name: str, data: Mapping[str, Any]) -> DeviceSpec:
                           mfu=float(data.get("mfu", 0.5)),
                           microbatch_overhead_s=float(data.get("microbatch_overhead_s", 0.0005)),
                           link_latency_s=float(data.get("link_latency_s", 1e-5)),
-                          update_s_per_param=float(data.get("update_s_per_param", 0.0)))
+                          update_s_per_param=float(data.get("update_s_per_param", 0.0)),
+                          host_links=_flag(name, data.get("host_links", False)))
     except KeyError as exc:
         raise PlannerError(f"device type {name!r}: missing key {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise PlannerError(f"device type {name!r}: {exc}") from None
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise PlannerError(f"device type {name!r}: host_links={value!r} must be true or false")
+    return value
+
+
+_SPEC_FIELDS = {"peak_tflops": float, "memory_gib": float, "intra_node_gbps": float,
+                "inter_node_gbps": float, "mfu": float, "microbatch_overhead_s": float,
+                "link_latency_s": float, "update_s_per_param": float, "host_links": bool}
+
+
+def device_types_from_dict(data: Any, types: Optional[Mapping[str, DeviceSpec]] = None
+                           ) -> dict[str, DeviceSpec]:
+    """Device types measured on a job's machines (``--hspmd-device-types``): ``{NAME: {field:
+    value}}``. A NAME the table knows (``"CPU"``, ``"H100"``) keeps its type's other fields
+    (``{"CPU": {"peak_tflops": 0.075, "microbatch_overhead_s": 0.08}}``: the constants
+    ``calibrate.fit_steps`` fitted); a new NAME needs ``spec_from_dict``'s fields. A bad name,
+    field or value is a ``PlannerError`` naming it."""
+    if not isinstance(data, Mapping) or not data:
+        raise PlannerError(f"device types must be a non-empty JSON object of NAME: {{field: "
+                           f"value}}, got {data!r}")
+    table = spec_table(types)
+    out: dict[str, DeviceSpec] = {}
+    for name, fields in data.items():
+        if not isinstance(fields, Mapping):
+            raise PlannerError(f"device type {name!r} must be a JSON object, got {fields!r}")
+        key = known_type(str(name), table)
+        if key is None:
+            out[str(name)] = spec_from_dict(str(name), fields)
+            continue
+        unknown = sorted(set(fields) - set(_SPEC_FIELDS))
+        if unknown:
+            raise PlannerError(f"device type {name!r}: unknown keys {unknown}; known: "
+                               f"{sorted(_SPEC_FIELDS)}")
+        changes = {}
+        for field_, value in fields.items():
+            kind = _SPEC_FIELDS[field_]
+            if kind is bool:
+                changes[field_] = _flag(str(name), value)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise PlannerError(f"device type {name!r}: {field_}={value!r} must be a number")
+            elif field_ == "memory_gib":
+                changes["memory_bytes"] = int(float(value) * GiB)
+            else:
+                changes[field_] = float(value)
+        out[key] = replace(table[key], **changes)  # DeviceSpec names a bad value
+    return out
 
 
 def inventory_from_dict(data: Any, types: Optional[Mapping[str, DeviceSpec]] = None) -> Inventory:
@@ -248,11 +309,12 @@ def uniform_inventory(inventory: Inventory) -> Inventory:
         slowest.spec, name="uniform",
         peak_tflops=slowest.spec.peak_tflops / slowest.slowdown,
         memory_bytes=min(d.spec.memory_bytes for d in live),
-        intra_node_gbps=min(d.spec.intra_node_gbps for d in live),
-        inter_node_gbps=min(d.spec.inter_node_gbps for d in live),
+        intra_node_gbps=min(d.link_gbps(False) for d in live),
+        inter_node_gbps=min(d.link_gbps(True) for d in live),
         microbatch_overhead_s=max(d.spec.microbatch_overhead_s * d.slowdown for d in live),
         update_s_per_param=max(d.spec.update_s_per_param * d.slowdown for d in live),
-        link_latency_s=max(d.spec.link_latency_s for d in live))
+        link_latency_s=max(d.link_latency_s for d in live),
+        host_links=any(d.spec.host_links for d in live))
     return Inventory(tuple(
         d if d.health is Health.FAILED else replace(d, spec=spec, health=Health.HEALTHY,
                                                     slowdown=1.0)

@@ -206,8 +206,7 @@ class Solver:
             seen.add(id(model))
             n = len(pipe)
             for s, g in enumerate(pipe):
-                gbps = min(d.spec.inter_node_gbps if spans else d.spec.intra_node_gbps
-                           for d in g.devices)
+                gbps = min(d.link_gbps(spans) for d in g.devices)
                 params = cost.stage_params(self.profile, model.split[s], s == 0, s == n - 1) / g.tp
                 worst = max(worst, cost.grad_sync_time(self.profile, params, replicas, gbps,
                                                        g.key[5]))

@@ -80,7 +80,7 @@ class _Group:
         attrs = known.get(classes) if known is not None else None
         if attrs is None:
             flops = min(d.flops for d in devices)
-            inter = min(d.spec.inter_node_gbps for d in devices)
+            inter = min(d.link_gbps(True) for d in devices)
             shape = cost.group_shape(devices, None, memory_fraction)
             key = (shape.tp, shape.flops, shape.memory, shape.intra_gbps, shape.overhead_s,
                    shape.latency_s, shape.update_s)

@@ -29,7 +29,9 @@ device at a quarter of the others' speed can slow the step down even with few ro
   and a one-line reason with those numbers.
 * ``best_uniform``: the best uniform plan over any subset: for each prefix by speed ending at
   a tier's edge (``uniform_subsets``), every device of it taken for its weakest
-  (``devices.uniform_inventory``), the others out; the least predicted step wins, the larger
+  (``devices.uniform_inventory``), the others out, the plan held to one TP and one PP degree
+  (``degrees``: the search over equal devices may still mix them; each pair it used is then
+  planned alone); the least predicted step wins, the larger
   subset on a tie within ``options.tie_tolerance``. With ``options.use_all_devices`` only the
   whole inventory is planned. The chosen estimate lists the devices left out as unused, with
   their ``IdleDevice`` (step times: the uniform predictions; "with" is the least step of a
@@ -214,6 +216,37 @@ def uniform_subsets(inventory: Inventory,
 PlanFn = Callable[..., PlanResult]
 
 
+def degrees(plan) -> set[tuple[int, int]]:
+    """The (PP, TP) degrees of ``plan``'s stages: one pair when it is uniform SPMD."""
+    return {(len(p.stages), len(s.devices)) for p in plan.pipelines for s in p.stages}
+
+
+def _one_degree(plan_fn: PlanFn, inv: Inventory, profile: ModelProfile, global_batch: int,
+                current_plan, options: PlannerOptions) -> PlanResult:
+    """``plan_fn`` over ``inv`` (equal devices), held to one TP and one PP degree: equal
+    devices still let the search give pipelines different degrees (TP 2 beside TP 1 over
+    three devices), which uniform SPMD cannot run; then each degree pair it used is planned
+    alone, and the fastest plan wins."""
+    result = plan_fn(inv, profile, global_batch, current_plan=current_plan, options=options)
+    pairs = degrees(result.plan)
+    if len(pairs) == 1:
+        return result
+    best: Optional[PlanResult] = None
+    for pp, tp in sorted(pairs):
+        held = replace(options, tp_degrees=(tp,), pp_degrees=(pp,))
+        try:
+            got = plan_fn(inv, profile, global_batch, current_plan=current_plan, options=held)
+        except PlanInfeasibleError:
+            continue
+        if len(degrees(got.plan)) == 1 and (
+                best is None or got.estimate.step_time_s < best.estimate.step_time_s):
+            best = got
+    if best is None:
+        raise PlanInfeasibleError(f"no plan of one TP and PP degree over {len(inv.usable)} "
+                                  f"device(s) (the search's mixes {sorted(pairs)})")
+    return best
+
+
 def best_uniform(plan_fn: PlanFn, inventory: Inventory, profile: ModelProfile,
                  global_batch: int, current_plan=None,
                  options: PlannerOptions = PlannerOptions()) -> PlanResult:
@@ -224,8 +257,8 @@ def best_uniform(plan_fn: PlanFn, inventory: Inventory, profile: ModelProfile,
     first_error: Optional[PlanInfeasibleError] = None
     for kept, inv in uniform_subsets(inventory, options.use_all_devices):
         try:
-            tried.append((kept, plan_fn(inv, profile, global_batch, current_plan=current_plan,
-                                        options=options)))
+            tried.append((kept, _one_degree(plan_fn, inv, profile, global_batch, current_plan,
+                                            options)))
         except PlanInfeasibleError as exc:
             first_error = first_error or exc
     if not tried:

@@ -67,11 +67,12 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Optional
 
 from bench import common
 from bench.common import dump, write_section
 from bench.hetero_job import BenchError, HeteroJob, device
-from bench.hetero_mixes import Candidate, candidates, mix_name, order, summarize
+from bench.hetero_mixes import Candidate, candidates, fitted_types, mix_name, order, summarize
 from bench.hetero_mixes import report as mixes_report
 from bench.hetero_mixes import targets as mix_targets
 from bench.hetero_pure import (EVEN, MIX, MODEL, NODE, NPROC, ONSET_TARGET_S,
@@ -127,6 +128,8 @@ class Run:
     def __init__(self, etcd, tmp: str, settings):
         self.etcd, self.tmp, self.s = etcd, tmp, settings
         self.records: list[tuple] = []  # (name, layout, plan, inventory, step_s)
+        self.baselines: list[tuple] = []  # the same, of (d)'s baselines: ours' device types
+        self.fits: dict = {}  # (d): ours' label -> the CPU constants it planned with
         self.result: dict = {"a": {}, "b": {}, "b_off": {}, "c": {}, "switches": {},
                              "errors": {}}
 
@@ -136,10 +139,12 @@ class Run:
         return HeteroJob(self.etcd, d, f"het-{label.replace('_', '-')}-{os.getpid()}",
                          self.s, flags, nproc)
 
-    def measure(self, job: HeteroJob, after: float, name: str, calibrate: bool = True) -> dict:
+    def measure(self, job: HeteroJob, after: float, name: str,
+                records: Optional[list] = None) -> dict:
         """Steady state after ``after``: tokens/s of one plan (measured again after a later
-        switch, at most twice), its layout; the plan joins the calibration as ``name`` unless
-        the leader switched within every window tried (``mixed``: the last plan's layout)."""
+        switch, at most twice), its layout; the plan joins ``records`` (default: the
+        calibration of (a) to (c)) as ``name`` unless the leader switched within every window
+        tried (``mixed``: the last plan's layout)."""
         for _ in range(3):
             r = rate(job.steps_after(after, self.s.measure + 1), self.s.tokens_per_step)
             if r is None:
@@ -156,8 +161,9 @@ class Run:
         if mixed:
             out["layout"] += (" (switched within the window: plans "
                               + ", ".join(f"v{x}" for x in r.versions) + ")")
-        elif calibrate:
-            self.records.append((name, out["layout"], plan, inv, r.step_s))
+        else:
+            (self.records if records is None else records).append(
+                (name, out["layout"], plan, inv, r.step_s))
         return out
 
     # ------------------------------------------------------------------ (a)
@@ -247,6 +253,8 @@ class Run:
         s = self.s
         flags = (["--hspmd-planner", "uniform", *REPLANS_OFF] if cand.planner == "uniform"
                  else ["--hspmd-planner", "hetero", *replans_on(s)]) + SHARDED
+        if cand.planner == "hetero":
+            flags += self.device_types(label)
         job = self.job(label, flags, cand.nproc)
         try:
             job.start()
@@ -256,11 +264,29 @@ class Run:
                 sw = job.wait_speed_switch(after, 2 * s.dwell_s + SETTLE_S)
                 out["switch_done_s"] = None if sw is None else sw["done_at"] - after
                 after = after if sw is None else sw["done_at"]
-            out.update(self.measure(job, after, label, calibrate=False))
+            out.update(self.measure(job, after, label, [] if cand.planner == "hetero"
+                                    else self.baselines))
             out["devices_used"] = sum(1 for n in out["rows"].values() if n > 0)
             return out
         finally:
             job.close()
+
+    def device_types(self, label: str) -> list[str]:
+        """``--hspmd-device-types`` for ours: the CPU constants fitted to the baselines'
+        step times measured so far in this run (``hetero_mixes.fitted_types``), as a practitioner
+        gives a job the constants measured on their machines; none while they do not determine
+        a fit (ours then plans with the built-in ones)."""
+        fit = fitted_types(self.baselines)
+        self.fits[label] = fit
+        if fit is None:
+            say(f"(d) {label}: no fit of the CPU constants yet: the built-in ones")
+            return []
+        path = os.path.join(self.tmp, f"{label}-types.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(fit["types"], f)
+        say(f"(d) {label}: CPU constants fitted to {fit['plans']} baseline plans: "
+            f"{fit['types']['CPU']} (rms error {fit['rms_rel_error']:.1%})")
+        return ["--hspmd-device-types", path]
 
     def mixes(self) -> None:
         """(d): every candidate of every mix, ``rounds`` times, interleaved."""
@@ -278,7 +304,7 @@ class Run:
                     runs[mix_name(m)][cand.name].append(got)
                     if "tokens_per_s" in got:
                         say(f"(d) {label}: {got['tokens_per_s']:,.0f} tokens/s, {got['layout']}")
-        self.result["mixes"] = {"runs": runs, "rounds": s.rounds,
+        self.result["mixes"] = {"runs": runs, "rounds": s.rounds, "fits": self.fits,
                                 "summary": {k: summarize(v) for k, v in runs.items()},
                                 "predicted": {mix_name(m): predicted(m, s.global_batch)
                                               for m in s.mixes}}
@@ -383,7 +409,7 @@ def main(argv=None) -> int:
     body = report(result, command, header)
     if mixes:
         body += "\n" + "\n".join(mixes_report(mixes["summary"], mixes["predicted"],
-                                                mixes["rounds"])) + "\n"
+                                                mixes["rounds"], mixes.get("fits"))) + "\n"
     print(body, flush=True)
     for t in result["targets"]:
         say(f"{t['verdict']}: {t['target']}: {t['value']} (goal {t['goal']})")

@@ -27,7 +27,11 @@ Promises:
   (the largest median of the non-``ours`` candidates) and ours / best baseline (None when a
   figure is missing: a miss, never a pass);
 * ``targets(summary)``: ours >= ``FLOOR`` x the best baseline on every mix, and >= ``GAIN`` x on
-  ``GAIN_MIX``; ``report(summary)``: the Markdown of part (d).
+  ``GAIN_MIX``; ``report(summary)``: the Markdown of part (d);
+* ``fitted_types(records)``: the CPU constants ``planner.calibrate.fit_steps`` fits to the
+  baselines' measured step times (``(name, layout, plan, inventory, step_s)``, the inventory
+  at the workers' shares of a core), as ``--hspmd-device-types`` reads them, with the number of
+  plans and the fit's rms error; None when they do not determine a fit.
 """
 
 from __future__ import annotations
@@ -45,6 +49,31 @@ FLOOR = 0.97  # ours / best baseline, every mix
 GAIN = 1.3  # ours / best baseline on GAIN_MIX
 GAIN_MIX = (0.5, 0.5, 0.25, 0.25)
 OURS = "ours"
+
+
+def fitted_types(records: Sequence[tuple]) -> Optional[dict]:
+    import json
+
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.planner import BUILTIN_SPECS, profile_from_dict
+    from hspmd_elastic.planner.calibrate import apply, fit_steps
+
+    from bench.hetero_pure import MODEL
+
+    if not records:
+        return None
+    profile = profile_from_dict(json.loads(ModelConfig(**MODEL).to_json()))
+    try:
+        cal = fit_steps(profile, [(plan, inv, step_s) for _n, _l, plan, inv, step_s in records])
+    except ValueError:
+        return None
+    spec = apply(cal, BUILTIN_SPECS["CPU"])
+    fields = {"peak_tflops": spec.peak_tflops, "mfu": spec.mfu,
+              "microbatch_overhead_s": spec.microbatch_overhead_s,
+              "link_latency_s": spec.link_latency_s,
+              "update_s_per_param": spec.update_s_per_param}
+    return {"types": {"CPU": fields}, "plans": len(records),
+            "rms_rel_error": cal.rms_rel_error}
 
 
 def mix_name(mix: Sequence[float]) -> str:
@@ -176,7 +205,7 @@ def summary_table(summaries: Mapping[str, Mapping], predicted: Mapping[str, Mapp
 
 
 def report(summaries: Mapping[str, Mapping], predicted: Mapping[str, Mapping],
-           rounds: int) -> list[str]:
+           rounds: int, fits: Optional[Mapping[str, Optional[Mapping]]] = None) -> list[str]:
     lines = ["### (d) Ours against the best baseline on three mixes", "",
              "Each mix: `uniform-all` (`--hspmd-planner uniform` over every device), "
              "`fastest-k` (the same planner over the k fastest devices only, a job of k "
@@ -184,6 +213,11 @@ def report(summaries: Mapping[str, Mapping], predicted: Mapping[str, Mapping],
              f"`ours` (hetero, replans on, after its speed-driven switch); {rounds} round(s), "
              "the candidates in turn, the order reversed every other round.", ""]
     lines += summary_table(summaries, predicted)
+    for label, fit in (fits or {}).items():
+        lines += ["", f"`{label}` planned with " + (
+            "the built-in CPU constants (no fit yet)" if not fit else
+            f"the CPU constants fitted to {fit['plans']} baseline plans (rms error "
+            f"{fit['rms_rel_error']:.1%}): `{fit['types']['CPU']}`")]
     for name, s in summaries.items():
         lines += ["", f"Mix {name}:", ""] + mix_table(s)
     lines += ["", "| target | measured | goal | |", "|---|---|---|---|"]

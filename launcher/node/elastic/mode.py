@@ -246,7 +246,7 @@ class ElasticMode:
                            "" if end is End.SUCCEEDED else self.reason)
 
     def _build_node(self, health: HealthSource) -> ElasticNode:
-        from hspmd_elastic.planner import plan_for
+        from hspmd_elastic.planner import plan_for, register_device_type
         from launcher.health.api import HealthConfigError
         from launcher.health.nvml import NvmlHealthSource
         from launcher.health.progress import hang_detector_from_env
@@ -266,6 +266,8 @@ class ElasticMode:
         workers = ElasticWorkers(self.job, self.node_id, cfg.entrypoint, self.client.endpoints,
                                    lambda version, lr: attempts(version)[lr], base_env=base,
                                    role=cfg.role, progress_dir=progress_dir, memory=memory)
+        for spec in settings.device_types:  # the constants measured on this job's machines
+            register_device_type(spec)
         planner = plan_for
         if settings.redundancy:
             planner = self._planner = RedundantPlanner(plan_for, settings.redundancy)
