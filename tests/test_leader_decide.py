@@ -406,6 +406,25 @@ def test_a_suspect_device_of_the_plan_with_a_running_worker_is_drained():
     assert decide(build_snapshot(nodes, verdicts, workers=running), after) is None
 
 
+def test_a_working_device_the_next_plan_leaves_idle_is_drained_so_its_state_moves():
+    """A speed replan (here a measured speed) whose plan leaves a usable, running device out
+    (the planner found it costs more than it adds): the plan drains it, so state only it holds
+    (an uneven optimizer shard) leaves by network before its worker leaves; devices the plan
+    keeps and devices whose worker has exited are not drained."""
+    nodes = {"a": node("a"), "b": node("b")}
+    current = published(decide(build_snapshot(nodes, {}), None))
+    rec = schema.WorkerRecord(pid=1, global_rank=0, local_rank=0, plan_version=1, step=3,
+                              last_progress_at=0.0, steps_per_s=1.0)
+    running = {("a", 0): rec, ("a", 1): rec, ("b", 0): rec}  # b:1's worker has exited
+    snap = build_snapshot(nodes, {}, workers=running, measured={"a:1": 0.25})
+    d = decide(snap, current)
+    assert d is not None and d.drain == () and d.retiring == ("a:0", "a:1", "b:0")
+    layout = make_layout(d, current, None, PROFILE, 8)
+    idled = replace(layout, devices=tuple(x for x in layout.devices if x != "a:1"))
+    assert plan_record(d, idled, 0.0).drain == ["a:1"]  # left out while it works: drained
+    assert plan_record(d, layout, 0.0).drain == []  # a plan that keeps every device drains none
+
+
 def test_a_node_a_majority_cannot_reach_is_cut_off_until_the_reports_end():
     nodes = {n: node(n, 1) for n in "abc"}
     current = published(decide(build_snapshot(nodes, {}), None))

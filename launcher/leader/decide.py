@@ -14,6 +14,11 @@ Promises:
   (``PlanDecision.drain``): it joins the switch's group as a BSR source, so its state leaves by
   network, then its worker leaves. A drain is never carried into a later plan: if another
   change interrupts it, the device's state is taken as lost (replicas or a checkpoint);
+* a usable device of the current plan whose worker runs is *retiring* when the next plan
+  leaves it out (``PlanDecision.retiring``; the planner found it costs more than it adds, or a
+  speed replan idles it): the plan drains it like a suspect device (``plan_record``), so state
+  only it holds (an uneven optimizer shard, a slice without a replica) leaves by network
+  before its worker leaves; the agent then runs an idle worker on the slot;
 * at most ``max_nodes`` nodes are planned over (the maximum of ``--nnodes``; None: all):
   ``select_nodes`` keeps the current plan's nodes, then takes the lowest node ids; the other
   live nodes are hot spares (registered, leased, running no worker) until a planned node is
@@ -77,6 +82,8 @@ class PlanDecision:
     store_node: str
     store_endpoint: str
     drain: tuple[str, ...] = ()  # devices of the current plan that serve the switch, then leave
+    # usable devices of the current plan whose worker runs: drained too if the plan leaves them
+    retiring: tuple[str, ...] = ()
 
     @property
     def inventory(self) -> dict[str, float]:
@@ -152,8 +159,9 @@ def decide(snapshot: ClusterSnapshot, current: Optional[schema.PlanRecord],
     reasons = [c.describe() for c in changes]
     if store_lost and store:
         reasons.append(f"store {current.store_endpoint or '(none)'} -> {store}")
+    retiring = tuple(d for d in current.devices if d in usable and d in snapshot.running)
     return PlanDecision(current.version + 1, "; ".join(reasons), changes, ordered, store_node,
-                        store, drain_of(snapshot, current, usable))
+                        store, drain_of(snapshot, current, usable), retiring)
 
 
 def largest_cluster(snapshot: ClusterSnapshot, max_nodes: Optional[int]) -> str:

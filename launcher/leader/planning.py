@@ -394,5 +394,6 @@ def plan_record(decision: PlanDecision, layout: PlannedLayout, created_at: float
                              devices=list(layout.devices), strategy=layout.plan.to_dict(),
                              store_endpoint=decision.store_endpoint, created_at=created_at,
                              inventory=decision.inventory,
-                             drain=[d for d in decision.drain if d not in layout.devices],
+                             drain=[d for d in (*decision.drain, *decision.retiring)
+                                    if d not in layout.devices],
                              step=step, buckets=[dict(b) for b in layout.buckets])

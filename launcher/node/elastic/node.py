@@ -177,6 +177,12 @@ class ElasticNode:
             if self.workers.running() and self._state != "running":
                 self.put_node("running")
         exits = self.workers.poll()
+        if self.plan is not None and any(self.workers.final_state(ex.local_rank, ex.pid)
+                                         in LEFT_STATES for ex in exits):
+            # a worker the plan drained (its device left idle) handed its state over and
+            # left: its slot gets an idle worker that probes the device
+            for w in self.workers.apply_plan(self.plan, self._idle_slots(), idle_only=True):
+                self._put_worker(w, self.plan_version)
         # Every exit's verdict is sticky before any etcd call: a failed call must not lose one
         # (poll reports each exit only once).
         for ex in exits:

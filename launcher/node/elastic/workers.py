@@ -111,14 +111,16 @@ class ElasticWorkers:
         """local rank -> pid of the workers alive now."""
         return {lr: w.pid for lr, w in self._running.items()}
 
-    def apply_plan(self, plan: AnyPlan, slots: Iterable[int] = ()) -> list[Worker]:
+    def apply_plan(self, plan: AnyPlan, slots: Iterable[int] = (),
+                   idle_only: bool = False) -> list[Worker]:
         """Start workers for the slots ``plan`` (its full record or its head) adds on this
         node; survivors are left alone. ``slots``: this node's slots; when the plan uses one
         of them, each other one that runs no worker (and has not ended) gets an idle worker,
-        which probes its device while it waits for a plan that uses it (``idle_local_ranks``)."""
+        which probes its device while it waits for a plan that uses it (``idle_local_ranks``).
+        ``idle_only``: only those idle workers (a worker the plan drained left its slot)."""
         ranks = node_ranks(plan, self.node)
         skip = set(self._running) | self._ended
-        new = [lr for lr in sorted(ranks) if lr not in skip]
+        new = [] if idle_only else [lr for lr in sorted(ranks) if lr not in skip]
         for lr in new:
             self._idle.pop(lr, None)  # a planned slot: its worker is no idle one
         idle = [lr for lr in idle_local_ranks(plan, self.node, slots, skip)
