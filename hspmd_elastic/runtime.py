@@ -299,6 +299,7 @@ class _Worker:
         newer = self.plans.wait_newer(plan.version, self.probes.wait_s(time.monotonic()))
         if newer is not None:
             return newer
+        started = time.monotonic()
         try:
             took = probe(self.config, probe_rows(plan_of(plan)), self.former.device, self.seed)
         except Exception as exc:  # noqa: BLE001 - no sample is better than a failed worker
@@ -306,7 +307,8 @@ class _Worker:
                              type(exc).__name__, exc, plan.version)
             self.probes.done(time.monotonic(), self.timeouts.plan_wait_s)
             return None
-        self.probes.done(time.monotonic(), took)
+        now = time.monotonic()
+        self.probes.done(now, now - started)  # the duty bound counts every repetition
         self.probe_meter.add_busy(plan.version, took)
         self.probe_count += 1
         self._progress()

@@ -9,6 +9,7 @@ fold of a measured speed, the probe's schedule is bounded, and the agent's idle 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -142,6 +143,10 @@ def test_the_probe_is_bounded_and_touches_no_process_group():
 
     took = probe(MID, 4, torch.device("cpu"))
     assert math.isfinite(took) and took > 0 and not dist.is_initialized()
+    # repeated for min_s at least, at most ``most`` times: the time of one repetition
+    started = time.perf_counter()
+    one = probe(MID, 4, torch.device("cpu"), min_s=60.0, most=3)
+    assert 0 < one < (time.perf_counter() - started) / 2  # three ran, not the 60 s
     schedule = ProbeSchedule(every_s=2.0, duty=0.1)
     assert schedule.due(0.0)
     schedule.done(10.0, 0.05)  # a short probe: the period bounds it

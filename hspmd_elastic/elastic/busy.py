@@ -24,7 +24,9 @@ measured by a *probe* while its worker waits for a plan that uses it: ``probe(co
 device)`` runs the forward and backward of one micro-batch of ``rows`` rows
 (``probe_rows(plan)``: the plan's largest micro-batch) through a one-layer copy of the model
 (``PROBE_LAYERS``; embedding and head included, the dense reference's functions), on the device
-alone: no process group, no store, no state of the job. ``ProbeSchedule`` bounds it: one probe
+alone: no process group, no store, no state of the job; repeated for ``PROBE_MIN_S`` at least
+(``PROBE_MOST`` times at most), its time is the mean of one, so a device shared in time slices
+(a CPU quota, a time-sliced GPU) is measured at its average speed, not at a burst's. ``ProbeSchedule`` bounds it: one probe
 at most every ``every_s``, and never more than ``duty`` of the device's time (the wait after a
 probe is at least ``(1 - duty) / duty`` times the probe's own time). The leader predicts the
 same workload with the cost model (``launcher.leader.stragglers.probe_predicted_s``), so the
@@ -46,6 +48,8 @@ import time
 from typing import Optional
 
 PROBE_LAYERS = 1  # layers of the probe's model (its embedding and head run too)
+PROBE_MIN_S = 0.3  # a probe repeats its micro-batch for this long at least (time-sliced devices)
+PROBE_MOST = 64  # ... and at most this many times
 
 
 class BusyMeter:
@@ -99,9 +103,13 @@ def probe_config(config):
     return dataclasses.replace(config, num_layers=min(PROBE_LAYERS, config.num_layers))
 
 
-def probe(config, rows: int, device, seed: int = 0) -> float:
+def probe(config, rows: int, device, seed: int = 0, min_s: float = PROBE_MIN_S,
+          most: int = PROBE_MOST) -> float:
     """Seconds of one forward and backward of ``rows`` rows through ``probe_config(config)``
-    on ``device`` (see the module docstring); touches no process group."""
+    on ``device`` (see the module docstring), the mean over repetitions that last ``min_s``
+    at least (at most ``most`` of them): a device shared in time slices (a CPU quota's CFS
+    period, a time-sliced GPU) runs a short burst at full speed, and only a probe longer than
+    its slices sees its average speed. Touches no process group."""
     import torch
 
     from hspmd_elastic.graph.init import full_params
@@ -115,11 +123,15 @@ def probe(config, rows: int, device, seed: int = 0) -> float:
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    reference_loss(params, batch, small).backward()
-    if cuda:
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    start, done = time.perf_counter(), 0
+    while True:
+        reference_loss(params, batch, small).backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        done += 1
+        took = time.perf_counter() - start
+        if took >= min_s or done >= most:
+            return took / done
 
 
 class ProbeSchedule:
