@@ -269,3 +269,40 @@ def test_ours_is_set_against_the_best_measured_baseline():
     assert "| 0.5,0.5,0.25,0.25 | 110 | fastest-2: 200 | 270 | **1.35x** | 1.50x |" in text
     assert "| ours | DP4 hetero | 3 | 270 | 260, 280 | 1.35x |" in text
     assert "| PASS |" in text
+
+
+def test_the_constants_ours_plans_with_are_fitted_to_the_baselines_step_times():
+    """Step times the cost model predicts under known CPU constants, for the baselines' kinds
+    of plan (data parallel over the fastest k workers, at their shares of a core): the fit
+    gives back the compute rate and the fixed cost per micro-batch that made them, as
+    ``--hspmd-device-types`` reads them, and leaves the collective start-up to the built-in
+    value; with no baseline measured there is no fit."""
+    from dataclasses import replace
+
+    from hspmd_elastic.graph.config import ModelConfig
+    from hspmd_elastic.planner import (BUILTIN_SPECS, Device, Inventory, PlannerOptions,
+                                       device_types_from_dict, estimate_plan, plan_for,
+                                       profile_from_dict, spec_for_device)
+
+    profile = profile_from_dict(json.loads(ModelConfig(**bench.MODEL).to_json()))
+    truth = replace(BUILTIN_SPECS["CPU"], peak_tflops=0.08, microbatch_overhead_s=0.07)
+    records = []
+    for shares in ((0.5,), (0.5, 0.5), (0.5, 0.5, 0.125), (0.5, 0.5, 0.125, 0.125)):
+        def inv(spec):
+            return Inventory(tuple(Device(i, "sn", spec_for_device("CPU", None,
+                                                                   types={"CPU": spec}, speed=s))
+                                   for i, s in enumerate(shares)))
+        opts = PlannerOptions(use_all_devices=True, tp_degrees=(1,), pp_degrees=(1,))
+        plan = plan_for(inv(BUILTIN_SPECS["CPU"]), profile, 64, None, opts).plan
+        seconds = estimate_plan(plan, inv(truth), profile, opts).step_time_s
+        records.append((f"fastest-{len(shares)}", "-", plan, inv(BUILTIN_SPECS["CPU"]),
+                        seconds))
+    fit = mixes.fitted_types(records)
+    cpu = fit["types"]["CPU"]
+    assert fit["plans"] == 4 and fit["rms_rel_error"] < 1e-9, fit
+    assert "link_latency_s" not in cpu  # data-parallel plans barely see it
+    assert cpu["peak_tflops"] * cpu["mfu"] == pytest.approx(0.08, rel=1e-9)
+    assert cpu["microbatch_overhead_s"] == pytest.approx(0.07, rel=1e-9)
+    (spec,) = device_types_from_dict(fit["types"]).values()  # what the job reads
+    assert spec.host_links and spec.link_latency_s == BUILTIN_SPECS["CPU"].link_latency_s
+    assert mixes.fitted_types([]) is None

@@ -30,8 +30,10 @@ Promises:
   ``GAIN_MIX``; ``report(summary)``: the Markdown of part (d);
 * ``fitted_types(records)``: the CPU constants ``planner.calibrate.fit_steps`` fits to the
   baselines' measured step times (``(name, layout, plan, inventory, step_s)``, the inventory
-  at the workers' shares of a core), as ``--hspmd-device-types`` reads them, with the number of
-  plans and the fit's rms error; None when they do not determine a fit.
+  at the workers' shares of a core), as ``--hspmd-device-types`` reads them: the compute rate,
+  the fixed cost per micro-batch and the cost per parameter element (not a collective's
+  start-up, which data-parallel plans barely see), with the number of plans and the fit's rms
+  error; None when they do not determine a fit.
 """
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ def fitted_types(records: Sequence[tuple]) -> Optional[dict]:
     except ValueError:
         return None
     spec = apply(cal, BUILTIN_SPECS["CPU"])
+    # the baselines are data-parallel plans: their step times tell the compute rate and the
+    # fixed costs apart, but a collective's start-up only through one all-reduce a step, too
+    # little to fit it (it comes out 0, and TP would then look free): the built-in one stays
     fields = {"peak_tflops": spec.peak_tflops, "mfu": spec.mfu,
               "microbatch_overhead_s": spec.microbatch_overhead_s,
-              "link_latency_s": spec.link_latency_s,
               "update_s_per_param": spec.update_s_per_param}
     return {"types": {"CPU": fields}, "plans": len(records),
             "rms_rel_error": cal.rms_rel_error}
