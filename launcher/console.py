@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import IO, Any, Optional, Union
 
-from hspmd_elastic.contract.events import switch_of
+from hspmd_elastic.contract.schema import switch_of
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ only numbers (seconds, bytes) for people and dashboards. Promises:
 * every change a leader journals (``join``, ``leave``, ``failure``, ``stall``, ``drain``,
   ``unreachable``, ``degrade``, ``recover``, ``retry``) has at least ``devices``, ``reason`` and
   ``plan_version``; a ``replan`` lists its changes as ``PlanChange`` objects, never as prose;
-* ``switch_of(event)`` is the one reader of switch pairing: the ``replan`` that replaces a plan
-  starts a switch, the ``switch-done`` / ``switch-failed`` of the same ``plan_version`` ends it.
+* switch pairing (a ``replan`` that replaces a plan starts a switch, the ``switch-done`` /
+  ``switch-failed`` of the same ``plan_version`` ends it) is read by ``schema.switch_of``, next
+  to ``schema.event_detail`` which it needs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 
 class EventType(str, enum.Enum):
@@ -260,38 +261,3 @@ def check_detail(type_: str, detail: Detail) -> None:
 def change_detail(kind: str, devices: list[str], reason: str, plan_version: int) -> Detail:
     """The detail of a change event the leader journals (any of ``CHANGE_TYPES``)."""
     return EVENT_DETAILS[kind](devices=list(devices), reason=reason, plan_version=plan_version)
-
-
-# ----------------------------------------------------------------------------- switch pairing
-@dataclass(frozen=True)
-class SwitchMark:
-    """What an event says about a switch: it ``starts`` one into ``to_version`` (a ``replan``
-    that replaces a plan) or ends one (``done`` or ``failed``)."""
-
-    to_version: int
-    from_version: int
-    phase: str  # start | done | failed
-    bytes_moved: int = 0
-    reason: str = ""
-
-
-def switch_of(event: Any, detail: Optional[Detail] = None) -> Optional[SwitchMark]:
-    """The switch ``event`` (an ``EventRecord``) starts or ends, or None. ``detail``: its typed
-    detail when the caller has it already (else read from the event)."""
-    if event.type not in (EventType.REPLAN.value, EventType.SWITCH_DONE.value,
-                          EventType.SWITCH_FAILED.value):
-        return None
-    if detail is None:
-        from hspmd_elastic.contract.schema import event_detail
-
-        detail = event_detail(event)
-    if isinstance(detail, ReplanDetail):
-        if detail.previous_version <= 0:
-            return None  # the first plan: nothing to switch from
-        return SwitchMark(detail.version, detail.previous_version, "start", 0, detail.reason)
-    if isinstance(detail, SwitchDoneDetail):
-        return SwitchMark(detail.plan_version, detail.from_version, "done", detail.bytes_moved)
-    if isinstance(detail, SwitchFailedDetail):
-        return SwitchMark(detail.plan_version, detail.from_version, "failed", 0,
-                          detail.error + (f" ({detail.why})" if detail.why else ""))
-    return None

@@ -43,7 +43,7 @@ from hspmd_elastic.contract.events import (  # noqa: F401
     change_detail, CHANGE_TYPES, ChangeDetail, check_detail, Detail, DrainedDetail, EVENT_DETAILS,
     EVENT_TYPES, EventType, ExitInfo, FailureDetail, FallbackDetail, IdleDevice,
     NESTED_DETAIL_TYPES, PlanChange, ReplanDetail, RestartDetail, SpeedsDetail, StallDetail,
-    switch_of, SwitchDoneDetail, SwitchFailedDetail, SwitchMark,
+    SwitchDoneDetail, SwitchFailedDetail,
 )
 from hspmd_elastic.contract.ids import ID_PATTERN
 # the key builders, re-exported
@@ -381,3 +381,36 @@ def decode_or_none(kv: Any, log: Optional[logging.Logger] = None, where: str = "
         return None
     good = decode_valid([kv], log, where)
     return good[0][1] if good else None
+
+
+# ----------------------------------------------------------------------------- switch pairing
+@dataclass(frozen=True)
+class SwitchMark:
+    """What an event says about a switch: it ``starts`` one into ``to_version`` (a ``replan``
+    that replaces a plan) or ends one (``done`` or ``failed``)."""
+
+    to_version: int
+    from_version: int
+    phase: str  # start | done | failed
+    bytes_moved: int = 0
+    reason: str = ""
+
+
+def switch_of(event: Any, detail: Optional[Detail] = None) -> Optional[SwitchMark]:
+    """The switch ``event`` (an ``EventRecord``) starts or ends, or None. ``detail``: its typed
+    detail when the caller has it already (else read from the event)."""
+    if event.type not in (EventType.REPLAN.value, EventType.SWITCH_DONE.value,
+                          EventType.SWITCH_FAILED.value):
+        return None
+    if detail is None:
+        detail = event_detail(event)
+    if isinstance(detail, ReplanDetail):
+        if detail.previous_version <= 0:
+            return None  # the first plan: nothing to switch from
+        return SwitchMark(detail.version, detail.previous_version, "start", 0, detail.reason)
+    if isinstance(detail, SwitchDoneDetail):
+        return SwitchMark(detail.plan_version, detail.from_version, "done", detail.bytes_moved)
+    if isinstance(detail, SwitchFailedDetail):
+        return SwitchMark(detail.plan_version, detail.from_version, "failed", 0,
+                          detail.error + (f" ({detail.why})" if detail.why else ""))
+    return None

@@ -61,7 +61,7 @@ from hspmd_elastic.contract.progress import DONE_STATES, LEFT_STATES
 from hspmd_elastic.coord.journal import read_events
 from hspmd_elastic.coord.lifecycle import StateMachine
 from hspmd_elastic.coord.plans import plan_nodes
-from hspmd_elastic.contract.events import switch_of
+from hspmd_elastic.contract.schema import switch_of
 from launcher.api import (
     LaunchError,
     RendezvousClosedError,
