@@ -1,4 +1,4 @@
-"""Variable-length documents (hspmd_elastic/documents.py): Megatron-LM's .idx read back as written
+"""Variable-length documents (hspmd_elastic/documents/): Megatron-LM's .idx read back as written
 (and as Megatron lays it out by hand), an .idx that does not match its .bin refused in one line,
 token-offset sidecars, samples keyed only by the index, packing that keeps documents whole within
 the row, the length histogram, and the block mask and loss mask equal to running each document
@@ -19,7 +19,7 @@ from hspmd_elastic.data import DataError, WindowOrder
 from hspmd_elastic.documents import (DocumentSampler, block_mask, length_histogram, loss_mask,
                                      loss_sum, open_documents, pack, permutation, positions,
                                      read_indexed, write_documents, write_indexed)
-from hspmd_elastic.documents import main as docs_cli
+from hspmd_elastic.documents_cli import main as docs_cli
 from hspmd_elastic.planner import parse_lengths
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hspmd_elastic.data import main as data_cli
-from hspmd_elastic.documents import main as docs_cli
+from hspmd_elastic.documents_cli import main as docs_cli
 from hspmd_elastic.documents import open_documents, write_indexed
 
 pytestmark = pytest.mark.timeout(120)

@@ -28,7 +28,6 @@ MAX_LINES = 600
 # the prefix) is pending; any other circle fails, and so does an entry with no circle left
 # (delete it when its circle goes).
 PENDING_CIRCLES = {
-    "hspmd_elastic.documents": "documents <-> documents_cli",
     "hspmd_elastic.planner.": "api <-> devices, explain, profiles",
 }
 

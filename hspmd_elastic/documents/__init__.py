@@ -534,14 +534,3 @@ def loss_sum(logits: torch.Tensor, tokens: torch.Tensor,
     mask = mask.reshape(-1)
     return (per * mask.to(per.dtype)).sum(), int(mask.sum())
 
-
-# ---------------------------------------------------------------------------- CLI
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m hspmd_elastic.documents make|check``: ``documents_cli.main``."""
-    from hspmd_elastic.documents_cli import main as cli
-
-    return cli(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
