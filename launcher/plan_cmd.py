@@ -65,6 +65,7 @@ from hspmd_elastic.planner import (Candidate, Inventory, LengthBucket, PlanInfea
                                    inventory_from_dict, inventory_from_nodes, parse_bytes,
                                    parse_lengths, plan_buckets, plan_for, preset,
                                    profile_from_dict)
+from hspmd_elastic.planner.explain import explain, result_to_dict
 from hspmd_elastic.planner.subsets import best_uniform
 from launcher.numbers import number
 
@@ -320,7 +321,7 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
         else:
             result = plan_for(inventory, profile, global_batch, current_plan, options)
     if as_json:
-        doc = result.to_dict()
+        doc = result_to_dict(result)
         doc["optimizer_shards"] = optimizer_shards
         if uniform:
             est = result.estimate
@@ -331,7 +332,7 @@ def plan_command(devices: str, model: str, global_batch: int, fail: tuple[str, .
         click.echo("The best uniform plan (one TP/PP degree everywhere, even layers and rows, "
                    "as --hspmd-planner uniform plans)\nuniform plan on these devices: step time "
                    "and memory estimated on them, as they are")
-    click.echo(result.explain())
+    click.echo(explain(result))
     if optimizer_shards != OPTIMIZER_SHARDS[0]:
         click.echo(f"optimizer shards: {optimizer_shards} (each device's optimizer update and "
                    "optimizer state estimated at its pipeline's share of the rows)")

@@ -137,16 +137,16 @@ def test_bad_gqa_configs_and_plans_are_one_line_errors():
 
 def test_the_planner_proposes_only_valid_tp_degrees():
     from hspmd_elastic.planner import PlannerError, PlannerOptions
-    from hspmd_elastic.planner.api import ModelProfile
+    from hspmd_elastic.planner import profile_from_config
     from hspmd_elastic.planner.passes import tp_options
     from hspmd_elastic.planner.search import _check_tp_degrees
 
     six = ModelConfig(vocab_size=48, hidden_size=48, num_heads=6, num_kv_heads=3, num_layers=2,
                       ffn_size=48)
-    profile = ModelProfile.from_config(six)
+    profile = profile_from_config(six)
     assert [t for t in range(1, 9) if tp_problem(six, t) is None] == [1, 3, 6]
     assert tp_options(profile, PlannerOptions(), 8) == [1, 3, 6]
-    assert tp_options(ModelProfile.from_config(ModelConfig(
+    assert tp_options(profile_from_config(ModelConfig(
         vocab_size=48, hidden_size=48, num_heads=6, num_layers=2, ffn_size=48)),
         PlannerOptions(), 8) == [1, 2, 3, 6]  # the same model with multi-head attention
     with pytest.raises(PlannerError, match=r"tp_degrees=\(2,\): none divides .*num_kv_heads=3"):
@@ -169,11 +169,11 @@ def test_the_planner_proposes_only_valid_tp_degrees():
     used, plan = degrees(profile)
     assert used and used <= {1, 3, 6}
     plan.check_model(six)
-    assert 2 in degrees(ModelProfile.from_config(ModelConfig(**dict(vars(six),
+    assert 2 in degrees(profile_from_config(ModelConfig(**dict(vars(six),
                                                                     num_kv_heads=None))))[0]
     # parameters and FLOPs count the real key/value projections (2 x 16 rows, not 2 x 32)
-    gqa = ModelProfile.from_config(config_of(2))
-    mha = ModelProfile.from_config(ModelConfig(**dict(vars(config_of(2)), num_kv_heads=None)))
+    gqa = profile_from_config(config_of(2))
+    mha = profile_from_config(ModelConfig(**dict(vars(config_of(2)), num_kv_heads=None)))
     assert mha.layer_params - gqa.layer_params == 2 * 16 * 32
     assert sum(math.prod(s.shape) for s in param_specs(config_of(2)).values()) \
         == gqa.total_params

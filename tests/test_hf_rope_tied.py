@@ -249,7 +249,7 @@ def test_tied_layouts_hold_the_table_on_both_ends(saved):
     """A tied embedding is held by the first and the last stage of each pipeline (once in a
     one-stage pipeline); the planner counts its memory on both."""
     from hspmd_elastic.graph.gradsync import sync_ops
-    from hspmd_elastic.planner.api import ModelProfile
+    from hspmd_elastic.planner import profile_from_config
     from hspmd_elastic.planner.cost import stage_params
 
     config = saved["tied"].config
@@ -264,7 +264,7 @@ def test_tied_layouts_hold_the_table_on_both_ends(saved):
             if op.name == "embed.weight"] == [((0, 1), 0, VOCAB)]
     assert not [op for op in sync_ops(PLANS["tp2"].param_layouts(config), 0)
                 if op.name == "embed.weight"]
-    profile, untied = ModelProfile.from_config(config), ModelProfile.from_config(
+    profile, untied = profile_from_config(config), profile_from_config(
         dataclasses.replace(config, tie_embeddings=False))
     table = VOCAB * 16
     assert untied.total_params - profile.total_params == table

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.plan import Plan, simple_plan
+from hspmd_elastic.planner.explain import explain, result_to_dict
 from hspmd_elastic.planner import (Device, DeviceSpec, Health, Inventory, ModelProfile,
                                    PlanInfeasibleError, PlannerError, PlannerOptions,
                                    cpu_inventory, estimate_plan, fallback_dp_plan,
@@ -154,8 +155,8 @@ def test_same_inputs_same_plan_whatever_the_inventory_order():
     random.Random(7).shuffle(shuffled)
     first = plan_for(inv, preset("llama-13b"), 96)
     second = plan_for(Inventory(tuple(shuffled)), preset("llama-13b"), 96)
-    assert first.to_dict() == second.to_dict()
-    assert first.explain() == second.explain()
+    assert result_to_dict(first) == result_to_dict(second)
+    assert explain(first) == explain(second)
 
 
 # ---- infeasible and bad inputs ---------------------------------------------------------------
@@ -278,7 +279,7 @@ def test_cross_node_replicas_option():
 
 def test_explain_shows_layout_time_memory_and_alternatives():
     inv = inventory_from_nodes(PAPER).with_health(failed=(3,))
-    text = plan_for(inv, preset("llama-13b"), 64).explain()
+    text = explain(plan_for(inv, preset("llama-13b"), 64))
     assert "Chosen:" in text and "step " in text and "GiB of" in text
     assert "Next-best alternatives:" in text
     assert "1 failed: 3" in text
@@ -331,13 +332,13 @@ def test_any_small_cpu_job_gets_a_valid_plan(nodes, failed, slow, batch):
     inv = cpu_inventory(ranks).with_health(tuple(failed), slow)
     if len(failed) == next_rank:
         with pytest.raises(PlanInfeasibleError):
-            plan_for(inv, ModelProfile.from_config(TINY), batch)
+            plan_for(inv, profile_from_config(TINY), batch)
         return
-    result = plan_for(inv, ModelProfile.from_config(TINY), batch)
+    result = plan_for(inv, profile_from_config(TINY), batch)
     result.plan.check_model(TINY)
     assert result.plan.global_batch == batch
     assert not failed & set(result.plan.devices)
-    again = plan_for(inv, ModelProfile.from_config(TINY), batch)
+    again = plan_for(inv, profile_from_config(TINY), batch)
     assert again.plan == result.plan
 
 

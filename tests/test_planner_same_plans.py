@@ -25,7 +25,8 @@ import pytest
 from hspmd_elastic.contract import schema
 from hspmd_elastic.plan import Plan
 from hspmd_elastic.planner import (Inventory, ModelProfile, PlanInfeasibleError,
-                                   PlannerOptions, cost, cpu_inventory, plan_for, preset)
+                                   PlannerOptions, cost, cpu_inventory, inventory_from_nodes,
+                                   plan_for, preset)
 from hspmd_elastic.planner import search
 from hspmd_elastic.planner.api import Estimate
 from hspmd_elastic.planner.passes import Solver, signature
@@ -150,7 +151,7 @@ def _planner_results() -> dict:
             out[name] = f"{type(exc).__name__}: {exc}"
         return out[name]
 
-    het = Inventory.from_nodes("8xH800,8xH800,16xH20")
+    het = inventory_from_nodes("8xH800,8xH800,16xH20")
     first = run("het", het, preset("llama-7b"), 512)
     run("het, redundancy 2", het, preset("llama-7b"), 512, redundancy=2)
     run("het, cross-node replicas", het, preset("llama-7b"), 512, cross_node_replicas=True)
@@ -158,7 +159,7 @@ def _planner_results() -> dict:
     run("het, failed and slow", broken, preset("llama-7b"), 512, current=first.plan)
     run("het, failed and slow, switch weight", broken, preset("llama-7b"), 512,
         current=first.plan, switch_weight=0.5)
-    mix = Inventory.from_nodes(",".join(["8xH100"] * 12 + ["8xA100"] * 6 + ["4xL40S"] * 4))
+    mix = inventory_from_nodes(",".join(["8xH100"] * 12 + ["8xA100"] * 6 + ["4xL40S"] * 4))
     base = run("mix", mix, preset("llama-32b"), 512)
     run("mix, failed and slow", mix.with_health(failed=tuple(range(12)), slowdown={100: 3.0}),
         preset("llama-32b"), 512, current=base.plan)
@@ -323,7 +324,7 @@ def test_switch_bytes_equal_the_per_device_sum(results):
 # ---- signatures, ranking, the collector ------------------------------------------------------
 
 def test_chunk_signatures_are_the_pipelines_signatures():
-    inventory = Inventory.from_nodes("8xH100,8xH100,4xH20,8xA100,2xL40S,8xH100,1xH20")
+    inventory = inventory_from_nodes("8xH100,8xH100,4xH20,8xA100,2xL40S,8xH100,1xH20")
     inventory = inventory.with_health(slowdown={3: 2.0, 17: 1.5})
     solver = Solver(preset("llama-7b"), 256, PlannerOptions())
     for _, groups in search._group_sets(inventory.usable, solver.profile, solver.options,

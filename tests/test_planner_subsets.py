@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from hspmd_elastic.planner import (BUILTIN_SPECS, Device, Inventory, ModelProfile, PlannerOptions,
                                    estimate_plan, inventory_from_nodes, plan_for,
                                    spec_for_device, uniform_inventory)
+from hspmd_elastic.planner.explain import explain, result_to_dict
 from hspmd_elastic.planner.subsets import (MAX_PER_FAMILY, best_uniform, subsets,
                                            uniform_subsets)
 from launcher.leader.planning import RedundantPlanner, UniformPlanner
@@ -88,10 +89,10 @@ def test_the_idle_reason_has_consistent_numbers():
         assert dev.reason == (f"device {dev.id} idle: at 0.25x the fastest device's speed the "
                               f"best plan using it takes {dev.step_time_with_s:.4g} s/step vs "
                               f"{dev.step_time_without_s:.4g} s without")
-    text = result.explain()
+    text = explain(result)
     for dev in est.idle:
         assert dev.reason in text
-    doc = result.to_dict()["chosen"]["estimate"]["idle"]
+    doc = result_to_dict(result)["chosen"]["estimate"]["idle"]
     assert [d["id"] for d in doc] == [2, 3] and doc[0]["reason"] == est.idle[0].reason
 
 

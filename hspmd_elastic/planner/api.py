@@ -179,13 +179,6 @@ class Inventory:
             if a == b:
                 raise PlannerError(f"device id {a} appears twice in the inventory")
 
-    @classmethod
-    def from_nodes(cls, text: str) -> "Inventory":
-        """``"8xH800,8xH800,16xH20"``: one item per node (see ``devices.inventory_from_nodes``)."""
-        from hspmd_elastic.planner.devices import inventory_from_nodes
-
-        return inventory_from_nodes(text)
-
     def by_id(self) -> dict[int, Device]:
         return {d.id: d for d in self.devices}
 
@@ -267,20 +260,6 @@ class ModelProfile:
         if self.activation_bytes_per_token_layer is None:
             object.__setattr__(self, "activation_bytes_per_token_layer",
                                17 * self.hidden_size * self.activation_bytes)
-
-    @classmethod
-    def preset(cls, name: str) -> "ModelProfile":
-        """``llama-7b``, ``llama-13b`` or ``llama-32b`` (see ``profiles``)."""
-        from hspmd_elastic.planner.profiles import preset
-
-        return preset(name)
-
-    @classmethod
-    def from_config(cls, config: "ModelConfig", name: str = "config") -> "ModelProfile":
-        """The profile of the project's own decoder; plans are then checked against it."""
-        from hspmd_elastic.planner.profiles import profile_from_config
-
-        return profile_from_config(config, name)
 
     # ---- parameter and FLOP counts ----------------------------------------------------------
     @property
@@ -492,13 +471,5 @@ class PlanResult:
     def estimate(self) -> Estimate:
         return self.chosen.estimate
 
-    def explain(self) -> str:
-        """A human-readable account: layout, step time, memory per device, next-best plans."""
-        from hspmd_elastic.planner.explain import explain
-
-        return explain(self)
-
-    def to_dict(self) -> dict:
-        from hspmd_elastic.planner.explain import result_to_dict
-
-        return result_to_dict(self)
+    # its account for people and its JSON: ``explain.explain(result)`` and
+    # ``explain.result_to_dict(result)`` (the presentation sits above the API)
