@@ -30,6 +30,7 @@ from hspmd_elastic.coord import read_events
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.graph.config import ModelConfig
 from launcher.cgroups import worker_cgroup
+from launcher.leader.speeds import StragglerPolicy
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -77,7 +78,15 @@ def test_a_throttled_worker_is_replanned_to_less_work_in_memory_and_gets_it_back
         assert _rows(degraded, 1) < _rows(degraded, 0), degraded  # less work for it
         speeds = [schema.event_detail(e) for e in read_events(client, job) if e.type == "speeds"]
         chosen = [d for d in speeds if d.replan]
-        assert chosen and chosen[0].measured[slow_dev] <= 0.75 < chosen[0].measured[f"{NODE}:0"]
+        # the degrade replan is the one the speeds decision made: the plan after the one it
+        # weighed, on the first measurement the rule counts (a change of at least
+        # ``min_rel_change``: the window's median moves there before it settles near 0.25,
+        # 0.2 of a core against 0.8, so the rule's bound is the one to hold it to)
+        down = schema.event_detail(_replans(client, job, "degrade", slow_dev)[0])
+        assert chosen and down.version == chosen[0].plan_version + 1, (down, chosen[0])
+        bound = 1.0 - StragglerPolicy().min_rel_change
+        assert 0.1 <= chosen[0].measured[slow_dev] <= bound < chosen[0].measured[f"{NODE}:0"], \
+            chosen[0]
         assert chosen[0].gain_s > chosen[0].cost_s, chosen[0]
         now = {lr: w.pid for lr, w in job_workers(client, job).items()}
         assert now == pids  # switched in memory
@@ -87,16 +96,19 @@ def test_a_throttled_worker_is_replanned_to_less_work_in_memory_and_gets_it_back
                  f"a replan that recovers {slow_dev}", proc=agent.proc)
         back, _ = read_plan_of(client, job)
         assert _rows(back, 1) > _rows(degraded, 1), back  # its work comes back
-        down = schema.event_detail(_replans(client, job, "degrade", slow_dev)[0])
         up = schema.event_detail(_replans(client, job, "recover", slow_dev)[0])
         print(f"rows of {slow_dev}: {_rows(first, 1)} -> {_rows(degraded, 1)} (plan "
               f"v{down.version}, step {down.step}) -> {_rows(back, 1)} (plan v{up.version}, "
               f"step {up.step}); decision: {chosen[0].reason}")
 
         assert agent.wait(180) == 0, agent.stderr()[-4000:]
-        _elastic.assert_recovered_in_memory(worker_results(out), {f"{NODE}:{lr}": pid
-                                                                  for lr, pid in pids.items()},
-                                            payload)
+        results = worker_results(out)
+        _elastic.assert_recovered_in_memory(results, {f"{NODE}:{lr}": pid
+                                                      for lr, pid in pids.items()}, payload)
+    # AdamW's eps 1.0 damps the updates, not so much that the comparison cannot fail: one step
+    # fewer, or the other data order, is far outside its 1e-9
+    for other in (dict(payload, steps=STEPS - 1), dict(payload, data_seed=DATA_SEED + 1)):
+        assert _elastic.max_param_diff(results.values(), other) > 1e-6, other
 
 
 def read_plan_of(client, job: str):
