@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from _elastic_job import ElasticLaunchJob
+import _elastic
+from _elastic_job import REFERENCE, ElasticLaunchJob
 from _wait import wait_for
 
 from hspmd_elastic.coord.plans import read_plan
@@ -26,6 +27,7 @@ NODE = "idle"
 # the suite's agents give every worker a role (``PET_HSPMD_ALL_DEVICES=on``); these do not
 PLANNER_IDLES = ("--hspmd-all-devices", "off")
 USED, IDLE = f"{NODE}:0", f"{NODE}:1"
+LONG_STEPS = 1500  # TINY's steps take milliseconds: this outlasts an idle worker's start
 
 
 def test_an_idle_device_keeps_a_probing_worker_and_the_job_still_equals_the_reference(
@@ -108,3 +110,66 @@ def test_a_throttled_idle_device_is_measured_by_its_probes_and_named_in_a_speeds
         results = worker_results(out)
         assert set(results) == {USED}
         _elastic.assert_recovered_in_memory(results, {USED: used.pid}, payload)
+
+
+def test_a_device_a_slowdown_leaves_idle_hands_its_optimizer_shard_over_then_probes(
+        tmp_path, marker, etcd_server):
+    """Uneven optimizer shards (each row's AdamW moments on one holder) over three workers, the
+    planner's CPU compute slowed so that the first plan uses all three (``--hspmd-device-types``);
+    then device 2 runs at an eighth of its speed (a scripted ``thermal`` verdict) and the next
+    plan leaves it idle. It owns moments nobody else has, so that plan drains it: its state
+    leaves by BSR before its worker leaves (no checkpoint exists), and its slot then gets an idle
+    worker that probes it. No failure; the parameters equal the fault-free dense reference."""
+    from launcher.health.scripted import Fault, encode_fault_script
+
+    from hspmd_elastic.contract import schema
+
+    types = tmp_path / "types.json"
+    types.write_text('{"CPU": {"peak_tflops": 1e-05}}')
+    slow = f"{NODE}:2"
+    with ElasticLaunchJob(etcd_server, tmp_path, marker, prefix="idr") as job:
+        # long enough after the switch for the idle worker to start and probe
+        job.start(NODE, 3, *PLANNER_IDLES, "--hspmd-optimizer-shards", "uneven",
+                  "--hspmd-device-types", str(types), "--hspmd-health-source", "scripted:etcd",
+                  nnodes=1, train=("--steps", str(LONG_STEPS), "--adam-eps", "1.0"))
+        devices = [f"{NODE}:{i}" for i in range(3)]
+        pids = job.wait_paused(devices)
+        assert sorted(job.plans()[1][1]) == devices
+        job.client.put(schema.fault_script_key(job.name, NODE), encode_fault_script(
+            [Fault(2, "thermal", slowdown=0.125, reason="thermal slowdown to 1/8")]))
+
+        def idling_plan():
+            later = [(v, names) for v, (_p, names) in job.plans().items() if v > 1]
+            return later[-1] if later and slow not in later[-1][1] else None
+
+        version, names = wait_for(lambda: job.check_agents() or idling_plan(), 60,
+                                  f"a plan that leaves {slow} idle")
+        rec = read_plan(job.client, job.name)[0]
+        assert rec.version == version and rec.drain == [slow] and slow in rec.inventory, rec
+        job.release.touch()
+
+        def probing():
+            job.check_agents()
+            w = job.workers().get(slow)
+            return w if w is not None and w.pid != pids[slow] and w.probes >= 1 else None
+
+        idle = wait_for(probing, 60, f"an idle worker probing {slow}")
+        assert idle.global_rank == -1 and idle.busy_s == 0
+        job.finish(timeout=90)
+        events = job.events()
+        drained = [e for e in events if e.type == "drained"]
+        assert [schema.event_detail(e).device for e in drained] == [slow], [
+            (e.type, e.detail) for e in events]
+        assert drained[0].timings["bsr_bytes_sent"] > 0  # the moments only it held
+        assert not {"failure", "fallback", "switch-failed"} & {e.type for e in events}
+        results = job.results()
+        assert set(results) == set(devices) - {slow}  # the idle worker saved nothing
+        for dev, res in results.items():
+            assert res["pid"] == pids[dev] and res["state"] == "done", (dev, res["state"])
+            assert res["steps_done"] == LONG_STEPS
+        # every element held (a moment nobody sent would leave NaN) and equal to the reference
+        # (AdamW's eps 1.0, as the straggler tests: over many steps the plans' other orders of
+        # adding rows must not let last-bit differences grow)
+        _elastic.assert_matches_reference(results.values(),
+                                          dict(REFERENCE, steps=LONG_STEPS, adam_eps=1.0),
+                                          tol=1e-9)

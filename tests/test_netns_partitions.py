@@ -421,7 +421,11 @@ def test_restart_mode_cut_off_node_leaves_a_round_and_joins_the_next_after_the_h
     from inject_train import reference_params
 
     topo, job = cluster
-    steps, batch = 60, 12  # paced: the last rounds still train while node-b comes back
+    # Paced (0.25 s a step): the round without node-b must still be training when node-b
+    # comes back, a second or two after the heal (which waits for that round's first step),
+    # so it keeps well over 5 s of steps left; the steps after node-b's return prove nothing
+    # more, so there are few of them.
+    steps, batch = 30, 12
     progress, snapshot = topo.tmp / "progress", topo.tmp / "snapshot.pt"
     script = [str(SCRIPTS / "inject_train.py"), "--steps", str(steps), "--batch", str(batch),
               "--snapshot", str(snapshot), "--progress-dir", str(progress),
