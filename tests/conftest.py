@@ -123,3 +123,41 @@ def marker():
     m = new_marker()
     yield m
     assert_no_leftovers(m)
+
+
+def _run_demo(tmp: Path) -> dict:
+    """``python scripts/demo_job.py`` (what ``scripts/demo`` runs, its default arguments) with
+    ``TMPDIR`` an empty folder of ``tmp``: its exit code, stdout, stderr and seconds, and the
+    ``hspmd*`` names and bytes it left in that folder after it exited."""
+    import subprocess
+    import time
+
+    from launch_harness import REPO, base_env
+
+    tmpdir = tmp / "tmp"
+    tmpdir.mkdir()
+    env = base_env(new_marker(), TMPDIR=str(tmpdir), PYTHONPATH=str(REPO))
+    start = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, "scripts/demo_job.py"], cwd=str(REPO), env=env,
+                             capture_output=True, text=True, timeout=240)
+        code, stdout, stderr = out.returncode, out.stdout, out.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, stdout, stderr = None, *(x.decode(errors="replace") if isinstance(x, bytes)
+                                       else x or "" for x in (exc.stdout, exc.stderr))
+    seconds = time.monotonic() - start
+    left = sorted(n for n in os.listdir(tmpdir) if n.startswith("hspmd"))  # demo, logs, ...
+    size = sum(os.path.getsize(os.path.join(d, n)) for d, _s, names in os.walk(tmpdir)
+               for n in names if not os.path.islink(os.path.join(d, n)))
+    return {"code": code, "stdout": stdout, "stderr": stderr, "seconds": seconds,
+            "left": left, "left_bytes": size}
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> dict:
+    """The demo run once per session (``_run_demo``; ``_hf_worlds.once_per_session`` shares it
+    between pytest-xdist workers): tests/test_readme_commands.py checks its result,
+    tests/test_demo_cleanup.py what it left in its temporary directory."""
+    from _hf_worlds import once_per_session
+
+    return once_per_session(tmp_path_factory, "demo-run", _run_demo)

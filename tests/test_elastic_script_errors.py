@@ -7,7 +7,8 @@ other than the one planned for) kills the workers of both nodes; the job fails o
 every agent, with the first worker's error as the root cause in every agent's torchrun-style
 summary (exception, rank, host, error file) and in the job's end reason, not "no usable device
 left". A model larger than the memory of a one-node job's whole node fails at once, naming the
-shortfall, instead of waiting out ``join_timeout``.
+shortfall, instead of waiting out ``join_timeout``. The two mismatches' jobs run at once on one
+etcd, in one module-scoped fixture; each test reads one of them.
 
 The pure parts (``error_signature``, ``ScriptErrors``, ``largest_cluster``, the judge's order)
 are checked exhaustively on values below.
@@ -15,17 +16,21 @@ are checked exhaustively on values below.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
 import pytest
 
 from _elastic_job import TINY, ElasticLaunchJob
+from launch_harness import assert_no_leftovers, new_marker
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.rounds import RoundState
+from launcher.standalone import EtcdCluster
 
 ROOT = "Root Cause (first observed failure):"
+MISMATCHES = ["global-batch", "model"]
 
 
 @pytest.fixture
@@ -46,22 +51,52 @@ def _job_end(job: ElasticLaunchJob) -> RoundState:
     return RoundState.decode(key, kv.value, kv.mod_revision)
 
 
+def _mismatched(job: ElasticLaunchJob, mismatch: str) -> tuple[tuple[str, ...], str]:
+    """The training arguments that differ from what the leader plans for, and the error every
+    worker must fail with."""
+    if mismatch == "global-batch":
+        return ("--global-batch", "8"), "ConfigurationError: plan global_batch=4"
+    other = job.tmp / "other.json"
+    other.write_text(dataclasses.replace(TINY, num_layers=3).to_json())
+    return ("--config", str(other)), "has num_layers=2, model has 3"
+
+
+@pytest.fixture(scope="module")
+def mismatched_jobs(tmp_path_factory):
+    """Both mismatches' jobs, run at once on one etcd (each its own job name, two nodes of one
+    worker each), waited for until every agent exited: mismatch -> (the job, its agents of
+    node-a and node-b, the error expected). No process of theirs is left at the end."""
+    tmp = tmp_path_factory.mktemp("script_errors")
+    marker = new_marker()
+    with EtcdCluster(size=1, base_dir=str(tmp / "etcd")) as etcd, \
+            contextlib.ExitStack() as stack:
+        jobs = {}
+        for mismatch in MISMATCHES:
+            (tmp / mismatch).mkdir()
+            job = stack.enter_context(ElasticLaunchJob(etcd, tmp / mismatch, marker,
+                                                       prefix="se"))
+            train, error = _mismatched(job, mismatch)
+            jobs[mismatch] = (job, job.start("node-a", 1, train=train),
+                              job.start("node-b", 1, train=train), error)
+        deadline = time.monotonic() + 90  # one for all: the tests check every exit code
+        for job, *agents, _error in jobs.values():
+            for agent in agents:
+                with contextlib.suppress(AssertionError):  # killed; its test shows why
+                    agent.wait(max(1.0, deadline - time.monotonic()))
+        yield jobs
+    assert_no_leftovers(marker)
+
+
 @pytest.mark.multiproc
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("mismatch", ["global-batch", "model"])
-def test_one_error_on_two_nodes_fails_the_job_once_with_the_root_cause(job, mismatch):
+@pytest.mark.timeout(150)  # it may start both jobs (``mismatched_jobs``)
+@pytest.mark.parametrize("mismatch", MISMATCHES)
+def test_one_error_on_two_nodes_fails_the_job_once_with_the_root_cause(mismatched_jobs,
+                                                                        mismatch):
     """Each node's one worker raises the same error at the first plan; both agents exit 1, both
     print a summary whose root cause is the job's first failure (one of them is the other
     node's), and the end reason names the error and where it struck first."""
-    if mismatch == "global-batch":
-        train, error = ("--global-batch", "8"), "ConfigurationError: plan global_batch=4"
-    else:
-        other = job.tmp / "other.json"
-        other.write_text(dataclasses.replace(TINY, num_layers=3).to_json())
-        train, error = ("--config", str(other)), "has num_layers=2, model has 3"
-    a = job.start("node-a", 1, train=train)
-    b = job.start("node-b", 1, train=train)
-    job.finish(timeout=60, code=1)
+    job, a, b, error = mismatched_jobs[mismatch]
+    job.finish(timeout=60, code=1)  # they exited: the exit codes
     end = _job_end(job)
     assert end.state == "failed" and "the script's error, not a device fault" in end.reason
     assert error in end.reason and "the same error killed 2 worker(s) on 2 devices" in end.reason

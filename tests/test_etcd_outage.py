@@ -5,11 +5,14 @@ The pure policy (limit, slow answers, the reconcile window) on an injected clock
 mode against a real etcd frozen with SIGSTOP for three lease TTLs: the leases expire, every agent
 re-creates its records under a new lease, the workers' pids never change and no round or
 restart is counted; and an outage past the limit, in both modes: exit 1 with the one-line root
-cause, no worker left. (Elastic mode riding out a stall is in ``test_elastic_e2e.py``.)
+cause, no worker left (both modes' agents run at once, each on its own etcd, in one
+module-scoped fixture; each test reads one). (Elastic mode riding out a stall is in
+``test_elastic_e2e.py``.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -20,12 +23,13 @@ import pytest
 from _clock import FakeClock
 from _elastic_job import write_tiny
 from _wait import wait_for
-from launch_harness import SCRIPTS, Launcher, base_env
+from launch_harness import SCRIPTS, Launcher, assert_no_leftovers, base_env, new_marker
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.coord.client import EtcdClient
 from launcher.api import RendezvousConnectionError
 from launcher.node.outage import EtcdOutagePolicy
+from launcher.standalone import EtcdCluster
 
 TTL = 2.0
 
@@ -137,69 +141,109 @@ def test_restart_mode_rides_out_an_etcd_stall_of_three_lease_ttls(tmp_path, mark
         assert "re-rendezvous" not in err and "restart 1/" not in err, err[-3000:]
 
 
-@pytest.mark.multiproc
-@pytest.mark.timeout(120)
-def test_an_outage_past_the_limit_ends_the_agent_with_one_line(tmp_path, marker, etcd_server):
-    job, pid_dir, go = f"out-{uuid.uuid4().hex[:8]}", tmp_path / "pids", tmp_path / "go"
-    pid_dir.mkdir()
+def _restart_limit_agent(etcd, tmp, marker: str, client: EtcdClient) -> tuple:
+    """Restart mode, one node of two ``outage_worker.py`` workers, outage limit 6 s: the agent,
+    and a predicate that returns the workers' pids once both run."""
+    job, pid_dir, go = f"out-{uuid.uuid4().hex[:8]}", tmp / "pids", tmp / "go"
+    pid_dir.mkdir(parents=True)
     env = base_env(marker, PID_DIR=str(pid_dir), GO_FILE=str(go))
     agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
-                      "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
+                      "--rdzv-endpoint", etcd.endpoint_str, "--rdzv-id", job,
                       "--hspmd-node-id", "solo", "--hspmd-lease-ttl", str(TTL),
                       "--hspmd-etcd-outage-limit", "6", "--shutdown-timeout", "5",
-                      str(SCRIPTS / "outage_worker.py")], env, tmp_path, "solo")
-    etcd = etcd_server.members[0].proc
-    try:
-        wait_for(lambda: len(_pids(pid_dir)) == 2, 60, "the workers running", proc=agent.proc)
-        workers = [pid for pids in _pids(pid_dir).values() for pid in pids]
-    except BaseException:
-        agent.proc.kill()
-        raise
-    code = _agent_code_with_etcd_stopped(etcd, agent)
-    _check_ended_past_the_limit(agent, code, workers)
+                      str(SCRIPTS / "outage_worker.py")], env, tmp, "solo")
+
+    def running():
+        pids = _pids(pid_dir)
+        return [pid for p in pids.values() for pid in p] if len(pids) == 2 else None
+
+    return agent, running, "the workers running"
 
 
-@pytest.mark.multiproc
-@pytest.mark.timeout(120)
-def test_elastic_mode_past_the_outage_limit_ends_with_one_line_and_no_worker_left(
-        tmp_path, marker, etcd_server):
+def _elastic_limit_agent(etcd, tmp, marker: str, client: EtcdClient) -> tuple:
+    """Elastic mode, one node of two ``elastic_train.py`` workers that wait at step 2 (for a
+    release that never comes), outage limit 6 s: the agent, and a predicate that returns the
+    workers' pids once both wait there (read from their records with ``client``)."""
     job = f"out-{uuid.uuid4().hex[:8]}"
-    config = write_tiny(tmp_path / "model.json")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = write_tiny(tmp / "model.json")
     agent = Launcher(["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
-                      "--rdzv-endpoint", etcd_server.endpoint_str, "--rdzv-id", job,
+                      "--rdzv-endpoint", etcd.endpoint_str, "--rdzv-id", job,
                       "--hspmd-node-id", "solo", "--hspmd-lease-ttl", str(TTL),
                       "--hspmd-etcd-outage-limit", "6", "--shutdown-timeout", "5",
                       "--hspmd-elastic", "--hspmd-model", str(config),
                       "--hspmd-global-batch", "4", str(SCRIPTS / "elastic_train.py"),
                       "--config", str(config), "--steps", "6", "--global-batch", "4",
-                      "--out", str(tmp_path / "out"), "--pause-at", "2",
-                      "--release", str(tmp_path / "never")], base_env(marker), tmp_path, "solo")
-    etcd = etcd_server.members[0].proc
+                      "--out", str(tmp / "out"), "--pause-at", "2",
+                      "--release", str(tmp / "never")], base_env(marker), tmp, "solo")
     prefix = schema.workers_prefix(job)
-    with EtcdClient(etcd_server.endpoints, timeout=5.0) as client:
-        try:
-            def paused():
-                recs = [schema.decode(kv.key, kv.value) for kv in client.get_prefix(prefix)]
-                return [r.pid for r in recs] if len(recs) == 2 and all(
-                    r.step >= 2 for r in recs) else None
 
-            workers = wait_for(paused, 60, "both workers at step 2", proc=agent.proc)
-        except BaseException:
-            agent.proc.kill()
-            raise
-    code = _agent_code_with_etcd_stopped(etcd, agent)
-    _check_ended_past_the_limit(agent, code, workers)
+    def paused():
+        recs = [schema.decode(kv.key, kv.value) for kv in client.get_prefix(prefix)]
+        return [r.pid for r in recs] if len(recs) == 2 and all(r.step >= 2 for r in recs) \
+            else None
+
+    return agent, paused, "both workers at step 2"
 
 
-def _agent_code_with_etcd_stopped(etcd, agent) -> int:
-    """Freeze etcd (SIGSTOP) until the agent exits: its exit code (etcd resumes after)."""
+@pytest.fixture(scope="module")
+def past_the_limit(tmp_path_factory):
+    """Both modes' agents, each on its own etcd, run at once: once the workers of both run,
+    both etcds are frozen (SIGSTOP) until the agents exit. mode -> (the agent, its exit code,
+    its workers' pids). No process of theirs is left at the end."""
+    tmp = tmp_path_factory.mktemp("outage_limit")
+    marker = new_marker()
+    with contextlib.ExitStack() as stack:
+        started = {}
+        for mode, start in (("restart", _restart_limit_agent),
+                            ("elastic", _elastic_limit_agent)):
+            etcd = stack.enter_context(EtcdCluster(size=1, base_dir=str(tmp / mode / "etcd")))
+            client = stack.enter_context(EtcdClient(etcd.endpoints, timeout=5.0))
+            agent, ready, what = start(etcd, tmp / mode, marker, client)
+            stack.callback(_kill, agent)
+            started[mode] = (etcd, agent, ready, what)
+        workers = {mode: wait_for(ready, 60, what, proc=agent.proc)
+                   for mode, (_etcd, agent, ready, what) in started.items()}
+        codes = _agent_codes_with_etcd_stopped(
+            [etcd for etcd, *_rest in started.values()],
+            {mode: agent for mode, (_etcd, agent, *_rest) in started.items()})
+        out = {mode: (started[mode][1], codes[mode], workers[mode]) for mode in started}
+    assert_no_leftovers(marker)
+    return out
+
+
+def _kill(agent) -> None:
+    if agent.proc.poll() is None:
+        agent.proc.kill()
+        agent.proc.wait(10)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)  # it may start both modes' agents (``past_the_limit``)
+def test_an_outage_past_the_limit_ends_the_agent_with_one_line(past_the_limit):
+    _check_ended_past_the_limit(*past_the_limit["restart"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)  # it may start both modes' agents (``past_the_limit``)
+def test_elastic_mode_past_the_outage_limit_ends_with_one_line_and_no_worker_left(
+        past_the_limit):
+    _check_ended_past_the_limit(*past_the_limit["elastic"])
+
+
+def _agent_codes_with_etcd_stopped(etcds, agents: dict) -> dict:
+    """Freeze every member of ``etcds`` (SIGSTOP) until every agent of ``agents`` (by name) has
+    exited: their exit codes, by name (etcd resumes after)."""
+    procs = [member.proc for etcd in etcds for member in etcd.members]
     try:
-        os.kill(etcd.pid, signal.SIGSTOP)
-        return agent.wait(60)
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGSTOP)
+        return {name: agent.wait(60) for name, agent in agents.items()}
     finally:
-        os.kill(etcd.pid, signal.SIGCONT)
-        if agent.proc.poll() is None:
-            agent.proc.kill()
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGCONT)
+        for agent in agents.values():
+            _kill(agent)
 
 
 def _check_ended_past_the_limit(agent, code: int, workers) -> None:
