@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from typing import Callable, Mapping, Optional, Sequence
@@ -66,6 +67,9 @@ class HeteroJob:
         self._tl_pos = [0] * nproc  # bytes of each worker's timeline read so far
         self._tl_recs: list[list[dict]] = [[] for _ in range(nproc)]
         self.deadline = time.monotonic() + settings.phase_timeout_s
+        self._placed: dict[int, int] = {}  # local rank -> the pid in its cgroup
+        self._closed = threading.Event()
+        self._follower: Optional[threading.Thread] = None
         self._finalizer = weakref.finalize(self, _stop, [None], self.tl_dir, self.quota, nproc)
 
     # ------------------------------------------------------------------ processes
@@ -89,6 +93,9 @@ class HeteroJob:
                                           self.nproc)
 
     def close(self) -> None:
+        self._closed.set()
+        if self._follower is not None:
+            self._follower.join(10)
         self._finalizer()
         self.client.close()
 
@@ -141,7 +148,42 @@ class HeteroJob:
         for lr, fraction in enumerate(fractions):
             self.quota.place(worker_cgroup(NODE, lr), ws[lr].pid, fraction)
             self.fractions[device(lr)] = fraction
+            self._placed[lr] = ws[lr].pid
+        if self._follower is None:
+            self._follower = threading.Thread(target=self._follow, name="quota follower",
+                                              daemon=True)
+            self._follower.start()
         return time.time()
+
+    def _follow(self) -> None:
+        """The quota stays with the slot, not the process: a worker that replaces another on a
+        slot (an idle worker after a drain, a joiner) goes into the slot's cgroup as soon as its
+        record appears, so a slow device stays slow (every ``POLL_S``, until ``close``)."""
+        from hspmd_elastic.coord import EtcdClient
+        from hspmd_elastic.contract import schema
+        from launcher.cgroups import CgroupError, worker_cgroup
+
+        client = EtcdClient(self.etcd.endpoint_str, timeout=5.0)
+        try:
+            while not self._closed.wait(POLL_S):
+                try:
+                    kvs = client.get_prefix(schema.workers_prefix(self.name))
+                except Exception:  # noqa: BLE001 - etcd busy: try again next time
+                    continue
+                for kv in kvs:
+                    rec = schema.decode_or_none(kv)
+                    if rec is None or self._placed.get(rec.local_rank, rec.pid) == rec.pid:
+                        continue
+                    fraction = self.fractions.get(device(rec.local_rank))
+                    if fraction is None or not self._job_pid(rec.pid):
+                        continue
+                    try:
+                        self.quota.place(worker_cgroup(NODE, rec.local_rank), rec.pid, fraction)
+                        self._placed[rec.local_rank] = rec.pid
+                    except CgroupError:
+                        pass  # it exited already
+        finally:
+            client.close()
 
     def set(self, local_rank: int, fraction: float) -> float:
         from launcher.cgroups import worker_cgroup
