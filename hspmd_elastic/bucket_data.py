@@ -38,6 +38,8 @@ import torch
 from hspmd_elastic.data import DataError
 from hspmd_elastic.documents import DEFAULT_MODE, DocumentSampler, Documents, bucket_index, \
     document_sampler
+from hspmd_elastic.planner import PlannerError
+from hspmd_elastic.planner.buckets import bucket_rows, parse_lengths
 
 
 @dataclass
@@ -127,9 +129,6 @@ def bucketed_sampler(config, path: str, lengths: str, global_batch: int,
     buckets of ``lengths`` (``--hspmd-lengths``' ``LEN:SHARE,...``: windows and, from the
     shares, each bucket's rows of ``global_batch`` as the planner splits them,
     ``planner.bucket_rows``)."""
-    from hspmd_elastic.planner import PlannerError
-    from hspmd_elastic.planner.buckets import bucket_rows, parse_lengths
-
     try:
         buckets = parse_lengths(lengths)
         rows = bucket_rows([b.share for b in buckets], global_batch)

@@ -32,6 +32,7 @@ import numpy as np
 from hspmd_elastic.data import DataError, at_least, parent_made, run_command
 from hspmd_elastic.documents import (DEFAULT_MODE, MODES, TOKEN_CODES, DocumentSampler,
                                      open_documents, write_indexed)
+from hspmd_elastic.planner import PlannerError, parse_lengths
 
 
 def _make(args) -> int:
@@ -93,8 +94,6 @@ def _check(args) -> int:
 
 
 def _histogram(sampler: DocumentSampler, bounds: list[int]) -> None:
-    from hspmd_elastic.planner import PlannerError, parse_lengths
-
     hist = sampler.length_histogram(bounds)
     low = 1
     for b, n, t in zip(hist.boundaries, hist.documents, hist.tokens):

@@ -63,8 +63,11 @@ from hspmd_elastic.elastic.watchdog import PlanWatcher, Watchdog
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.devices import DeviceSettingError, select_device, use_device
 from hspmd_elastic.graph.comm import CommTimeoutError
-from hspmd_elastic.graph.config import ModelConfig
+from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.graph.optim import AdamWConfig
+from hspmd_elastic.hf import HFCheckpointError, load_shards
+from hspmd_elastic.hf.api import CONFIG_FILE
+from hspmd_elastic.hf.export import gather_full  # noqa: F401 (runtime.gather_full, re-exported)
 from hspmd_elastic.reshard import ReshardCommError
 from hspmd_elastic.switch import (UNDO_MODES, GraphSwitch, Held, SwitchTimeouts,
                                   check_global_batch)
@@ -159,20 +162,6 @@ def counted_targets(sample, step: int, global_batch: int) -> int:
     predicts ``l - 1``): the loss's denominator, from the documents' lengths only."""
     return sum(max(n - 1, 0) for i in range(global_batch)
                for n in sample.lengths(step * global_batch + i))
-
-
-def gather_full(pieces: list[dict[str, tuple[tuple, torch.Tensor]]],
-                shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Assemble full tensors from several ranks' ``final_state`` (every element must appear)."""
-    out = {}
-    for name, shape in shapes.items():
-        full = torch.full(shape, float("nan"), dtype=torch.float64)
-        for part in pieces:
-            if name in part:
-                ranges, tensor = part[name]
-                full[tuple(slice(lo, hi) for lo, hi in ranges)] = tensor.to(torch.float64)
-        out[name] = full
-    return out
 
 
 class _Context(logging.LoggerAdapter):
@@ -499,8 +488,6 @@ class _Worker:
 
 
 def _full_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
-    from hspmd_elastic.graph.config import param_specs
-
     return param_specs(config)[name].shape
 
 
@@ -550,10 +537,6 @@ def check_hf_checkpoint(path: str, config: ModelConfig) -> None:
     """``path`` is a Hugging Face checkpoint of ``config``: a directory with ``config.json``,
     every tensor of the model, nothing else, in the config's shapes (read from the safetensors
     headers: an empty slice of each tensor); else a one-line ``ConfigurationError``."""
-    from hspmd_elastic.graph.config import param_specs
-    from hspmd_elastic.hf import HFCheckpointError, load_shards
-    from hspmd_elastic.hf.api import CONFIG_FILE
-
     if not os.path.isdir(path):
         raise ConfigurationError(f"init_from={path!r} is not a directory (a Hugging Face "
                                  f"checkpoint directory with {CONFIG_FILE} and safetensors)")

@@ -70,6 +70,7 @@ from hspmd_elastic.graph.comm import Comm, CommTimeoutError
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.graph.optim import AdamWConfig
 from hspmd_elastic.graph.specialize import SpecializedModel
+from hspmd_elastic.hf import initial_state_from_hf
 from hspmd_elastic.plan import Plan
 from hspmd_elastic.reshard import ReshardError, fused_bsr_schedule
 from hspmd_elastic.reshard.executor import execute_fused
@@ -436,8 +437,6 @@ class GraphSwitch:
     def _read_init_from(self, record, plan, rank: int, timings) -> dict:
         """This rank's own slices of the Hugging Face checkpoint ``init_from``, zero AdamW
         moments and step 0; the bytes read go to ``timings.extra["checkpoint_bytes_read"]``."""
-        from hspmd_elastic.hf import initial_state_from_hf
-
         stats: dict = {}
         state = initial_state_from_hf(self.init_from, self.config, plan, rank, stats)
         timings.source = "hf"

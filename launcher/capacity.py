@@ -18,6 +18,7 @@ naming them.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Optional
 
@@ -32,15 +33,23 @@ SWITCHES = {"on": True, "off": False}  # --hspmd-straggler-replans
 OPTIMIZER_SHARDS = ("replicated", "uneven")  # --hspmd-optimizer-shards (Plan.optimizer_shards)
 
 
+
+def _planner():
+    """The planner package, imported on first use: it loads numpy and scipy, which
+    ``hspmd-launch --help`` and most usage errors never need."""
+    import hspmd_elastic.planner as planner  # startup
+
+    return planner
+
+
 def parse_device_memory(value: Optional[str]) -> int:
     """``--hspmd-device-memory``: bytes (0 when not given: the device's own, or the type's)."""
     if value is None:
         return 0
-    from hspmd_elastic.planner import PlannerError, parse_bytes
-
+    planner = _planner()
     try:
-        return parse_bytes(value)
-    except PlannerError:
+        return planner.parse_bytes(value)
+    except planner.PlannerError:
         raise ConfigError(f"invalid --hspmd-device-memory value {value!r}: use a size with a "
                           "unit, KiB, MiB or GiB (e.g. 24MiB)") from None
 
@@ -65,14 +74,11 @@ def parse_device_types(path: Optional[str]) -> tuple:
     ``DeviceSpec`` (empty when not given)."""
     if path is None:
         return ()
-    import json
-
-    from hspmd_elastic.planner import PlannerError, device_types_from_dict
 
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        return tuple(device_types_from_dict(data).values())
+        return tuple(_planner().device_types_from_dict(data).values())
     except OSError as exc:
         raise ConfigError(f"invalid --hspmd-device-types value {path!r}: {exc.strerror}") \
             from None
@@ -104,11 +110,10 @@ def parse_lengths_flag(value: Optional[str]) -> tuple[tuple[int, float], ...]:
     given); the planner's ``parse_lengths`` says what is valid."""
     if value is None:
         return ()
-    from hspmd_elastic.planner import PlannerError, parse_lengths
-
+    planner = _planner()
     try:
-        return tuple((b.max_len, b.share) for b in parse_lengths(value))
-    except PlannerError as exc:
+        return tuple((b.max_len, b.share) for b in planner.parse_lengths(value))
+    except planner.PlannerError as exc:
         why = str(exc)
         named = f"lengths {value!r}"  # the planner's message names the value already
         why = why[len(named):].lstrip(":").strip() if why.startswith(named) else why

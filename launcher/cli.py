@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import signal as _signal
 import socket
 import sys
 import uuid
@@ -36,6 +37,7 @@ import click
 
 from hspmd_elastic.contract.env import HangRule
 from hspmd_elastic.contract.ids import ID_RULE, is_id
+from hspmd_elastic.coord.client import format_endpoint, parse_endpoints
 from launcher.api import (
     DEFAULT_ROLE,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -50,9 +52,11 @@ from launcher.api import (
     RendezvousSettings,
 )
 from launcher.capacity import CAPACITY_FLAGS, capacity_settings
+from launcher.health.api import HealthError, parse_health_source
 from launcher.etcd_security import launcher_options, launcher_security, server_tls
 from launcher.logs import check_log_dir, parse_ranks_filter, parse_std
 from launcher.model_flag import parse_model
+from launcher.placement import device_env
 from launcher.numbers import check, number, shutdown_timeout_from_env
 from launcher.planning_flags import planning_options
 from launcher.slurm import SETTINGS as SLURM_SETTINGS, fill_from_slurm
@@ -211,7 +215,7 @@ def launch_command(**params) -> int:
     """Start the node agent: rendezvous through etcd, then run NPROC_PER_NODE workers of
     TRAINING_SCRIPT with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
     config = build_config(params)
-    from launcher.node.launch import launch  # late: keeps --help and usage errors fast
+    from launcher.node.launch import launch  # startup: keeps --help and usage errors fast
 
     return launch(config)
 
@@ -253,7 +257,7 @@ def resolve_nproc(value: str) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if text == "cpu":
         return cpus or 1
-    import torch  # only for accelerator counts
+    import torch  # torch: only for accelerator counts
 
     if text == "gpu":
         if not torch.cuda.is_available():
@@ -292,8 +296,6 @@ def parse_rdzv_conf(value: str) -> dict[str, float]:
 
 
 def _endpoints(spec: str, flag: str) -> tuple[str, ...]:
-    from hspmd_elastic.coord.client import format_endpoint, parse_endpoints
-
     try:  # an IPv6 host keeps its brackets: [::1]:2379
         return tuple(format_endpoint(h, p) for h, p in parse_endpoints(spec))
     except ValueError as exc:
@@ -438,7 +440,6 @@ def build_config(params: dict) -> LaunchConfig:
     if timeout is None:
         timeout = shutdown_timeout_from_env(os.environ, DEFAULT_SHUTDOWN_TIMEOUT_S)
     elastic = _elastic(params, max_nodes)
-    from launcher.placement import device_env
 
     return LaunchConfig(
         rdzv=rdzv, nproc_per_node=nproc, entrypoint=entrypoint, entrypoint_name=name,
@@ -480,8 +481,7 @@ def _elastic(params: dict, max_nodes: int) -> Optional[ElasticSettings]:
 
 def _health_source(value: str) -> str:
     """``--hspmd-health-source``: auto, nvml, none, scripted:<file> or scripted:etcd."""
-    from launcher.health.api import HealthError, parse_health_source
-    from launcher.health.progress import hang_detector_from_env
+    from launcher.health.progress import hang_detector_from_env  # startup
 
     try:
         kind, target = parse_health_source(value)
@@ -498,8 +498,6 @@ def _health_source(value: str) -> str:
 
 
 def _signals(value: str) -> tuple[str, ...]:
-    import signal as _signal
-
     names = tuple(s.strip().upper() for s in value.split(",") if s.strip())
     for name in names:
         if not hasattr(_signal, name) or not name.startswith("SIG"):

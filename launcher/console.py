@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Optional, Union
 
 from hspmd_elastic.contract.schema import switch_of
+from hspmd_elastic.coord.plans import plan_nodes
 
 log = logging.getLogger(__name__)
 
@@ -211,9 +212,9 @@ class WaitBar:
 
     # ------------------------------------------------------------------------ rich
     def _start(self, fields: BarFields) -> None:
-        from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
-                                   TextColumn, TimeElapsedColumn)
+        from rich.console import Console  # startup
+        from rich.progress import (  # startup
+            BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn)
 
         console = Console(file=self.stream, force_terminal=True)
         self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False),
@@ -275,8 +276,6 @@ class ElasticWaits:
         return self.tracker.wait(now, *self._acks(self.tracker.current[0]))
 
     def _acks(self, version: int) -> tuple[int, Optional[int]]:
-        from hspmd_elastic.coord.plans import plan_nodes
-
         acks = self.view.acks(version)
         if not acks:  # nodes that write no acks: a pulsing bar, not a count stuck at 0
             return 0, None
@@ -298,7 +297,7 @@ class _LogStream:
         self._partial = ""
 
     def write(self, text: str) -> int:
-        from rich.text import Text
+        from rich.text import Text  # startup
 
         lines, sep, self._partial = (self._partial + text).rpartition("\n")
         if sep:

@@ -20,7 +20,7 @@ from launcher.api import ConfigError
 
 def _cuda_missing() -> Optional[str]:
     """Why torch cannot use CUDA on this node (None: it can)."""
-    import torch  # only for --hspmd-device cuda
+    import torch  # torch: only for --hspmd-device cuda
 
     if torch.cuda.is_available():
         return None

@@ -65,7 +65,9 @@ from hspmd_elastic.planner import (Candidate, Inventory, LengthBucket, PlanInfea
                                    inventory_from_dict, inventory_from_nodes, parse_bytes,
                                    parse_lengths, plan_buckets, plan_for, preset,
                                    profile_from_dict)
-from hspmd_elastic.planner.explain import explain, result_to_dict
+from hspmd_elastic.planner.bucket_layouts import bucket_layouts, spread_rows
+from hspmd_elastic.planner.buckets import profile_at
+from hspmd_elastic.planner.explain import describe, explain, layout_line, result_to_dict
 from hspmd_elastic.planner.subsets import best_uniform
 from launcher.numbers import number
 
@@ -344,8 +346,6 @@ def _told_on(result: PlanResult, inventory: Inventory, options: PlannerOptions,
     and estimate on ``inventory``, the devices as they are (the chosen plan keeps its
     ``Estimate.idle``, whose step times are the uniform predictions); a plan that cannot run
     there (not expected: the uniform devices are the weakest) is left out."""
-    from hspmd_elastic.planner.explain import describe
-
     def told(c: Candidate) -> Optional[Candidate]:
         try:
             est = estimate_plan(c.plan, inventory, result.profile, options, current_plan)
@@ -401,10 +401,6 @@ def _in_step(inventory: Inventory, profile, global_batch: int,
     whole batch at the longest length; ``best_uniform`` with ``uniform``) and each
     bucket's plan inside the step (``planner.bucket_layouts`` over the devices as they are).
     ``home_s`` is None where the home layout cannot run a bucket, ``home_why`` says why."""
-    from hspmd_elastic.planner.bucket_layouts import bucket_layouts, spread_rows
-    from hspmd_elastic.planner.buckets import profile_at
-    from hspmd_elastic.planner.explain import layout_line
-
     at = profile_at(profile, buckets[-1].max_len)
     with _planner_errors():
         home = (best_uniform(plan_for, inventory, at, global_batch, options=options) if uniform

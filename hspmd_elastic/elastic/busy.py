@@ -41,6 +41,7 @@ own clock, read back a step or more later without a synchronisation and fed in t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -98,8 +99,6 @@ def probe_rows(plan) -> int:
 
 def probe_config(config):
     """The probe's model: ``config`` with ``PROBE_LAYERS`` layers."""
-    import dataclasses
-
     return dataclasses.replace(config, num_layers=min(PROBE_LAYERS, config.num_layers))
 
 
@@ -110,10 +109,10 @@ def probe(config, rows: int, device, seed: int = 0, min_s: float = PROBE_MIN_S,
     at least (at most ``most`` of them): a device shared in time slices (a CPU quota's CFS
     period, a time-sliced GPU) runs a short burst at full speed, and only a probe longer than
     its slices sees its average speed. Touches no process group."""
-    import torch
+    import torch  # torch
 
-    from hspmd_elastic.graph.init import full_params
-    from hspmd_elastic.graph.reference import reference_loss
+    from hspmd_elastic.graph.init import full_params  # torch
+    from hspmd_elastic.graph.reference import reference_loss  # torch
 
     small = probe_config(config)
     params = {k: v.to(device).requires_grad_(True) for k, v in full_params(small, seed).items()}

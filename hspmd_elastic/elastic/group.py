@@ -57,6 +57,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from hspmd_elastic.devices import (backend_for, backend_timeout_s, completes_at_enqueue,
                                    nccl_environment, nonblocking_timeout_s, use_device, uses_nccl)
@@ -99,8 +100,6 @@ def abort_communicators(groups: Optional[list] = None, skip: Iterable = ()) -> N
     ``_abort_process_group`` wraps around its aborts covers nothing, and two hung
     communicators can still block each other's abort (pytorch#119797); aborts that run
     concurrently release each other. Raises what an abort raised, once all have returned."""
-    from torch.distributed import distributed_c10d as c10d
-
     if groups is None:
         names = dict(c10d._world.pg_names)  # a copy: the main thread may add groups meanwhile
         groups = sorted(names, key=lambda pg: names[pg], reverse=True)
@@ -133,8 +132,6 @@ def forget_process_groups() -> None:
     aborts, without aborting anything: the default group and every sub-group are gone
     (``dist.is_initialized()`` is False) and the next ``init_process_group`` starts afresh.
     For groups already aborted, or whose abort failed."""
-    from torch.distributed import distributed_c10d as c10d
-
     world = c10d._world
     c10d._update_default_pg(None)
     for table in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
@@ -151,8 +148,6 @@ def abort_process_groups() -> None:
     at once (``abort_communicators``), and forget them (``dist.is_initialized()`` is False
     afterwards, also when an abort raised: that is re-raised after the registry is
     cleared)."""
-    from torch.distributed import distributed_c10d as c10d
-
     try:
         abort_communicators()
     finally:
@@ -191,8 +186,6 @@ def process_resources() -> dict[str, int]:
     registry), threads, open file descriptors (gloo's sockets among them), and on CUDA the bytes
     the caching allocator has handed out and reserved. Counters that cannot be read here
     (no ``/proc``, no CUDA) are absent, never guessed."""
-    from torch.distributed import distributed_c10d as c10d
-
     out = {"process_groups": len(getattr(c10d._world, "pg_map", {}) or {}),
            "threads": threading.active_count()}
     try:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from hspmd_elastic.devices import completes_at_enqueue
 from hspmd_elastic.graph.config import ModelConfig
 from hspmd_elastic.plan import Plan, PlanError
+from hspmd_elastic.graph.gradsync import sync_group_members
 
 
 class GraphError(RuntimeError):
@@ -134,8 +135,6 @@ def group_members(plan: Plan, config: ModelConfig) -> list[tuple[int, ...]]:
 
     TP groups, the gradient-synchronisation groups and the group of all plan devices (loss).
     """
-    from hspmd_elastic.graph.gradsync import sync_group_members
-
     members = {tuple(sorted(s.devices)) for p in plan.pipelines for s in p.stages}
     members |= set(sync_group_members(plan.param_layouts(config)))
     members.add(plan.devices)

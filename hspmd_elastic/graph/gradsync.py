@@ -38,6 +38,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+import torch
+import torch.distributed as dist
+
 from hspmd_elastic.plan import ParamLayout
 
 
@@ -174,8 +177,6 @@ def sync_gradients(ops: list[SyncOp], grads: dict, comm) -> None:
     """Run ``ops`` on ``grads`` (name -> gradient, updated in place): per group one all-reduce
     of its operations without owners, one reduce-scatter of those with owners (the rows this
     rank owns then hold the sum; its other rows are left as they were)."""
-    import torch
-
     for members, group_ops in _by_group(ops):
         whole = [op for op in group_ops if not op.owners]
         if whole:
@@ -189,9 +190,6 @@ def sync_gradients(ops: list[SyncOp], grads: dict, comm) -> None:
 
 
 def _reduce_scatter(ops: list[SyncOp], members: tuple[int, ...], grads: dict, comm) -> None:
-    import torch
-    import torch.distributed as dist
-
     inputs = [torch.cat([_rows(op, grads[op.name], *op.rows_of(d)).reshape(-1) for op in ops])
               for d in members]  # group ranks follow the sorted members
     out = torch.empty_like(inputs[members.index(comm.rank)])
@@ -215,8 +213,6 @@ def gather_rows(ops: list[SyncOp], new_rows: Callable[[str, int, int], object],
     own, new, from one padded all-gather per group. ``new_rows(name, lo, hi)``: this rank's new
     values of its own rows ``[lo, hi)``; ``shapes``: each parameter's local shard shape. Nothing
     is written: ``apply_rows`` does it once every communication of the step succeeded."""
-    import torch
-
     writes: list[RowWrite] = []
     for members, group_ops in _by_group([op for op in ops if op.owners]):
         row = {op.name: math.prod(shapes[op.name]) // shapes[op.name][op.dim] for op in group_ops}

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from hspmd_elastic.graph.config import ModelConfig, ParamSpec
+from hspmd_elastic.graph.config import ModelConfig, ParamSpec, param_specs
 
 
 def full_param(spec: ParamSpec, config: ModelConfig, seed: int) -> torch.Tensor:
@@ -32,6 +32,4 @@ def local_part(full: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.T
 
 
 def full_params(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    from hspmd_elastic.graph.config import param_specs
-
     return {name: full_param(spec, config, seed) for name, spec in param_specs(config).items()}

@@ -4,11 +4,11 @@
 the weights exceed ``max_shard_size`` bytes, ``model-0000i-of-0000n.safetensors`` files with
 ``model.safetensors.index.json``, as ``save_pretrained`` does. ``state`` is either the full
 parameters (our names) or the ranks' ``RunResult.final_state`` pieces, which are assembled with
-``runtime.gather_full``: that is how a model trained under any plan is exported (every rank of
-the final plan hands back its slices with their global index ranges; one replica of each slice
-is enough). Names map back through ``weights.hf_names``; no row is permuted (see weights.py). A
-tied model writes no ``lm_head.weight`` (``tie_word_embeddings: true``: transformers ties it on
-load).
+``gather_full`` (also ``runtime.gather_full``): that is how a model trained under any plan is
+exported (every rank of the final plan hands back its slices with their global index ranges; one
+replica of each slice is enough). Names map back through ``weights.hf_names``; no row is
+permuted (see weights.py). A tied model writes no ``lm_head.weight`` (``tie_word_embeddings:
+true``: transformers ties it on load).
 
 Files are written atomically (``files``: a temporary name, fsync, rename; a failed write leaves
 no temporary file); ``config.json`` comes last, so a directory with a ``config.json`` holds a
@@ -71,10 +71,24 @@ def export_hf(out_dir: str, config: ModelConfig,
     return written
 
 
+def gather_full(pieces: list[dict[str, tuple[tuple, torch.Tensor]]],
+                shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Assemble full tensors from several ranks' ``final_state`` (every element must appear)."""
+    out = {}
+    for name, shape in shapes.items():
+        full = torch.full(shape, float("nan"), dtype=torch.float64)
+        for part in pieces:
+            if name in part:
+                ranges, tensor = part[name]
+                full[tuple(slice(lo, hi) for lo, hi in ranges)] = tensor.to(torch.float64)
+        out[name] = full
+    return out
+
+
 def full_params(config: ModelConfig,
                 state: Union[Mapping[str, torch.Tensor], Pieces]) -> dict[str, torch.Tensor]:
     """Every parameter's full tensor, checked: all names, the config's shapes, finite values;
-    ``state`` given as ranks' pieces is assembled first (``runtime.gather_full``), and an
+    ``state`` given as ranks' pieces is assembled first (``gather_full``), and an
     element that no piece covers is an error naming the tensor."""
     specs = param_specs(config)
     if isinstance(state, Mapping):
@@ -83,8 +97,6 @@ def full_params(config: ModelConfig,
             raise HFCheckpointError(f"tensor {unknown[0]} is not a parameter of the model")
         full, what = dict(state), "non-finite values"
     else:
-        from hspmd_elastic.runtime import gather_full
-
         for piece in state:
             unknown = sorted(set(piece) - set(specs))
             if unknown:

@@ -29,10 +29,11 @@ from typing import Mapping, Optional
 import torch
 from safetensors import SafetensorError, safe_open
 
+from hspmd_elastic.elastic.checkpoint import CheckpointWriter, latest_complete
 from hspmd_elastic.graph.config import ModelConfig, param_specs
 from hspmd_elastic.graph.state import EXP_AVG, EXP_AVG_SQ, STEP, local_shapes, state_specs
 from hspmd_elastic.hf.api import INDEX_FILE, SINGLE_FILE, HFCheckpointError
-from hspmd_elastic.plan import Plan
+from hspmd_elastic.plan import Plan, simple_plan
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -214,9 +215,6 @@ def write_initial_checkpoint(path: str, config: ModelConfig, checkpoint_dir: str
     weights under any plan: the first switch finds nobody holding state and reads each rank's
     own slices of the newest complete checkpoint. Refused when ``checkpoint_dir`` already holds
     a complete checkpoint (the newest one wins, so step 0 would be ignored or replaced)."""
-    from hspmd_elastic.elastic.checkpoint import CheckpointWriter, latest_complete
-    from hspmd_elastic.plan import simple_plan
-
     existing = latest_complete(checkpoint_dir)
     if existing >= 0:
         raise HFCheckpointError(f"{checkpoint_dir} already holds the checkpoint of step "

@@ -49,6 +49,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from hspmd_elastic.planner.api import (Candidate, Device, Health, IdleDevice, Inventory,
                                        ModelProfile, PlanInfeasibleError, PlannerOptions,
                                        PlanResult)
+from hspmd_elastic.planner.devices import uniform_inventory
 
 MAX_PER_FAMILY = 10  # subsets of one family the search lays out at most
 PATIENCE = 2  # subsets in a row that fail to beat the best before a family stops
@@ -199,8 +200,6 @@ def uniform_subsets(inventory: Inventory,
     """``(kept ids, inventory)`` for every prefix by speed ending at a tier's edge, the whole
     inventory first: the prefix's devices as ``uniform_inventory`` makes them, the other usable
     devices marked failed (at most ``MAX_UNIFORM`` prefixes; ``use_all``: the whole one)."""
-    from hspmd_elastic.planner.devices import uniform_inventory
-
     ordered = sorted(inventory.usable, key=speed_key)
     counts = [0] + ([] if use_all else _thin(_edges(ordered), MAX_UNIFORM - 1))
     out = []

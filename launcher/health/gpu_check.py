@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -55,12 +56,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from typing import Any, Callable, Optional
 
 from hspmd_elastic.contract.env import GPU_CHECK_WHEELS_ENV
 from launcher.health.gpu_check_job import (CheckFailed, run_worker, switches_in_process,
                                            worker_kill_switch)
+from launcher.health.nvml import NvmlHealthSource, probe_nvml
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -121,7 +125,7 @@ def preflight(modules: list[str], etcd: bool) -> None:
                         and exc.name.split(".")[0] != m.split(".")[0]
                         and exc.name.split(".")[0] in tops)]
     if etcd and not failed:
-        from launcher.standalone import EtcdNotFoundError, find_etcd_binary
+        from launcher.standalone import EtcdNotFoundError, find_etcd_binary  # optional
 
         try:
             find_etcd_binary()
@@ -151,10 +155,7 @@ def missing_optional(step: str) -> Optional[str]:
 def machine_lines(cuda_why: Callable[[], Optional[str]], transformers: bool) -> list[str]:
     """What this machine runs, printed before the steps: torch with its CUDA and NCCL versions,
     and the state of transformers' Hub kernels (``transformers``: whether it is installed)."""
-    import importlib.metadata
-
-    import torch
-
+    torch = _torch()
     if cuda_why() is not None:
         nccl = "n/a (no CUDA)"
     else:
@@ -206,11 +207,9 @@ def _wheel_hint(wheel: Optional[str], module: str = "") -> str:
 def check_nvml(budget_s: float, nvml: Any = None) -> int:
     """Exercise the NVML health source; returns the number of GPUs. ``nvml``: the pynvml
     module (a stand-in in tests)."""
-    from launcher.health.nvml import NvmlHealthSource, probe_nvml
-
     if nvml is None:
-        import pynvml as nvml
-    from hspmd_elastic.planner import spec_for_device
+        import pynvml as nvml  # optional
+    from hspmd_elastic.planner import spec_for_device  # optional
 
     why = probe_nvml(nvml)
     if why is not None:
@@ -253,13 +252,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def cuda_unavailable_reason() -> Optional[str]:
-    import torch
-    import torch.distributed as dist
+def _torch():
+    """torch, imported by the steps that use it, after the preflight: a machine without it gets
+    the preflight's one line, not a traceback."""
+    import torch  # torch (it imports torch.distributed too)
 
+    return torch
+
+
+def cuda_unavailable_reason() -> Optional[str]:
+    torch = _torch()
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} cannot use CUDA (a CPU-only build, or no GPU)"
-    if not dist.is_nccl_available():
+    if not torch.distributed.is_nccl_available():
         return f"torch {torch.__version__} was built without NCCL"
     return None
 
@@ -365,8 +370,6 @@ def _run_step(name: str, fn: Callable[[], Optional[str]], strict: bool,
 
 def _one_line(exc: BaseException) -> str:
     """``Type: message (at file:line)``, the innermost frame of this checkout."""
-    import traceback
-
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith(ROOT)]
     where = (f" (at {os.path.relpath(frames[-1].filename, ROOT)}:{frames[-1].lineno})"
              if frames else "")
@@ -486,9 +489,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
+    return _torch().cuda.device_count()
 
 
 def _needs_cuda(why: Optional[str]) -> None:
@@ -537,8 +538,6 @@ def _mfu(setting: str, cuda_why: Callable[[], Optional[str]], budget_s: float,
          report: Optional[str]) -> str:
     """``scripts/bench_step --mfu`` on cuda:0 (or, with ``--device cpu``, a tiny rehearsal),
     bounded by ``budget_s``; one line of its numbers, read from its JSON result."""
-    import tempfile
-
     bench = os.path.join(ROOT, "scripts", "bench_step")
     if not os.path.isfile(bench):
         raise Skipped(f"skipped: {bench} is not here (run the check from a checkout)")

@@ -29,6 +29,7 @@ or raises ``CheckFailed``, every wait bounded. etcd comes from
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -38,7 +39,10 @@ import tempfile
 import time
 from typing import Callable, Iterator, Optional
 
+from hspmd_elastic.annotations import TensorAnnotation
+from hspmd_elastic.contract import schema
 from hspmd_elastic.files import atomic_write
+from launcher.health.scripted import Fault, encode_fault_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "_gpu_check_train.py")
@@ -65,7 +69,7 @@ class _Job:
 
     def __init__(self, work: str, device: str, nproc: int, health: str, holds: list[str],
                  timeout_s: float):
-        from launcher.standalone import EtcdCluster
+        from launcher.standalone import EtcdCluster  # optional
 
         self.work, self.out = work, os.path.join(work, "out")
         self.job = f"gpu-check-{os.getpid()}-{nproc}"
@@ -90,7 +94,7 @@ class _Job:
         self.agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True)
-        from hspmd_elastic.coord import EtcdClient
+        from hspmd_elastic.coord import EtcdClient  # optional
 
         self.client = EtcdClient(self.etcd.endpoint_str, timeout=5.0)
 
@@ -134,15 +138,12 @@ class _Job:
         return check
 
     def plan_version(self) -> int:
-        from hspmd_elastic.coord import read_plan
+        from hspmd_elastic.coord import read_plan  # optional
 
         record, _ = read_plan(self.client, self.job)
         return record.version if record else 0
 
     def fault(self, kind: str, **fields) -> None:
-        from hspmd_elastic.contract import schema
-        from launcher.health.scripted import Fault, encode_fault_script
-
         self.client.put(schema.fault_script_key(self.job, NODE),
                         encode_fault_script([Fault(0, kind, **fields)]))
 
@@ -181,7 +182,7 @@ def _workdir(keep: Optional[str], step: str) -> Iterator[str]:
         os.makedirs(keep, exist_ok=True)
         yield tempfile.mkdtemp(prefix=f"{step}-", dir=keep)
         return
-    from launcher.node import reaper
+    from launcher.node import reaper  # optional
 
     reaper.sweep_stale_dirs(WORK_PREFIX)
     work = reaper.owned_tmpdir(f"{WORK_PREFIX}{step}-")
@@ -298,20 +299,26 @@ def _mib(values: list[int]) -> str:
 # ------------------------------------------------------------- the comm step's worker process
 def _reshard_available() -> bool:
     try:
-        from hspmd_elastic.reshard import executor, planner  # noqa: F401
+        from hspmd_elastic.reshard import executor, planner  # optional  # noqa: F401
     except ImportError:
         return False
     return hasattr(executor, "execute_fused") and hasattr(planner, "fused_bsr_schedule")
 
 
+def _torch():
+    """torch, imported by the comm step's worker only (``scripts/gpu_check``'s preflight runs
+    without it and names what is missing)."""
+    import torch  # torch (it imports torch.distributed too)
+
+    return torch
+
+
 def _reshard(rank: int, device, timeout_s: float) -> str:
-    import torch
+    from hspmd_elastic.reshard.api import TensorSpec  # torch
+    from hspmd_elastic.reshard.executor import execute_fused  # torch
+    from hspmd_elastic.reshard.planner import fused_bsr_schedule  # torch
 
-    from hspmd_elastic.annotations import TensorAnnotation
-    from hspmd_elastic.reshard.api import TensorSpec
-    from hspmd_elastic.reshard.executor import execute_fused
-    from hspmd_elastic.reshard.planner import fused_bsr_schedule
-
+    torch = _torch()
     shape = (64, 48)
     full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
     old = TensorAnnotation.single_group([0, 1], {0: 2})  # row shards
@@ -329,11 +336,8 @@ def _reshard(rank: int, device, timeout_s: float) -> str:
 
 
 def run_worker(rank: int, world: int, port: int, backend: str, budget_s: float) -> int:
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
+    torch = _torch()
+    dist = torch.distributed
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
@@ -373,10 +377,7 @@ def run_worker(rank: int, world: int, port: int, backend: str, budget_s: float) 
 
 def _wait(work, timeout_s: float, what: str) -> None:
     """Wait for one async op with a deadline (NCCL's wait() only orders streams: poll it)."""
-    import datetime
-
-    import torch.distributed as dist
-
+    dist = _torch().distributed
     if dist.get_backend() == "gloo":
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))

@@ -144,7 +144,7 @@ class NvmlHealthSource:
     def _module(self) -> Any:
         if self._nvml is None:
             try:
-                import pynvml  # nvidia-ml-py
+                import pynvml  # optional: nvidia-ml-py
             except ImportError as exc:
                 raise HealthSourceUnavailable(
                     f"nvidia-ml-py is not installed ({exc}); install it to monitor GPUs"

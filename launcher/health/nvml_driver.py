@@ -82,7 +82,7 @@ def probe_nvml(nvml: Any = None) -> Optional[str]:
     """None when the NVIDIA driver loads, else one line saying why not."""
     try:
         if nvml is None:
-            import pynvml as nvml  # nvidia-ml-py
+            import pynvml as nvml  # optional: nvidia-ml-py
         nvml.nvmlInit()
     except ImportError as exc:
         return f"nvidia-ml-py is not installed ({exc})"

@@ -22,7 +22,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "command":
-        from launcher.inject.command import command
+        from launcher.inject.command import command  # startup
 
         return command
     raise AttributeError(f"module 'launcher.inject' has no attribute {name!r}")

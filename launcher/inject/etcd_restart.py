@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +42,7 @@ from hspmd_elastic.coord.client import EtcdClient, parse_endpoints
 from hspmd_elastic.contract.schema import job_prefix
 from hspmd_elastic.coord.security import EtcdSecurity, EtcdSecurityError
 from launcher.inject.api import InjectError, NotOwnedError, TargetNotFound
+from launcher.node.addresses import is_local_address
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +114,8 @@ def target_endpoint(endpoints: list[str], member: Any) -> str:
 
 
 def _local_ips(host: str) -> Optional[set[str]]:
-    from launcher.node.addresses import is_local_address
-
     if not is_local_address(host):
         return None
-    import socket
 
     try:
         return {info[4][0] for info in socket.getaddrinfo(host, None)}

@@ -29,8 +29,8 @@ current ``Plan`` and ``PlannerOptions`` in; a ``PlanResult`` out). Promises:
 * a decision that answers speeds alone (``speed_only``: degrade and recover changes, no device
   came or went) plans under ``keep_copies``: the plans keeping the copies the current plan owes of
   every parameter slice (``planner.copies``) rank first, a trade is logged as a warning;
-* importing this module does not import the planner (its search loads scipy): the planner
-  package is imported when a plan is first made.
+* this module imports the planner package (numpy, scipy) when it is imported: only an elastic
+  agent imports the leader, never the CLI's start-up (``hspmd-launch --help`` stays fast).
 """
 
 from __future__ import annotations
@@ -44,11 +44,19 @@ from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.ids import device_sort_key, node_of
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.plan import Plan, PlanError
-from launcher.leader.decide import PlanDecision
+from hspmd_elastic.planner import (Device, Health, Inventory, LengthBucket, PlanInfeasibleError,
+                                   PlannerError, PlannerOptions, RedundancyError,
+                                   fallback_dp_plan, spec_for_device)
+from hspmd_elastic.planner.bucket_layouts import bucket_layouts
+from hspmd_elastic.planner.copies import KEPT, Copies, copies_of, keep, weigh
+from hspmd_elastic.planner.explain import idle_lines
+from hspmd_elastic.planner.search import paused_gc
+from hspmd_elastic.planner.subsets import best_uniform
+from launcher.leader.decide import PlanDecision, assumed_inventory
 from launcher.leader.snapshot import DeviceView
 
 if TYPE_CHECKING:
-    from hspmd_elastic.planner import Inventory, ModelProfile, PlannerOptions, PlanResult
+    from hspmd_elastic.planner import ModelProfile, PlanResult
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +108,6 @@ class RedundantPlanner:
     def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
                  current_plan: Optional[Plan] = None,
                  options: Optional[PlannerOptions] = None) -> PlanResult:
-        from hspmd_elastic.planner import PlanInfeasibleError, PlannerOptions, RedundancyError
-
         opts = replace(options or PlannerOptions(), redundancy=self.redundancy)
         try:
             result = self.planner_fn(inventory, profile, global_batch,
@@ -137,8 +143,6 @@ class AllDevicesPlanner(_Wrapper):
     def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
                  current_plan: Optional[Plan] = None,
                  options: Optional[PlannerOptions] = None) -> PlanResult:
-        from hspmd_elastic.planner import PlannerOptions
-
         opts = replace(options or PlannerOptions(), use_all_devices=True)
         return self.planner_fn(inventory, profile, global_batch, current_plan=current_plan,
                                options=opts)
@@ -166,9 +170,6 @@ class UniformPlanner(_Wrapper):
     def __call__(self, inventory: Inventory, profile: ModelProfile, global_batch: int,
                  current_plan: Optional[Plan] = None,
                  options: Optional[PlannerOptions] = None) -> PlanResult:
-        from hspmd_elastic.planner import PlannerOptions, RedundancyError
-        from hspmd_elastic.planner.subsets import best_uniform
-
         try:
             result = best_uniform(self.planner_fn, inventory, profile, global_batch,
                                   current_plan, options or PlannerOptions())
@@ -195,8 +196,6 @@ def default_planner_options(devices: Sequence[DeviceView],
     ``Estimate.idle`` says why; a caller that needs every worker busy passes options with
     ``use_all_devices=True``. ``optimizer_shards``: the job's ``--hspmd-optimizer-shards``,
     which the cost model charges the update and optimizer memory by."""
-    from hspmd_elastic.planner import PlannerOptions
-
     return PlannerOptions(cross_node_replicas=len({d.node for d in devices}) >= 2,
                           optimizer_shards=optimizer_shards)
 
@@ -212,8 +211,6 @@ def make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
     ``optimizer_shards``: the job's mode, set on the planner's options (given or default) so
     the cost model charges every plan, the current one included, alike; the caller stamps it
     on the published plan."""
-    from hspmd_elastic.planner.search import paused_gc
-
     if options is not None and options.optimizer_shards != optimizer_shards:
         options = replace(options, optimizer_shards=optimizer_shards)
     with paused_gc():
@@ -226,8 +223,6 @@ def _make_layout(decision: PlanDecision, current: Optional[schema.PlanRecord],
                  options: Optional[PlannerOptions],
                  lengths: Sequence[tuple[int, float]] = (),
                  optimizer_shards: str = "replicated") -> PlannedLayout:
-    from hspmd_elastic.planner import PlanInfeasibleError, fallback_dp_plan
-
     usable = {d.id: d for d in decision.devices}
     old = list(current.devices) if current else []
     universe = sorted(set(usable) | set(old), key=device_sort_key)
@@ -281,7 +276,6 @@ def speed_only(decision: PlanDecision, current: Optional[schema.PlanRecord]) -> 
     and the same devices as ``current`` assumed (none came, none went)."""
     if current is None or not decision.changes:
         return False
-    from launcher.leader.decide import assumed_inventory
 
     return (all(c.kind.value in SPEED_KINDS for c in decision.changes)
             and {d.id for d in decision.devices} == set(assumed_inventory(current)))
@@ -290,8 +284,6 @@ def speed_only(decision: PlanDecision, current: Optional[schema.PlanRecord]) -> 
 def keep_copies(options: PlannerOptions, current: Plan, inventory: Inventory):
     """``(copies, options)``: the copies ``current`` keeps over ``inventory``
     (``planner.copies``) and ``options`` that rank the plans keeping them first."""
-    from hspmd_elastic.planner.copies import copies_of, keep
-
     copies = copies_of(current, inventory)
     return copies, keep(options, copies)
 
@@ -299,16 +291,12 @@ def keep_copies(options: PlannerOptions, current: Plan, inventory: Inventory):
 def _log_idle(version: int, result: PlanResult, universe: Sequence[str]) -> None:
     """Say which usable devices the plan leaves idle and why (``Estimate.idle``; ``universe[i]``
     names the planner's device ``i``)."""
-    from hspmd_elastic.planner.explain import idle_lines
-
     for line in idle_lines(result.estimate.idle, names=universe):
         log.info("plan v%d: %s", version, line)
 
 
 def _log_copies(version: int, before, result: PlanResult, redundancy: int = 1) -> None:
     """Say what a speed-driven plan did to the job's redundancy (a trade is a warning)."""
-    from hspmd_elastic.planner.copies import KEPT, Copies, weigh
-
     verdict = weigh(before, Copies.of(result.estimate), redundancy=redundancy)
     (log.info if verdict.outcome == KEPT else log.warning)(
         "plan v%d (speeds only): redundancy %s: %s", version, verdict.outcome, verdict.why)
@@ -319,9 +307,6 @@ def _buckets(version: int, inventory: Inventory, profile: ModelProfile, plan: Pl
              compact: Mapping[int, int]) -> tuple[dict, ...]:
     """``planner.bucket_layouts`` for ``plan``, relabelled to the published ids; none (every row
     under the plan: the same result, without the bucket plans' speed) when no set fits."""
-    from hspmd_elastic.planner import LengthBucket, PlannerError
-    from hspmd_elastic.planner.bucket_layouts import bucket_layouts
-
     try:
         layouts = bucket_layouts(inventory, profile, plan,
                                  [LengthBucket(n, s) for n, s in lengths], options)
@@ -354,8 +339,6 @@ def device_inventory(universe: Sequence[str], usable: Mapping[str, DeviceView],
     """The planner's inventory (``make_layout``'s, and the straggler rule's predictions'): every
     device of ``universe`` under its int id; those not
     ``usable`` (lost since the current plan) as failed devices of type ``lost_type``."""
-    from hspmd_elastic.planner import Device, Health, Inventory, spec_for_device
-
     devs = []
     specs: dict[tuple, object] = {}  # one spec per (type, memory, speed): devices share it
 

@@ -67,6 +67,11 @@ from hspmd_elastic.contract.ids import device_id
 from hspmd_elastic.coord.contract import plan_of
 from hspmd_elastic.elastic.busy import PROBE_LAYERS, probe_rows
 from hspmd_elastic.plan import Plan, PlanError
+from hspmd_elastic.planner import Inventory, PlannerError, estimate_plan
+from hspmd_elastic.planner.buckets import profile_at
+from hspmd_elastic.planner.calibrate import apply, busy_measurement, fit, predicted_busy_s
+from hspmd_elastic.planner.copies import Copies, copies_of, keep, weigh
+from hspmd_elastic.planner.cost import StageShape, stage_time_coeffs
 from launcher.leader.decide import assumed_inventory
 from launcher.leader.planning import device_inventory
 from launcher.leader.snapshot import DeviceView, nominal, with_measured
@@ -143,7 +148,6 @@ class StragglerWatch:
         """The spec of a device under the calibration (None: the built-in constants)."""
         if self.calibration is None:
             return None
-        from hspmd_elastic.planner.calibrate import apply
 
         return lambda d, c=self.calibration: apply(c, d.spec)
 
@@ -152,7 +156,6 @@ class StragglerWatch:
         them); measurements that do not determine them keep the last fit."""
         if len({v for v, _d in self._measurements}) < 2:
             return  # one plan's devices share one work mix: rate and fixed cost stay unknown
-        from hspmd_elastic.planner.calibrate import fit
 
         try:
             self.calibration = fit(list(self._measurements.values())[-CALIBRATION_KEEP:])
@@ -166,8 +169,6 @@ class StragglerWatch:
     def _note_nominal(self, current: schema.PlanRecord, usable: Mapping[str, DeviceView],
                       measured: Mapping[str, float]) -> None:
         """Keep the busy times of the devices measured at full speed under ``current``."""
-        from hspmd_elastic.planner.calibrate import busy_measurement
-
         fresh = [(d, self._busy[(current.version, d)]) for d, sp in measured.items()
                  if sp >= NOMINAL and (current.version, d) in self._busy
                  and (current.version, d) not in self._measurements]
@@ -191,7 +192,6 @@ class StragglerWatch:
         computed once per plan version."""
         if self._predicted[0] == current.version:
             return self._predicted[1]
-        from hspmd_elastic.planner.calibrate import predicted_busy_s
 
         self._calibrate()
         spec_of = self._spec_of()
@@ -229,7 +229,6 @@ class StragglerWatch:
         buckets each bucket's plan at the bucket's length (``PlanRecord.buckets``)."""
         if not current.buckets:
             return [(plan_of(current), self.profile)]
-        from hspmd_elastic.planner.buckets import profile_at
 
         return [(Plan.from_dict(b["strategy"]), profile_at(self.profile, int(b["window"])))
                 for b in current.buckets]
@@ -362,9 +361,6 @@ class StragglerWatch:
         keeps the copies the current plan owes (``Copies.owed``) unless none does
         (``planner.copies``; the same rule ``planning.make_layout`` plans the switch by), with
         what the best plan does to those copies."""
-        from hspmd_elastic.planner import Inventory, PlannerError, estimate_plan
-        from hspmd_elastic.planner.copies import Copies, copies_of, keep, weigh
-
         try:
             inventory = self._inventory(current, usable, measured)
             spec_of = self._spec_of()
@@ -419,8 +415,6 @@ def probe_predicted_s(profile, spec, rows: int) -> float:
     """The cost model's time of an idle device's probe (``elastic.busy.probe``: forward and
     backward of ``rows`` rows through ``PROBE_LAYERS`` layers, embedding and head) on a
     device of ``spec`` at nominal speed: one micro-batch of a one-stage pipeline without TP."""
-    from hspmd_elastic.planner.cost import StageShape, stage_time_coeffs
-
     shape = StageShape(tp=1, flops=spec.peak_tflops * 1e12 * spec.mfu, memory=0,
                        intra_gbps=math.inf, next_gbps=None,
                        overhead_s=spec.microbatch_overhead_s, latency_s=0.0, update_s=0.0)

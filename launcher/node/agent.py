@@ -75,10 +75,10 @@ class NodeAgent:
 
     def make_mode(self) -> Mode:
         if self.config.elastic is not None:
-            from launcher.node.elastic.mode import ElasticMode  # late: pulls in the leader, planner
+            from launcher.node.elastic.mode import ElasticMode  # startup: the leader, the planner
 
             return ElasticMode(self.ctx)
-        from launcher.node.restart.mode import RestartMode
+        from launcher.node.restart.mode import RestartMode  # startup
 
         return RestartMode(self.ctx)
 

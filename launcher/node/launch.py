@@ -135,7 +135,7 @@ def _preload_store() -> None:
     """Import torch's TCPStore now: both modes host one, and importing torch takes seconds on
     a busy host. Done before the lease exists, the import cannot starve its keep-alive, nor
     delay a rendezvous or a recovery that needs the store."""
-    from torch.distributed import TCPStore  # noqa: F401
+    from torch.distributed import TCPStore  # torch  # noqa: F401
 
 
 def launch(config: LaunchConfig) -> int:

@@ -10,6 +10,7 @@ when a store is started.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
 from launcher.api import LaunchError
@@ -29,9 +30,7 @@ class StoreServer:
         self._store: Any = None
 
     def start(self) -> "StoreServer":
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore  # late: only an agent that hosts a store needs torch
+        from torch.distributed import TCPStore  # torch: only a store's host needs it
 
         try:
             self._store = TCPStore(self.host, self.port, None, True,

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from hspmd_elastic.contract import schema
 from hspmd_elastic.contract.ids import device_id
+from hspmd_elastic.planner import spec_for_device
 
 CPU_TYPE = "CPU"
 log = logging.getLogger(__name__)
@@ -29,8 +30,6 @@ log = logging.getLogger(__name__)
 
 def inventory_lines(accelerators: Sequence[Any]) -> list[str]:
     """One line per GPU: index, name, memory, UUID, PCI bus id and the planner's profile."""
-    from hspmd_elastic.planner import spec_for_device
-
     lines = []
     for a in sorted(accelerators, key=lambda a: a.index):
         profile = spec_for_device(a.type, a.memory_bytes or None).name

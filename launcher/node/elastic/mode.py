@@ -62,6 +62,7 @@ from hspmd_elastic.coord.journal import read_events
 from hspmd_elastic.coord.lifecycle import StateMachine
 from hspmd_elastic.coord.plans import plan_nodes
 from hspmd_elastic.contract.schema import switch_of
+from hspmd_elastic.planner import plan_for, register_device_type
 from launcher.api import (
     LaunchError,
     RendezvousClosedError,
@@ -69,10 +70,15 @@ from launcher.api import (
     RendezvousTimeoutError,
 )
 from launcher.console import ElasticWaits
-from launcher.health.api import HealthSource
+from launcher.health.api import HealthConfigError, HealthSource
+from launcher.health.nvml import NvmlHealthSource
+from launcher.health.progress import hang_detector_from_env
+from launcher.health.verdicts import select_health_source
 from launcher.jobview import Table, WatchedJob
 from launcher.leader import Leader, RedundantPlanner, build_snapshot
-from launcher.leader.planning import AllDevicesPlanner, UniformPlanner
+from launcher.leader.planning import AllDevicesPlanner, UniformPlanner, default_planner_options
+from launcher.leader.speeds import StragglerPolicy
+from launcher.leader.stragglers import StragglerWatch
 from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
 from launcher.node.elastic.devices import device_table
 from launcher.node.elastic.node import ElasticNode
@@ -164,8 +170,6 @@ class ElasticMode:
 
     # ------------------------------------------------------------------ the Mode protocol
     def start(self) -> None:
-        from launcher.health.verdicts import HealthConfigError, select_health_source
-
         try:
             self.health = select_health_source(self.cfg.health_source, node=self.node_id,
                                                devices=self.cfg.nproc_per_node, job=self.job,
@@ -246,11 +250,6 @@ class ElasticMode:
                            "" if end is End.SUCCEEDED else self.reason)
 
     def _build_node(self, health: HealthSource) -> ElasticNode:
-        from hspmd_elastic.planner import plan_for, register_device_type
-        from launcher.health.api import HealthConfigError
-        from launcher.health.nvml import NvmlHealthSource
-        from launcher.health.progress import hang_detector_from_env
-
         cfg, ctx = self.cfg, self.ctx
         attempts = functools.lru_cache(maxsize=None)(  # attempt() recreates its directory
             lambda version: ctx.logdir.attempt(version, cfg.nproc_per_node))
@@ -277,10 +276,6 @@ class ElasticMode:
             planner = AllDevicesPlanner(planner)
         stragglers = None
         if settings.straggler_replans:
-            from launcher.leader.planning import default_planner_options
-            from launcher.leader.speeds import StragglerPolicy
-            from launcher.leader.stragglers import StragglerWatch
-
             # its own planner for predictions: a prediction never sets the leader's shortfall
             predict = RedundantPlanner(plan_for, settings.redundancy) if settings.redundancy \
                 else plan_for

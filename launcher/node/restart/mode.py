@@ -47,6 +47,8 @@ from hspmd_elastic.contract.ids import device_id
 from hspmd_elastic.coord.lifecycle import StateMachine
 from launcher.api import LaunchError, RendezvousConnectionError
 from launcher.health.api import HealthConfigError, HealthSource
+from launcher.health.progress import hang_detector_from_env
+from launcher.health.verdicts import VerdictPublisher, select_health_source
 from launcher.logs import WorkerLogPaths
 from launcher.node.api import AgentContext, End, ModeOutcome, StopCause
 from launcher.node.env import worker_argv, worker_env
@@ -346,9 +348,6 @@ class RestartMode:
     def _start_watches(self) -> None:
         """The health source (``--hspmd-health-source``), the slots it watches, the verdict
         publisher and the hang detector (``HSPMD_HANG_*``)."""
-        from launcher.health.progress import hang_detector_from_env
-        from launcher.health.verdicts import VerdictPublisher, select_health_source
-
         cfg, session = self.config, self.ctx.session
         try:
             detector = hang_detector_from_env(os.environ, clock=self.ctx.clock)
