@@ -207,8 +207,9 @@ class _Worker:
             checkpoints=writer, checkpoint_dir=checkpoint_dir, undo=undo, init_from=init_from)
         self._rate = (time.monotonic(), 0)
         self.busy = BusyMeter()  # this rank's own compute per step (elastic.busy)
-        # while the plan leaves this device idle: its probes (elastic.busy.probe)
-        self.probes, self.probe_meter = ProbeSchedule(), BusyMeter(window=4, skip=1, min_steps=1)
+        # while the plan leaves this device idle: its probes (elastic.busy.probe), each already
+        # a mean over its repetitions; the leader's estimator takes the median of them
+        self.probes, self.probe_meter = ProbeSchedule(), BusyMeter(window=1, skip=1, min_steps=1)
         self.probe_count = 0  # probes under the newest plan that leaves this device idle
         self.timer = step_timer(device)  # host clock, or CUDA events (elastic.device_timer)
 

@@ -78,7 +78,7 @@ def test_a_throttled_idle_device_is_measured_by_its_probes_and_named_in_a_speeds
     from hspmd_elastic.coord import read_events
     from launcher.cgroups import worker_cgroup
 
-    job, steps, batch = f"ix-{uuid.uuid4().hex[:8]}", 3000, 4  # long enough to measure
+    job, steps, batch = f"ix-{uuid.uuid4().hex[:8]}", 4500, 4  # long enough to measure
     payload = _elastic.reference_payload(TINY, steps=steps, global_batch=batch, seed=SEED,
                                          data_seed=DATA_SEED, adam_eps=1.0)
     # AdamW's eps 1.0, as the straggler tests; a planner that may leave a device idle

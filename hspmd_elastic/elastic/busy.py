@@ -49,7 +49,7 @@ import time
 from typing import Optional
 
 PROBE_LAYERS = 1  # layers of the probe's model (its embedding and head run too)
-PROBE_MIN_S = 0.3  # a probe repeats its micro-batch for this long at least (time-sliced devices)
+PROBE_MIN_S = 0.2  # a probe repeats its micro-batch for this long at least (time-sliced devices)
 PROBE_MOST = 64  # ... and at most this many times
 
 
