@@ -26,9 +26,10 @@ device)`` runs the forward and backward of one micro-batch of ``rows`` rows
 (``PROBE_LAYERS``; embedding and head included, the dense reference's functions), on the device
 alone: no process group, no store, no state of the job; repeated for ``PROBE_MIN_S`` at least
 (``PROBE_MOST`` times at most), its time is the mean of one, so a device shared in time slices
-(a CPU quota, a time-sliced GPU) is measured at its average speed, not at a burst's. ``ProbeSchedule`` bounds it: one probe
-at most every ``every_s``, and never more than ``duty`` of the device's time (the wait after a
-probe is at least ``(1 - duty) / duty`` times the probe's own time). The leader predicts the
+(a CPU quota, a time-sliced GPU) is measured at its average speed, not at a burst's.
+``ProbeSchedule`` bounds it: one probe at most every ``every_s``, and never more than ``duty``
+of the device's time (the wait after a probe is at least ``(1 - duty) / duty`` times the
+probe's own time, every repetition counted). The leader predicts the
 same workload with the cost model (``launcher.leader.stragglers.probe_predicted_s``), so the
 probe's time is a speed sample like a training step's.
 

@@ -178,13 +178,18 @@ def inventory_from_nodes(text: str, types: Optional[Mapping[str, DeviceSpec]] = 
     return Inventory(tuple(devices))
 
 
+# the fields of a device type in JSON (``spec_from_dict``, ``device_types_from_dict``)
+_SPEC_FIELDS = {"peak_tflops": float, "memory_gib": float, "intra_node_gbps": float,
+                "inter_node_gbps": float, "mfu": float, "microbatch_overhead_s": float,
+                "link_latency_s": float, "update_s_per_param": float, "host_links": bool}
+
+
 def spec_from_dict(name: str, data: Mapping[str, Any]) -> DeviceSpec:
     """A device type from JSON: peak_tflops, memory_gib, intra_node_gbps, inter_node_gbps[, mfu,
     microbatch_overhead_s, link_latency_s, update_s_per_param, host_links]."""
     if not isinstance(data, Mapping):
         raise PlannerError(f"device type {name!r} must be a JSON object, got {data!r}")
-    known = {"peak_tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "mfu",
-             "microbatch_overhead_s", "link_latency_s", "update_s_per_param", "host_links"}
+    known = set(_SPEC_FIELDS)
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlannerError(f"device type {name!r}: unknown keys {unknown}; known: {sorted(known)}")
@@ -208,11 +213,6 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
-_SPEC_FIELDS = {"peak_tflops": float, "memory_gib": float, "intra_node_gbps": float,
-                "inter_node_gbps": float, "mfu": float, "microbatch_overhead_s": float,
-                "link_latency_s": float, "update_s_per_param": float, "host_links": bool}
-
-
 def device_types_from_dict(data: Any, types: Optional[Mapping[str, DeviceSpec]] = None
                            ) -> dict[str, DeviceSpec]:
     """Device types measured on a job's machines (``--hspmd-device-types``): ``{NAME: {field:
@@ -232,7 +232,7 @@ def device_types_from_dict(data: Any, types: Optional[Mapping[str, DeviceSpec]] 
         if key is None:
             out[str(name)] = spec_from_dict(str(name), fields)
             continue
-        unknown = sorted(set(fields) - set(_SPEC_FIELDS))
+        unknown = sorted(set(fields) - _SPEC_FIELDS.keys())
         if unknown:
             raise PlannerError(f"device type {name!r}: unknown keys {unknown}; known: "
                                f"{sorted(_SPEC_FIELDS)}")

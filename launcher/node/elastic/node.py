@@ -177,8 +177,8 @@ class ElasticNode:
             if self.workers.running() and self._state != "running":
                 self.put_node("running")
         exits = self.workers.poll()
-        if self.plan is not None and any(self.workers.final_state(ex.local_rank, ex.pid)
-                                         in LEFT_STATES for ex in exits):
+        if self.plan is not None and exits and any(  # the final states poll just read
+                final in LEFT_STATES for _ex, _w, final in self.workers.exits[-len(exits):]):
             # a worker the plan drained (its device left idle) handed its state over and
             # left: its slot gets an idle worker that probes the device
             for w in self.workers.apply_plan(self.plan, self._idle_slots(), idle_only=True):
